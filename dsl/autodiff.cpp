@@ -1,0 +1,67 @@
+// Reverse-mode autodiff (see autodiff.h).
+#include "dsl/autodiff.h"
+
+#include "dsl/error.h"
+#include "dsl/ops.h"
+
+namespace halyard {
+
+Value Gradients::operator[](Value v) const {
+  auto it = of.find(v.id);
+  HALYARD_CHECK(it != of.end(), "no gradient was requested for %" << v.id);
+  return it->second;
+}
+
+Gradients grad(Value loss, const std::vector<Value>& wrt) {
+  Graph& g = *loss.graph;
+  if (loss.type().rank() != 0 || !is_float(loss.type().dtype))
+    throw UserError("error: grad(" + describe(g, loss.id) +
+                    ")\nthe loss must be a floating-point scalar.\nlegal: a value of type f32[] or f64[], "
+                    "e.g. the result of cross_entropy.");
+  const int n = loss.id + 1;
+  // Values on a path from some wrt to the loss: the only ones that need a cotangent.
+  std::vector<bool> depends(static_cast<size_t>(n), false);
+  for (const Value& w : wrt) {
+    if (w.graph != &g || !is_float(w.type().dtype))
+      throw UserError("error: grad with respect to " + describe(*w.graph, w.id) +
+                      "\nonly floating-point values of the loss's graph have gradients.");
+    if (w.id < n) depends[static_cast<size_t>(w.id)] = true;
+  }
+  for (int id = 0; id < n; ++id)
+    for (int i : g.node(id).inputs)
+      if (depends[static_cast<size_t>(i)]) depends[static_cast<size_t>(id)] = true;
+
+  g.set_building_backward(true);
+  g.set_name_prefix("");
+  std::vector<Value> adj(static_cast<size_t>(n));
+  adj[static_cast<size_t>(loss.id)] = fill(g, loss.type(), 1.0);
+  for (int id = loss.id; id >= 0; --id) {
+    Value dout = adj[static_cast<size_t>(id)];
+    const Node& node = g.node(id);  // copy-free: nodes only grow at the back
+    if (!dout.valid() || node.inputs.empty()) continue;
+    std::vector<bool> needed;
+    bool any = false;
+    for (int i : node.inputs) {
+      needed.push_back(depends[static_cast<size_t>(i)]);
+      any = any || needed.back();
+    }
+    if (!any) continue;
+    const Node snapshot = node;  // g grows below; keep the record stable
+    std::vector<Value> din = vjp(g, snapshot, dout, needed);
+    for (size_t k = 0; k < snapshot.inputs.size(); ++k) {
+      if (!needed[k]) continue;
+      HALYARD_CHECK(din[k].valid(), op_name(snapshot.op) << " gave no cotangent for operand " << k);
+      Value& acc = adj[static_cast<size_t>(snapshot.inputs[k])];
+      acc = acc.valid() ? add(acc, din[k]) : din[k];
+    }
+  }
+  Gradients out;
+  for (const Value& w : wrt) {
+    Value a = w.id < n ? adj[static_cast<size_t>(w.id)] : Value{};
+    out.of[w.id] = a.valid() ? a : fill(g, w.type(), 0.0);
+  }
+  g.set_building_backward(false);
+  return out;
+}
+
+}  // namespace halyard

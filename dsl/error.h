@@ -1,0 +1,31 @@
+// User errors and internal checks for the DSL.
+//
+// A user's mistake (an ill-formed model, a bad config) raises UserError with a
+// message in the house shape: the object, the op, the rule broken with both
+// numbers, and what is legal. HALYARD_CHECK guards invariants the DSL itself
+// maintains; one firing on user input is a bug in Halyard, never the user's.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace halyard {
+
+class UserError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void internal_error(const char* file, int line, const std::string& what);
+
+}  // namespace halyard
+
+#define HALYARD_CHECK(cond, msg)                                              \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      std::ostringstream halyard_check_os_;                                   \
+      halyard_check_os_ << "internal error: " #cond " failed: " << msg;       \
+      ::halyard::internal_error(__FILE__, __LINE__, halyard_check_os_.str()); \
+    }                                                                         \
+  } while (0)

@@ -1,0 +1,135 @@
+// The graph IR: one flat list of nodes, each an op applied to earlier nodes.
+//
+// A node is a small data record (op, inputs, type, attributes, name). Nodes are
+// appended in topological order, so a node's inputs always have smaller ids,
+// and the joint forward+backward graph that autodiff builds is the same list
+// extended: backward nodes carry `backward = true`, and the forward values
+// they read (`forward_reads`) are exactly what a schedule must either save or
+// recompute. Ops are built through dsl/ops.h, which checks types.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsl/types.h"
+
+namespace halyard {
+
+enum class Op {
+  Input,             // a named, per-step input (tokens, labels, positions)
+  Param,             // a named, trainable parameter
+  Fill,              // a constant tensor (attrs.value everywhere)
+  Embedding,         // (table[vocab, X], ids) -> ids.axes + [X]
+  EmbeddingGrad,     // (dy, ids) -> [vocab, X]: scatter-add of dy rows
+  Contract,          // (a, b) -> attrs.out_axes: sum over shared axes not kept
+  Add,               // (a, b), same type
+  Mul,               // (a, b), same type
+  Silu,              // (x)
+  SiluGrad,          // (x, dy)
+  RmsNorm,           // (x, w[A]) over axis A
+  RmsNormGradX,      // (x, w, dy)
+  RmsNormGradW,      // (x, dy) -> [A]
+  Rope,              // (x, positions): rotate-half RoPE over head_dim
+  Attention,         // (q, k, v, positions): causal grouped-query attention
+  AttentionGradQ,    // (q, k, v, positions, out, dout)
+  AttentionGradK,    // (q, k, v, positions, out, dout)
+  AttentionGradV,    // (q, k, v, positions, out, dout)
+  CrossEntropy,      // (logits, labels) -> scalar mean over non-ignored tokens
+  CrossEntropyGrad,  // (logits, labels, dloss)
+};
+
+const char* op_name(Op op);
+
+// Llama-3.1 style frequency scaling of RoPE ("rope_type": "llama3"); factor 0 = off.
+struct RopeScaling {
+  double factor = 0;
+  double low_freq_factor = 1;
+  double high_freq_factor = 4;
+  double original_max_position_embeddings = 8192;
+  bool operator==(const RopeScaling&) const = default;
+};
+
+// Every op's attributes in one record; each op reads only its own fields.
+struct Attrs {
+  double value = 0;                   // Fill
+  double eps = 0;                     // RmsNorm*
+  double theta = 0;                   // Rope
+  RopeScaling rope_scaling;           // Rope
+  bool inverse = false;               // Rope: rotate by -angle (its transpose)
+  int64_t ignore_index = -100;        // CrossEntropy*
+  std::vector<std::string> out_axes;  // Contract: output layout
+  std::string axis;                   // RmsNormGradW: the normalized axis
+  int64_t size = 0;                   // EmbeddingGrad: vocab size
+  bool operator==(const Attrs&) const = default;
+};
+
+struct Node {
+  int id = -1;
+  Op op = Op::Input;
+  std::vector<int> inputs;
+  TensorType type;
+  std::string name;  // params and inputs: their unique name; others: optional label
+  Attrs attrs;
+  bool backward = false;
+};
+
+class Graph;
+
+// A handle on a node's output. Cheap to copy; valid while its graph lives.
+struct Value {
+  Graph* graph = nullptr;
+  int id = -1;
+
+  const Node& node() const;
+  const TensorType& type() const;
+  bool valid() const { return graph != nullptr && id >= 0; }
+};
+
+class Graph {
+ public:
+  Graph() = default;
+  Graph(const Graph&) = delete;  // Values point at their graph
+  Graph& operator=(const Graph&) = delete;
+
+  // Appends a node after checking its inputs' types (throws UserError).
+  Value add(Op op, const std::vector<Value>& inputs, Attrs attrs = {}, std::string name = "");
+  // Appends a node whose type the caller gives (Input, Param, Fill).
+  Value add_leaf(Op op, TensorType type, Attrs attrs, std::string name);
+
+  const Node& node(int id) const { return nodes_.at(static_cast<size_t>(id)); }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  int size() const { return static_cast<int>(nodes_.size()); }
+  Value value(int id) { return Value{this, id}; }
+
+  // The Param (or Input) node with this name; throws UserError listing names.
+  Value find(const std::string& name);
+  std::vector<Value> params();
+  std::vector<Value> inputs();
+
+  // Nodes added while true are marked backward (autodiff sets it).
+  void set_building_backward(bool on) { building_backward_ = on; }
+  // Labels attached to nodes built until the scope is reset (e.g. the layer).
+  void set_name_prefix(std::string prefix) { prefix_ = std::move(prefix); }
+
+ private:
+  std::vector<Node> nodes_;
+  bool building_backward_ = false;
+  std::string prefix_;
+};
+
+// Forward values a backward node reads: the residuals a schedule saves or recomputes.
+std::vector<int> forward_reads(const Graph& g, int node_id);
+// All forward values read by any backward node, in id order.
+std::vector<int> residuals(const Graph& g);
+
+// Re-derives every node's type from its inputs and checks the graph's
+// invariants (topological order, unique names, leaves well formed). Throws
+// UserError on the first violation, naming the node.
+void verify(const Graph& g);
+
+// One line per node: `%7 = contract(%3, %5) -> f32[...]  # label`.
+std::string print(const Graph& g);
+std::string describe(const Graph& g, int id);  // `%3 "name" f32[...]`
+
+}  // namespace halyard

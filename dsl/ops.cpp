@@ -1,0 +1,389 @@
+// Op builders and their type rules (see ops.h).
+//
+// Every check here guards against a user's mistake, so each throws UserError in
+// the house shape: the op and its operands with types, the rule broken with
+// the numbers involved, and what would be legal.
+#include "dsl/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "dsl/error.h"
+
+namespace halyard {
+namespace {
+
+struct Checker {
+  const Graph& g;
+  Op op;
+  const std::vector<int>& in;
+
+  std::string call() const {
+    std::string s = std::string(op_name(op)) + "(";
+    for (size_t i = 0; i < in.size(); ++i) s += (i ? ", " : "") + describe(g, in[i]);
+    return s + ")";
+  }
+  [[noreturn]] void fail(const std::string& rule, const std::string& legal) const {
+    std::string msg = "error: " + call() + "\n" + rule;
+    if (!legal.empty()) msg += "\nlegal: " + legal;
+    throw UserError(msg);
+  }
+  const TensorType& t(size_t i) const { return g.node(in[i]).type; }
+  std::string label(size_t i) const { return describe(g, in[i]); }
+
+  void arity(size_t n) const {
+    if (in.size() != n)
+      fail(std::string(op_name(op)) + " takes " + std::to_string(n) + " operands, got " +
+               std::to_string(in.size()) + ".", "");
+  }
+  void is_float_operand(size_t i) const {
+    if (!is_float(t(i).dtype) || t(i).dtype == DType::bf16)
+      fail("operand " + label(i) + " has dtype " + std::string(dtype_name(t(i).dtype)) + "; " +
+               op_name(op) + " computes in floating point.",
+           "f32 or f64 (bf16 is a storage type: convert first).");
+  }
+  void is_int_operand(size_t i, const char* role) const {
+    if (t(i).dtype != DType::i32)
+      fail(std::string(role) + " " + label(i) + " has dtype " +
+               std::string(dtype_name(t(i).dtype)) + "; " + role + " must be integers.",
+           "i32.");
+  }
+  void same_dtype(size_t i, size_t j) const {
+    if (t(i).dtype != t(j).dtype)
+      fail("operands have different dtypes: " + std::string(dtype_name(t(i).dtype)) + " vs " +
+               std::string(dtype_name(t(j).dtype)) + ".",
+           "convert one operand so both have the same dtype.");
+  }
+  void same_type(size_t i, size_t j) const {
+    same_dtype(i, j);
+    if (t(i).axes != t(j).axes)
+      fail("operands must have the same axes, sizes and order: " + t(i).str() + " vs " +
+               t(j).str() + ".",
+           std::string(op_name(op)) + " is elementwise on tensors of one type; contract or "
+               "reshape the other operand first.");
+  }
+  // The named axes must be exactly `want`, in this order.
+  void layout(size_t i, const std::vector<std::string>& want, const char* role) const {
+    if (t(i).axis_names() != want)
+      fail(std::string(role) + " " + label(i) + " has axes [" + join(t(i).axis_names()) + "].",
+           std::string(role) + " must have axes [" + join(want) + "] in that order.");
+  }
+  void same_size(size_t i, size_t j, const std::string& axis_i, const std::string& axis_j) const {
+    int64_t a = t(i).size(axis_i), b = t(j).size(axis_j);
+    if (a != b)
+      fail("axis \"" + axis_i + "\" of " + label(i) + " is " + std::to_string(a) + " but axis \"" +
+               axis_j + "\" of " + label(j) + " is " + std::to_string(b) + ".",
+           "both must have the same size.");
+  }
+};
+
+std::string divisors(int64_t n) {
+  std::vector<std::string> d;
+  for (int64_t i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(std::to_string(i));
+  return join(d);
+}
+
+TensorType contract_type(const Checker& c, const Attrs& attrs) {
+  const TensorType& a = c.t(0);
+  const TensorType& b = c.t(1);
+  c.is_float_operand(0);
+  c.is_float_operand(1);
+  c.same_dtype(0, 1);
+  const auto& out = attrs.out_axes;
+  for (const Axis& x : a.axes)
+    if (b.has(x.name) && b.size(x.name) != x.size)
+      c.fail("contraction over axes that do not match: axis \"" + x.name + "\" is " +
+                 std::to_string(x.size) + " in " + c.label(0) + " but " +
+                 std::to_string(b.size(x.name)) + " in " + c.label(1) + ".",
+             "axes with the same name must have the same size in both operands.");
+  TensorType r{a.dtype, {}};
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (std::find(out.begin(), out.begin() + static_cast<long>(i), out[i]) != out.begin() + static_cast<long>(i))
+      c.fail("output axis \"" + out[i] + "\" is listed twice.", "each axis once.");
+    if (a.has(out[i]))
+      r.axes.push_back({out[i], a.size(out[i])});
+    else if (b.has(out[i]))
+      r.axes.push_back({out[i], b.size(out[i])});
+    else
+      c.fail("output axis \"" + out[i] + "\" is in neither operand.",
+             "axes of the operands: [" + join(a.axis_names()) + "] and [" + join(b.axis_names()) + "].");
+  }
+  auto summed_but_missing = [&](const TensorType& x, const TensorType& y, size_t xi, size_t yi) {
+    for (const Axis& ax : x.axes)
+      if (!r.has(ax.name) && !y.has(ax.name))
+        c.fail("contraction over axes that do not match: axis \"" + ax.name + "\" of " +
+                   c.label(xi) + " is summed over, but " + c.label(yi) + " has no such axis.",
+               "sum only over axes both operands have: [" +
+                   join([&] {
+                     std::vector<std::string> s;
+                     for (const Axis& z : x.axes)
+                       if (y.has(z.name)) s.push_back(z.name);
+                     return s;
+                   }()) +
+                   "].");
+  };
+  summed_but_missing(a, b, 0, 1);
+  summed_but_missing(b, a, 1, 0);
+  return r;
+}
+
+TensorType attention_type(const Checker& c) {
+  for (size_t i = 0; i < 3; ++i) c.is_float_operand(i);
+  c.same_dtype(0, 1);
+  c.same_dtype(0, 2);
+  c.layout(0, {"batch", "seq", "heads", "head_dim"}, "query");
+  c.layout(1, {"batch", "seq", "kv_heads", "head_dim"}, "key");
+  c.layout(2, {"batch", "seq", "kv_heads", "head_dim"}, "value");
+  c.is_int_operand(3, "positions");
+  c.layout(3, {"batch", "seq"}, "positions");
+  for (size_t i = 1; i < 3; ++i)
+    for (const char* ax : {"batch", "seq", "head_dim"}) c.same_size(0, i, ax, ax);
+  c.same_size(1, 2, "kv_heads", "kv_heads");
+  c.same_size(0, 3, "batch", "batch");
+  c.same_size(0, 3, "seq", "seq");
+  int64_t h = c.t(0).size("heads"), kv = c.t(1).size("kv_heads");
+  if (h % kv != 0)
+    c.fail("heads (" + std::to_string(h) + ") is not a multiple of kv_heads (" +
+               std::to_string(kv) + "): grouped-query attention shares each kv head among an "
+               "equal group of query heads.",
+           "kv_heads dividing " + std::to_string(h) + ": " + divisors(h) + ".");
+  return c.t(0);
+}
+
+}  // namespace
+
+TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const Attrs& attrs) {
+  Checker c{g, op, in};
+  for (int id : in)
+    HALYARD_CHECK(id >= 0 && id < g.size(), "operand id " << id << " out of range");
+  switch (op) {
+    case Op::Input:
+    case Op::Param:
+    case Op::Fill:
+      c.fail(std::string(op_name(op)) + " is a leaf; build it with its own builder.", "");
+    case Op::Embedding: {
+      c.arity(2);
+      c.is_float_operand(0);
+      c.is_int_operand(1, "token ids");
+      const TensorType& table = c.t(0);
+      if (table.rank() != 2 || table.axes[0].name != "vocab")
+        c.fail("embedding table " + c.label(0) + " must be [vocab, X].", "a 2-d table whose first axis is vocab.");
+      TensorType r = c.t(1);
+      r.dtype = table.dtype;
+      if (r.has(table.axes[1].name))
+        c.fail("token ids already have axis \"" + table.axes[1].name + "\".", "ids without the table's feature axis.");
+      r.axes.push_back(table.axes[1]);
+      return r;
+    }
+    case Op::EmbeddingGrad: {
+      c.arity(2);
+      c.is_float_operand(0);
+      c.is_int_operand(1, "token ids");
+      const TensorType& dy = c.t(0);
+      HALYARD_CHECK(dy.rank() == c.t(1).rank() + 1 && attrs.size > 0, "bad embedding_grad");
+      return TensorType{dy.dtype, {{"vocab", attrs.size}, dy.axes.back()}};
+    }
+    case Op::Contract:
+      c.arity(2);
+      return contract_type(c, attrs);
+    case Op::Add:
+    case Op::Mul:
+      c.arity(2);
+      c.is_float_operand(0);
+      c.is_float_operand(1);
+      c.same_type(0, 1);
+      return c.t(0);
+    case Op::Silu:
+      c.arity(1);
+      c.is_float_operand(0);
+      return c.t(0);
+    case Op::SiluGrad:
+      c.arity(2);
+      c.is_float_operand(0);
+      c.same_type(0, 1);
+      return c.t(0);
+    case Op::RmsNorm:
+    case Op::RmsNormGradX: {
+      c.arity(op == Op::RmsNorm ? 2 : 3);
+      c.is_float_operand(0);
+      c.is_float_operand(1);
+      c.same_dtype(0, 1);
+      const TensorType& w = c.t(1);
+      if (w.rank() != 1)
+        c.fail("norm weight " + c.label(1) + " must have exactly one axis.", "a weight over the normalized axis, e.g. f32[model=N].");
+      if (!c.t(0).has(w.axes[0].name))
+        c.fail("the norm weight's axis \"" + w.axes[0].name + "\" is not an axis of " + c.label(0) + ".",
+               "normalize over one of [" + join(c.t(0).axis_names()) + "].");
+      c.same_size(0, 1, w.axes[0].name, w.axes[0].name);
+      if (!(attrs.eps >= 0) || !std::isfinite(attrs.eps))
+        c.fail("eps is " + std::to_string(attrs.eps) + ".", "a finite eps >= 0 (Llama uses 1e-5 or 1e-6).");
+      if (op == Op::RmsNormGradX) c.same_type(0, 2);
+      return c.t(0);
+    }
+    case Op::RmsNormGradW:
+      c.arity(2);
+      c.same_type(0, 1);
+      return TensorType{c.t(0).dtype, {{attrs.axis, c.t(0).size(attrs.axis)}}};
+    case Op::Rope: {
+      c.arity(2);
+      c.is_float_operand(0);
+      c.is_int_operand(1, "positions");
+      const TensorType& x = c.t(0);
+      if (!x.has("head_dim") || x.size("head_dim") % 2 != 0)
+        c.fail("rope rotates pairs along head_dim, but " + c.label(0) +
+                   (x.has("head_dim") ? " has an odd head_dim." : " has no head_dim axis."),
+               "a tensor with an even head_dim axis.");
+      for (const Axis& a : c.t(1).axes)
+        if (!x.has(a.name) || x.size(a.name) != a.size)
+          c.fail("positions " + c.label(1) + " do not index " + c.label(0) + ": axis \"" + a.name + "\".",
+                 "positions over a subset of the tensor's axes with the same sizes, e.g. [batch, seq].");
+      if (c.t(1).has("head_dim"))
+        c.fail("positions must not have a head_dim axis.", "positions over [batch, seq].");
+      if (!(attrs.theta > 0))
+        c.fail("rope theta is " + std::to_string(attrs.theta) + ".", "theta > 0 (Llama 3 uses 500000).");
+      return x;
+    }
+    case Op::Attention:
+      c.arity(4);
+      return attention_type(c);
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK:
+    case Op::AttentionGradV: {
+      c.arity(6);
+      attention_type(c);
+      c.same_type(0, 4);
+      c.same_type(0, 5);
+      return c.t(op == Op::AttentionGradQ ? 0 : op == Op::AttentionGradK ? 1 : 2);
+    }
+    case Op::CrossEntropy:
+    case Op::CrossEntropyGrad: {
+      c.arity(op == Op::CrossEntropy ? 2 : 3);
+      c.is_float_operand(0);
+      c.is_int_operand(1, "labels");
+      const TensorType& logits = c.t(0);
+      if (logits.rank() == 0 || logits.axes.back().name != "vocab")
+        c.fail("logits " + c.label(0) + " must end with the vocab axis.", "logits [..., vocab].");
+      std::vector<Axis> want(logits.axes.begin(), logits.axes.end() - 1);
+      if (c.t(1).axes != want)
+        c.fail("labels " + c.label(1) + " must have the logits' axes without vocab.",
+               "labels " + TensorType{DType::i32, want}.str() + ".");
+      if (op == Op::CrossEntropyGrad) {
+        HALYARD_CHECK(c.t(2).rank() == 0, "dloss must be a scalar");
+        return logits;
+      }
+      return TensorType{logits.dtype, {}};
+    }
+  }
+  HALYARD_CHECK(false, "unknown op");
+  return {};
+}
+
+Value input(Graph& g, const std::string& name, DType dtype, std::vector<Axis> axes) {
+  return g.add_leaf(Op::Input, make_type(dtype, std::move(axes), "input \"" + name + "\""), {}, name);
+}
+
+Value param(Graph& g, const std::string& name, DType dtype, std::vector<Axis> axes) {
+  TensorType t = make_type(dtype, std::move(axes), "parameter \"" + name + "\"");
+  if (!is_float(dtype))
+    throw UserError("error: parameter \"" + name + "\" " + t.str() +
+                    "\nparameters are trained by gradient and must be floating point.\nlegal: f32 or f64.");
+  return g.add_leaf(Op::Param, t, {}, name);
+}
+
+Value fill(Graph& g, const TensorType& type, double value) {
+  Attrs a;
+  a.value = value;
+  return g.add_leaf(Op::Fill, type, a, "");
+}
+
+Value embedding(Value table, Value ids) { return table.graph->add(Op::Embedding, {table, ids}); }
+
+Value contract_to(Value a, Value b, const std::vector<std::string>& out_axes) {
+  Attrs at;
+  at.out_axes = out_axes;
+  return a.graph->add(Op::Contract, {a, b}, at);
+}
+
+Value contract(Value a, Value b, const std::vector<std::string>& over) {
+  for (const std::string& o : over)
+    if (!a.type().has(o) || !b.type().has(o))
+      throw UserError("error: contract(" + describe(*a.graph, a.id) + ", " + describe(*b.graph, b.id) +
+                      ") over [" + join(over) + "]\ncontraction over axes that do not match: \"" + o +
+                      "\" is not an axis of " +
+                      describe(*a.graph, (a.type().has(o) ? b : a).id) +
+                      ".\nlegal: sum over axes both operands have.");
+  std::vector<std::string> out;
+  auto keep = [&](const TensorType& t) {
+    for (const Axis& x : t.axes)
+      if (std::find(over.begin(), over.end(), x.name) == over.end() &&
+          std::find(out.begin(), out.end(), x.name) == out.end())
+        out.push_back(x.name);
+  };
+  keep(a.type());
+  keep(b.type());
+  return contract_to(a, b, out);
+}
+
+Value add(Value a, Value b) { return a.graph->add(Op::Add, {a, b}); }
+Value mul(Value a, Value b) { return a.graph->add(Op::Mul, {a, b}); }
+Value silu(Value x) { return x.graph->add(Op::Silu, {x}); }
+
+Value rms_norm(Value x, Value w, double eps) {
+  Attrs a;
+  a.eps = eps;
+  return x.graph->add(Op::RmsNorm, {x, w}, a);
+}
+
+Value rope(Value x, Value positions, double theta, RopeScaling scaling, bool inverse) {
+  Attrs a;
+  a.theta = theta;
+  a.rope_scaling = scaling;
+  a.inverse = inverse;
+  return x.graph->add(Op::Rope, {x, positions}, a);
+}
+
+Value attention(Value q, Value k, Value v, Value positions) {
+  return q.graph->add(Op::Attention, {q, k, v, positions});
+}
+
+Value cross_entropy(Value logits, Value labels, int64_t ignore_index) {
+  Attrs a;
+  a.ignore_index = ignore_index;
+  return logits.graph->add(Op::CrossEntropy, {logits, labels}, a);
+}
+
+Value embedding_grad(Value dy, Value ids, int64_t vocab) {
+  Attrs a;
+  a.size = vocab;
+  return dy.graph->add(Op::EmbeddingGrad, {dy, ids}, a);
+}
+
+Value silu_grad(Value x, Value dy) { return x.graph->add(Op::SiluGrad, {x, dy}); }
+
+Value rms_norm_grad_x(Value x, Value w, Value dy, double eps) {
+  Attrs a;
+  a.eps = eps;
+  return x.graph->add(Op::RmsNormGradX, {x, w, dy}, a);
+}
+
+Value rms_norm_grad_w(Value x, Value dy, const std::string& axis, double eps) {
+  Attrs a;
+  a.eps = eps;
+  a.axis = axis;
+  return x.graph->add(Op::RmsNormGradW, {x, dy}, a);
+}
+
+Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout) {
+  return q.graph->add(which, {q, k, v, positions, out, dout});
+}
+
+Value cross_entropy_grad(Value logits, Value labels, Value dloss, int64_t ignore_index) {
+  Attrs a;
+  a.ignore_index = ignore_index;
+  return logits.graph->add(Op::CrossEntropyGrad, {logits, labels, dloss}, a);
+}
+
+}  // namespace halyard

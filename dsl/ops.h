@@ -1,0 +1,57 @@
+// The op set: builders that append checked nodes to a graph.
+//
+// These are the words a model is written in. Each builder checks its operands
+// (dtypes, axis names and sizes) and throws UserError naming the operands, the
+// rule and what is legal; a graph built only through them always verifies.
+// Semantics follow Hugging Face's LlamaForCausalLM.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsl/graph.h"
+
+namespace halyard {
+
+Value input(Graph& g, const std::string& name, DType dtype, std::vector<Axis> axes);
+Value param(Graph& g, const std::string& name, DType dtype, std::vector<Axis> axes);
+Value fill(Graph& g, const TensorType& type, double value);
+
+// table[vocab, X] gathered at integer ids: ids.axes + [X].
+Value embedding(Value table, Value ids);
+// Sums over the `over` axes, which both operands must have; the result keeps
+// a's other axes, then b's (a linear layer: contract(x, weight, {"model"})).
+Value contract(Value a, Value b, const std::vector<std::string>& over);
+// Same, with the result's axes and their order given; every axis dropped must
+// appear in both operands.
+Value contract_to(Value a, Value b, const std::vector<std::string>& out_axes);
+Value add(Value a, Value b);
+Value mul(Value a, Value b);
+inline Value operator+(Value a, Value b) { return add(a, b); }
+inline Value operator*(Value a, Value b) { return mul(a, b); }
+Value silu(Value x);
+// x * rsqrt(mean(x^2 over w's axis) + eps) * w.
+Value rms_norm(Value x, Value w, double eps);
+// Rotate-half RoPE over head_dim at the given (global) positions.
+Value rope(Value x, Value positions, double theta, RopeScaling scaling = {}, bool inverse = false);
+// Causal grouped-query attention: q[batch, seq, heads, head_dim],
+// k, v[batch, seq, kv_heads, head_dim], positions i32[batch, seq]; key j is
+// visible to query i when positions[j] <= positions[i]; scale 1/sqrt(head_dim).
+Value attention(Value q, Value k, Value v, Value positions);
+// Mean over tokens whose label != ignore_index of -log softmax(logits)[label];
+// labels arrive already shifted. No real tokens gives 0.
+Value cross_entropy(Value logits, Value labels, int64_t ignore_index = -100);
+
+// Backward primitives (built by the VJP rules in dsl/vjp.cpp).
+Value embedding_grad(Value dy, Value ids, int64_t vocab);
+Value silu_grad(Value x, Value dy);
+Value rms_norm_grad_x(Value x, Value w, Value dy, double eps);
+Value rms_norm_grad_w(Value x, Value dy, const std::string& axis, double eps);
+Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout);
+Value cross_entropy_grad(Value logits, Value labels, Value dloss, int64_t ignore_index);
+
+// The type rule of every op: the result type of `op` on these inputs, or a
+// UserError. Graph::add and verify() both use it.
+TensorType infer_type(const Graph& g, Op op, const std::vector<int>& inputs, const Attrs& attrs);
+
+}  // namespace halyard

@@ -1,0 +1,69 @@
+// The VJP rule of every differentiable op, written in the DSL itself.
+//
+// Forward and backward of each op sit side by side here (shapes in comments).
+// A rule reads the forward values it needs as ordinary operands; whether they
+// are saved or recomputed is the schedule's decision, not this file's.
+#include "dsl/autodiff.h"
+#include "dsl/error.h"
+#include "dsl/ops.h"
+
+namespace halyard {
+
+std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool>& needed) {
+  std::vector<Value> d(n.inputs.size());
+  auto in = [&](size_t k) { return g.value(n.inputs[k]); };
+  auto want = [&](size_t k) { return needed[k]; };
+  switch (n.op) {
+    case Op::Embedding:
+      // y[ids.., X] = table[ids.., X]  =>  dtable[vocab, X] = scatter-add of dy at ids
+      if (want(0)) d[0] = embedding_grad(dy, in(1), in(0).type().size("vocab"));
+      break;
+    case Op::Contract:
+      // y = sum_c a*b  =>  da = sum(dy*b) over b's own axes, db likewise
+      if (want(0)) d[0] = contract_to(dy, in(1), in(0).type().axis_names());
+      if (want(1)) d[1] = contract_to(dy, in(0), in(1).type().axis_names());
+      break;
+    case Op::Add:
+      if (want(0)) d[0] = dy;
+      if (want(1)) d[1] = dy;
+      break;
+    case Op::Mul:
+      if (want(0)) d[0] = dy * in(1);
+      if (want(1)) d[1] = dy * in(0);
+      break;
+    case Op::Silu:
+      // y = x*s(x)  =>  dx = dy * s(x) * (1 + x*(1 - s(x)))
+      d[0] = silu_grad(in(0), dy);
+      break;
+    case Op::RmsNorm: {
+      // y = x*r*w, r = rsqrt(mean(x^2)+eps)
+      //   dx = r*(w*dy) - x*r^3/n * sum(w*dy*x);  dw = sum over tokens(dy*x*r)
+      if (want(0)) d[0] = rms_norm_grad_x(in(0), in(1), dy, n.attrs.eps);
+      if (want(1)) d[1] = rms_norm_grad_w(in(0), dy, in(1).type().axes[0].name, n.attrs.eps);
+      break;
+    }
+    case Op::Rope:
+      // y = x*cos + rotate_half(x)*sin is a rotation; its transpose rotates back.
+      d[0] = rope(dy, in(1), n.attrs.theta, n.attrs.rope_scaling, !n.attrs.inverse);
+      break;
+    case Op::Attention: {
+      // o = softmax(q k^T / sqrt(d) + causal) v; the backward reads o (flash-style).
+      Value out = g.value(n.id);
+      const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
+      for (size_t k = 0; k < 3; ++k)
+        if (want(k)) d[k] = attention_grad(which[k], in(0), in(1), in(2), in(3), out, dy);
+      break;
+    }
+    case Op::CrossEntropy:
+      // l = mean(lse(z) - z[label])  =>  dz = (softmax(z) - onehot(label)) / count * dl
+      d[0] = cross_entropy_grad(in(0), in(1), dy, n.attrs.ignore_index);
+      break;
+    default:
+      throw UserError(std::string("error: cannot differentiate ") + op_name(n.op) + " at " +
+                      describe(g, n.id) +
+                      "\nit is a backward primitive; second derivatives are not supported.");
+  }
+  return d;
+}
+
+}  // namespace halyard

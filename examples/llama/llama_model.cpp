@@ -1,0 +1,81 @@
+// The Llama-3 decoder in the DSL (see llama_model.h). Reads like the math.
+#include "examples/llama/llama_model.h"
+
+#include "dsl/ops.h"
+
+namespace halyard::llama {
+namespace {
+
+// Declares a parameter and records the 2-D (or 1-D) shape HF stores it with.
+Value weight(Graph& g, const std::string& name, DType dtype, std::vector<Axis> axes, size_t split,
+             std::map<std::string, std::vector<int64_t>>* hf_shapes) {
+  if (hf_shapes) {
+    int64_t rows = 1, cols = 1;
+    for (size_t i = 0; i < axes.size(); ++i) (i < split ? rows : cols) *= axes[i].size;
+    (*hf_shapes)[name] = split < axes.size() ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{rows};
+  }
+  return param(g, name, dtype, std::move(axes));
+}
+
+}  // namespace
+
+Value llama_block(const LlamaConfig& c, int layer, Value x, Value positions, DType dt,
+                  std::map<std::string, std::vector<int64_t>>* hf) {
+  Graph& g = *x.graph;
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  const Axis model{"model", c.hidden_size}, heads{"heads", c.num_attention_heads},
+      kv_heads{"kv_heads", c.num_key_value_heads}, head_dim{"head_dim", c.head_dim},
+      ffn{"ffn", c.intermediate_size};
+
+  Value ln1 = weight(g, p + "input_layernorm.weight", dt, {model}, 1, hf);
+  Value wq = weight(g, p + "self_attn.q_proj.weight", dt, {heads, head_dim, model}, 2, hf);
+  Value wk = weight(g, p + "self_attn.k_proj.weight", dt, {kv_heads, head_dim, model}, 2, hf);
+  Value wv = weight(g, p + "self_attn.v_proj.weight", dt, {kv_heads, head_dim, model}, 2, hf);
+  Value wo = weight(g, p + "self_attn.o_proj.weight", dt, {model, heads, head_dim}, 1, hf);
+  Value ln2 = weight(g, p + "post_attention_layernorm.weight", dt, {model}, 1, hf);
+  Value w_gate = weight(g, p + "mlp.gate_proj.weight", dt, {ffn, model}, 1, hf);
+  Value w_up = weight(g, p + "mlp.up_proj.weight", dt, {ffn, model}, 1, hf);
+  Value w_down = weight(g, p + "mlp.down_proj.weight", dt, {model, ffn}, 1, hf);
+
+  // Attention: [batch, seq, model] -> q [.., heads, head_dim], k/v [.., kv_heads, head_dim].
+  g.set_name_prefix(p + "self_attn");
+  Value h = rms_norm(x, ln1, c.rms_norm_eps);
+  Value q = rope(contract(h, wq, {"model"}), positions, c.rope_theta, c.rope_scaling);
+  Value k = rope(contract(h, wk, {"model"}), positions, c.rope_theta, c.rope_scaling);
+  Value v = contract(h, wv, {"model"});
+  Value a = attention(q, k, v, positions);
+  x = x + contract(a, wo, {"heads", "head_dim"});
+
+  // SwiGLU MLP: down(silu(gate(h)) * up(h)).
+  g.set_name_prefix(p + "mlp");
+  h = rms_norm(x, ln2, c.rms_norm_eps);
+  Value m = silu(contract(h, w_gate, {"model"})) * contract(h, w_up, {"model"});
+  x = x + contract(m, w_down, {"ffn"});
+  g.set_name_prefix("");
+  return x;
+}
+
+LlamaGraph build_llama(const LlamaConfig& c, int64_t batch, int64_t seq, DType dt) {
+  LlamaGraph m;
+  Graph& g = *m.graph;
+  const Axis B{"batch", batch}, S{"seq", seq}, model{"model", c.hidden_size}, vocab{"vocab", c.vocab_size};
+  m.input_ids = input(g, "input_ids", DType::i32, {B, S});
+  m.position_ids = input(g, "position_ids", DType::i32, {B, S});
+  m.labels = input(g, "labels", DType::i32, {B, S});
+
+  Value embed = weight(g, "model.embed_tokens.weight", dt, {vocab, model}, 1, &m.hf_shapes);
+  g.set_name_prefix("model.embed_tokens");
+  Value x = embedding(embed, m.input_ids);
+  for (int layer = 0; layer < c.num_hidden_layers; ++layer)
+    x = llama_block(c, layer, x, m.position_ids, dt, &m.hf_shapes);
+  Value norm = weight(g, "model.norm.weight", dt, {model}, 1, &m.hf_shapes);
+  Value head = c.tie_word_embeddings ? embed : weight(g, "lm_head.weight", dt, {vocab, model}, 1, &m.hf_shapes);
+  g.set_name_prefix("lm_head");
+  m.logits = contract(rms_norm(x, norm, c.rms_norm_eps), head, {"model"});
+  m.loss = cross_entropy(m.logits, m.labels);
+  g.set_name_prefix("");
+  m.params = g.params();
+  return m;
+}
+
+}  // namespace halyard::llama
