@@ -44,7 +44,9 @@ if ! "$py" -c "import halide, cmake, ninja" 2>/dev/null \
   fi
 fi
 if "$py" -c "import halide" 2>/dev/null; then
-  halide_dir="$("$py" -c 'import halide; print(halide.install_dir())')/lib/cmake/Halide"
+  # The wheel puts its CMake package under lib/ or lib64/ depending on the build.
+  halide_dir=$(dirname "$(find "$("$py" -c 'import halide; print(halide.install_dir())')" \
+    -path '*/cmake/Halide/HalideConfig.cmake' | head -n 1)")
 else
   # Fallback named in DESIGN.md: Debian's Halide 14 (needs LLVM 14's CMake files).
   echo "[setup] falling back to Debian's Halide 14 (libhalide14-0-dev); features of Halide 21 will be missing." >&2

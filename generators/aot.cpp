@@ -1,0 +1,238 @@
+// The generator program (see aot.h): plan, lower, compile, emit.
+#include "generators/aot.h"
+
+#include <Halide.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "dsl/autodiff.h"
+#include "dsl/error.h"
+#include "generators/lowering.h"
+#include "generators/program.h"
+
+namespace halyard {
+namespace {
+
+struct Options {
+  std::string name, config, schedule = "default", target = "host", out;
+  int64_t batch = 1, seq = 0;
+  bool runtime_only = false;
+  std::string plugin_dir;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw UserError("error: " + k + " needs a value.");
+      return argv[++i];
+    };
+    if (k == "--name") o.name = next();
+    else if (k == "--config") o.config = next();
+    else if (k == "--schedule") o.schedule = next();
+    else if (k == "--target") o.target = next();
+    else if (k == "--out") o.out = next();
+    else if (k == "--batch") o.batch = std::stoll(next());
+    else if (k == "--seq") o.seq = std::stoll(next());
+    else if (k == "--plugin-dir") o.plugin_dir = next();
+    else if (k == "--runtime-only") o.runtime_only = true;
+    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --target --out --plugin-dir --runtime-only");
+  }
+  if (o.out.empty()) throw UserError("error: --out is required.");
+  if (!o.runtime_only && (o.name.empty() || o.config.empty() || o.seq <= 0 || o.batch <= 0))
+    throw UserError("error: --name, --config, a positive --seq and --batch are required.");
+  return o;
+}
+
+Halide::Target parse_target(const std::string& s) {
+  if (!Halide::Target::validate_target_string(s))
+    throw UserError("error: \"" + s + "\" is not a Halide target.\nlegal: e.g. host, x86-64-linux-avx2, "
+                    "host-cuda-cuda_capability_80 (always spell the CUDA capability).");
+  if (s.find("cuda") != std::string::npos && s.find("cuda_capability") == std::string::npos)
+    throw UserError("error: target \"" + s + "\" names cuda without a capability; on a machine without a GPU "
+                    "Halide would silently emit sm_20 code.\nlegal: add one, e.g. -cuda_capability_80 (runs on Hopper through PTX JIT).");
+  return Halide::Target(s);
+}
+
+std::string cpp_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '\n') { out += "\\n"; continue; }
+    out += c;
+  }
+  return out + "\"";
+}
+
+std::string label(const Graph& g, int node) {
+  const Node& n = g.node(node);
+  std::string s = std::string(op_name(n.op)) + " %" + std::to_string(node);
+  if (!n.name.empty()) s += " " + n.name;
+  return s + (n.backward ? " (backward)" : "");
+}
+
+const char* elem(DType t) { return t == DType::f64 ? "ElemType::F64" : t == DType::i32 ? "ElemType::I32" : "ElemType::F32"; }
+
+void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Program& prog,
+                  const std::string& name, const std::string& tag) {
+  os << "const BufferSpec " << tag << "_buffers[] = {\n";
+  for (const PlannedBuffer& b : prog.buffers) {
+    const Node& n = g.node(b.node);
+    os << "  {" << cpp_string(n.name.empty() ? std::string(op_name(n.op)) + " %" + std::to_string(b.node) : n.name)
+       << ", " << elem(n.type.dtype) << ", " << n.type.rank() << ", {";
+    for (int d = 0; d < n.type.rank(); ++d) os << (d ? ", " : "") << n.type.axes[static_cast<size_t>(d)].size;
+    const char* kind = b.kind == BufferKind::Input ? "Input" : b.kind == BufferKind::Param ? "Param"
+                       : b.kind == BufferKind::Grad ? "Grad" : "Arena";
+    os << "}, Storage::" << kind << ", " << b.index << ", " << b.offset << "},\n";
+  }
+  os << "};\nconst int " << tag << "_args[] = {";
+  for (const PlannedCall& c : prog.calls)
+    for (int a : c.args) os << a << ", ";
+  os << "};\nconst CallSpec " << tag << "_calls[] = {\n";
+  size_t off = 0;
+  for (const PlannedCall& c : prog.calls) {
+    const Stage& st = p.stages[static_cast<size_t>(c.stage)];
+    std::string fn = name + "_k" + std::to_string(st.kernel);
+    os << "  {&" << fn << "_argv, " << cpp_string(fn) << ", " << cpp_string(label(g, st.root)) << ", "
+       << c.args.size() << ", " << tag << "_args + " << off << "},\n";
+    off += c.args.size();
+  }
+  os << "};\n";
+}
+
+int run(const Options& o, const ModelBuilder& build) {
+  Halide::Target target = parse_target(o.target).with_feature(Halide::Target::NoRuntime);
+  if (o.runtime_only) {
+    Halide::compile_standalone_runtime(o.out, target.without_feature(Halide::Target::NoRuntime));
+    return 0;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  Schedule sched = Schedule::named(o.schedule);
+  BuiltModel m = build(o.config, o.batch, o.seq);
+  Graph& g = *m.graph;
+  Gradients grads = grad(m.loss, m.params);
+  verify(g);
+  std::vector<int> param_ids, grad_ids;
+  for (const Value& p : m.params) {
+    if (p.type().dtype != DType::f32)
+      throw UserError("error: parameter \"" + p.node().name + "\" " + p.type().str() +
+                      "\ngenerated libraries train f32 parameters.\nlegal: build the model in f32.");
+    param_ids.push_back(p.id);
+    grad_ids.push_back(grads[p].id);
+  }
+  std::vector<int> train_out = grad_ids;
+  train_out.push_back(m.loss.id);
+  Partition train = partition(g, train_out, sched);
+  Partition fwd = partition(g, {m.loss.id}, sched);
+  Program train_prog = plan_program(g, train, param_ids, grad_ids, m.loss.id);
+  Program fwd_prog = plan_program(g, fwd, param_ids, {}, m.loss.id);
+
+  // One kernel per distinct stage signature over both programs.
+  std::map<std::string, int> kernel_of;
+  std::vector<const Stage*> kernels;
+  for (Partition* part : {&train, &fwd})
+    for (Stage& st : part->stages) {
+      auto [it, fresh] = kernel_of.emplace(st.signature, static_cast<int>(kernels.size()));
+      if (fresh) kernels.push_back(&st);
+      st.kernel = it->second;
+    }
+  std::printf("halyard_aot %s: %s; %d nodes, %zu stages (train), %zu (forward), %zu kernels; arena %.2f MiB (train), %.2f MiB (forward)\n",
+              o.name.c_str(), sched.str().c_str(), g.size(), train.stages.size(), fwd.stages.size(), kernels.size(),
+              static_cast<double>(train_prog.arena_bytes) / (1 << 20), static_cast<double>(fwd_prog.arena_bytes) / (1 << 20));
+
+  if (!sched.autoscheduler.empty()) {
+    const std::string lib = o.plugin_dir + "/libautoschedule_" + [&] {
+      std::string s = sched.autoscheduler;
+      for (char& c : s) c = static_cast<char>(std::tolower(c));
+      return s;
+    }() + ".so";
+    Halide::load_plugin(lib);
+  }
+  std::vector<Halide::Module> modules;
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    const Stage& st = *kernels[k];
+    const auto k0 = std::chrono::steady_clock::now();
+    LoweredStage ls = lower_stage(g, st);
+    set_estimates(ls, g, st);
+    if (!sched.autoscheduler.empty() && !target.has_gpu_feature()) {
+      Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"}});
+      ls.pipeline.apply_autoscheduler(target, params);
+    } else if (target.has_gpu_feature()) {
+      schedule_gpu(ls, g, st, target);
+    } else {
+      schedule_cpu(ls, g, st, target);
+    }
+    const std::string fn = o.name + "_k" + std::to_string(k);
+    modules.push_back(ls.pipeline.compile_to_module(ls.args, fn, target));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - k0).count();
+    std::printf("  %-16s %5.2fs  %s\n", fn.c_str(), secs, label(g, st.root).c_str());
+    if (std::getenv("HALYARD_AOT_VERBOSE")) std::printf("      %s\n", st.signature.c_str());
+  }
+  Halide::link_modules(o.name + "_kernels", modules)
+      .compile({{Halide::OutputFileType::object, o.out + "/" + o.name + "_kernels.o"}});
+
+  // The header and the program tables.
+  const std::string guard = "HALYARD_MODEL_" + o.name + "_H";
+  std::ofstream h(o.out + "/" + o.name + ".h");
+  h << "// " << o.name << ": generated by halyard_aot; do not edit.\n"
+    << "// batch " << o.batch << ", seq " << o.seq << ", target " << target.to_string() << "\n"
+    << "// " << sched.str() << "\n"
+    << "// activation arena: " << train_prog.arena_bytes << " bytes (train step), " << fwd_prog.arena_bytes
+    << " bytes (forward)\n"
+    << "#pragma once\n#include \"runtime/model.h\"\n\nnamespace halyard_models {\n"
+    << "// The model's kernels and step programs; run them with halyard::runtime::Model.\n"
+    << "const halyard::runtime::ModelSpec& " << o.name << "();\n"
+    << "constexpr int64_t " << o.name << "_batch = " << o.batch << ";\n"
+    << "constexpr int64_t " << o.name << "_seq = " << o.seq << ";\n"
+    << "constexpr int64_t " << o.name << "_arena_bytes = " << std::max(train_prog.arena_bytes, fwd_prog.arena_bytes) << ";\n"
+    << "}  // namespace halyard_models\n";
+
+  std::ofstream c(o.out + "/" + o.name + "_program.cpp");
+  c << "// " << o.name << ": generated by halyard_aot; do not edit.\n#include \"" << o.name << ".h\"\n\n";
+  for (size_t k = 0; k < kernels.size(); ++k) c << "extern \"C\" int " << o.name << "_k" << k << "_argv(void**);\n";
+  c << "\nnamespace {\nusing namespace halyard::runtime;\n\nconst ParamSpec params[] = {\n";
+  for (const Value& p : m.params) {
+    const auto& hf = m.hf_shapes.at(p.node().name);
+    c << "  {" << cpp_string(p.node().name) << ", " << p.type().rank() << ", {";
+    for (int d = 0; d < p.type().rank(); ++d) c << (d ? ", " : "") << p.type().axes[static_cast<size_t>(d)].size;
+    c << "}, " << p.type().numel() << ", " << hf.size() << ", {" << hf[0] << ", " << (hf.size() > 1 ? hf[1] : 0) << "}},\n";
+  }
+  c << "};\n";
+  emit_program(c, g, train, train_prog, o.name, "train");
+  emit_program(c, g, fwd, fwd_prog, o.name, "forward");
+  c << "\nconst ModelSpec spec = {\n  " << cpp_string(o.name) << ",\n  " << cpp_string(m.config_json) << ",\n  "
+    << cpp_string(sched.str()) << ",\n  " << cpp_string(target.to_string()) << ",\n  " << o.batch << ", " << o.seq
+    << ", " << m.vocab << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
+    << "  {train_buffers, " << train_prog.buffers.size() << ", train_calls, " << train_prog.calls.size() << ", "
+    << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
+    << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
+    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n};\n}  // namespace\n\n"
+    << "const halyard::runtime::ModelSpec& halyard_models::" << o.name << "() { return spec; }\n";
+  std::printf("halyard_aot %s: done in %.1fs\n", o.name.c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return 0;
+}
+
+}  // namespace
+
+int aot_main(int argc, char** argv, const ModelBuilder& build) {
+  try {
+    return run(parse(argc, argv), build);
+  } catch (const UserError& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  } catch (const Halide::CompileError& e) {
+    std::cerr << "error: Halide rejected a kernel: " << e.what() << "\n(this is a bug in Halyard's lowering)\n";
+    return 3;
+  } catch (const Halide::Error& e) {
+    std::cerr << "error: Halide: " << e.what() << "\n";
+    return 3;
+  }
+}
+
+}  // namespace halyard

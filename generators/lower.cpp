@@ -1,0 +1,520 @@
+// The algorithm of a stage in Halide (see lowering.h). Forward and backward
+// of each op side by side; Halide dims are the DSL axes reversed.
+#include <cmath>
+#include <functional>
+
+#include "dsl/error.h"
+#include "generators/lowering.h"
+
+namespace halyard {
+
+using namespace Halide;
+
+Type halide_type(DType t) {
+  switch (t) {
+    case DType::f32: return Float(32);
+    case DType::f64: return Float(64);
+    case DType::bf16: return BFloat(16);
+    case DType::i32: return Int(32);
+  }
+  return Float(32);
+}
+
+namespace {
+
+using Env = std::map<std::string, Expr>;
+
+// A float constant of type T (f32 or f64), exactly as double rounds to T.
+Expr num(Type T, double v) { return Internal::FloatImm::make(T, v); }
+
+std::vector<std::string> without(const std::vector<std::string>& names, const std::string& drop) {
+  std::vector<std::string> r;
+  for (const auto& n : names)
+    if (n != drop) r.push_back(n);
+  return r;
+}
+
+struct Ctx {
+  const Graph& g;
+  const Stage& st;
+  LoweredStage& ls;
+  std::map<int, Func> funcs;
+  std::map<std::string, Var> var_of;
+
+  const TensorType& type(int id) const { return g.node(id).type; }
+  Var var(const std::string& axis) {
+    auto it = var_of.find(axis);
+    if (it == var_of.end()) it = var_of.emplace(axis, Var(axis)).first;
+    return it->second;
+  }
+  // Halide arguments for a row-major axis list: innermost first.
+  std::vector<Var> vars(const std::vector<std::string>& axes) {
+    std::vector<Var> v;
+    for (auto it = axes.rbegin(); it != axes.rend(); ++it) v.push_back(var(*it));
+    return v;
+  }
+  static std::vector<Expr> args(const std::vector<std::string>& axes, const Env& env) {
+    std::vector<Expr> a;
+    for (auto it = axes.rbegin(); it != axes.rend(); ++it) {
+      auto e = env.find(*it);
+      HALYARD_CHECK(e != env.end(), "no index for axis " << *it);
+      a.push_back(e->second);
+    }
+    return a;
+  }
+  Env env(const std::vector<std::string>& axes) {
+    Env e;
+    for (const auto& a : axes) e[a] = var(a);
+    return e;
+  }
+  Expr at(int id, const Env& e) { return get(id)(args(type(id).axis_names(), e)); }
+  Expr call(Func f, const std::vector<std::string>& axes, const Env& e) { return f(args(axes, e)); }
+
+  // A copy of value `id` as its own Func (to be computed once, not per use).
+  Func copy(int id, const std::string& name, const std::vector<std::string>& order) {
+    Func f(name);
+    f(vars(order)) = at(id, env(order));
+    return f;
+  }
+
+  Func get(int id);
+  Func lower(int id);
+  Func norm_scale(int x, const std::string& axis, double eps, const std::string& tag);
+  void attention(int id, Func out);
+};
+
+Func Ctx::get(int id) {
+  if (auto it = funcs.find(id); it != funcs.end()) return it->second;
+  Func f;
+  if (id != st.root && std::find(st.inputs.begin(), st.inputs.end(), id) != st.inputs.end()) {
+    size_t k = static_cast<size_t>(std::find(st.inputs.begin(), st.inputs.end(), id) - st.inputs.begin());
+    ImageParam ip = ls.inputs[k];
+    f = Func("in" + std::to_string(k) + "_f");
+    auto names = type(id).axis_names();
+    f(vars(names)) = ip(vars(names));
+  } else {
+    f = lower(id);
+  }
+  funcs[id] = f;
+  return f;
+}
+
+// rr(other axes) = 1 / sqrt(mean over `axis` of x^2 + eps)
+Func Ctx::norm_scale(int x, const std::string& axis, double eps, const std::string& tag) {
+  const TensorType& xt = type(x);
+  auto other = without(xt.axis_names(), axis);
+  const Type T = halide_type(xt.dtype);
+  RDom r(0, static_cast<int>(xt.size(axis)), "r_norm" + tag);
+  Env e = env(other);
+  e[axis] = r.x;
+  Func ss("sumsq" + tag), rr("rscale" + tag);
+  ss(vars(other)) = cast(T, 0);
+  Expr xv = at(x, e);
+  ss(vars(other)) += xv * xv;
+  rr(vars(other)) = 1 / sqrt(ss(vars(other)) / num(T, static_cast<double>(xt.size(axis))) + num(T, eps));
+  ls.funcs.small.push_back(ss);
+  ls.funcs.small.push_back(rr);
+  return rr;
+}
+
+Func Ctx::lower(int id) {
+  const Node& n = g.node(id);
+  const bool is_root = id == st.root;
+  const std::string tag = "_" + std::to_string(id);
+  Func f(is_root ? std::string("out") : std::string(op_name(n.op)) + tag);
+  const auto names = n.type.axis_names();
+  const std::vector<Var> vs = vars(names);
+  const Env e = env(names);
+  const Type T = halide_type(n.type.dtype);
+  auto in = [&](size_t k) { return n.inputs[k]; };
+
+  switch (n.op) {
+    case Op::Input:
+    case Op::Param:
+      HALYARD_CHECK(false, "buffers are stage inputs");
+    case Op::Fill:
+      f(vs) = T.is_float() ? num(T, n.attrs.value) : cast(T, static_cast<int>(n.attrs.value));
+      break;
+    case Op::Add:
+      f(vs) = at(in(0), e) + at(in(1), e);
+      break;
+    case Op::Mul:
+      f(vs) = at(in(0), e) * at(in(1), e);
+      break;
+    case Op::Silu: {  // x * sigmoid(x)
+      Expr x = at(in(0), e);
+      f(vs) = x / (1 + exp(-x));
+      break;
+    }
+    case Op::SiluGrad: {  // dy * s * (1 + x (1 - s))
+      Expr x = at(in(0), e), s = 1 / (1 + exp(-x));
+      f(vs) = at(in(1), e) * s * (1 + x * (1 - s));
+      break;
+    }
+    case Op::Embedding: {  // out[ids.., X] = table[id, X]; ids are validated by the runtime
+      const TensorType& table = type(in(0));
+      const std::string X = table.axes[1].name;
+      Env te;
+      te["vocab"] = clamp(at(in(1), e), 0, static_cast<int>(table.axes[0].size) - 1);
+      te[X] = var(X);
+      f(vs) = at(in(0), te);
+      break;
+    }
+    case Op::EmbeddingGrad: {  // dtable[vocab, X] = scatter-add of dy rows at ids
+      const TensorType& ids = type(in(1));
+      const std::string X = n.type.axes[1].name;
+      Region region;
+      auto ids_names = ids.axis_names();
+      for (auto it = ids_names.rbegin(); it != ids_names.rend(); ++it)
+        region.push_back({0, static_cast<int>(ids.size(*it))});
+      RDom r(region, "r_scatter");
+      Env er;
+      for (size_t k = 0; k < ids_names.size(); ++k) er[ids_names[ids_names.size() - 1 - k]] = r[static_cast<int>(k)];
+      Expr v = clamp(at(in(1), er), 0, static_cast<int>(n.type.axes[0].size) - 1);
+      Env ed = er;
+      ed[X] = var(X);
+      f(vs) = cast(T, 0);
+      f(var(X), v) += at(in(0), ed);
+      break;
+    }
+    case Op::Contract: {
+      const TensorType &ta = type(in(0)), &tb = type(in(1));
+      std::vector<std::string> summed;  // innermost first
+      for (auto it = ta.axes.rbegin(); it != ta.axes.rend(); ++it)
+        if (!n.type.has(it->name)) summed.push_back(it->name);
+      // Operands: the one holding the innermost output axis is read as vectors
+      // along it; it gets a transposed copy when that axis is not its innermost.
+      const std::string inner = n.type.rank() ? n.type.axes.back().name : "";
+      int bop = !inner.empty() && tb.has(inner) && !ta.has(inner) ? 1 : 0;
+      std::map<int, std::pair<Func, std::vector<std::string>>> staged;
+      if (is_root && !inner.empty()) {
+        const int aop = 1 - bop;
+        const TensorType& tbb = type(in(static_cast<size_t>(bop)));
+        bool b_buffer = std::find(st.inputs.begin(), st.inputs.end(), in(static_cast<size_t>(bop))) != st.inputs.end();
+        // Copy order: summed axes first, then the kept ones in output order.
+        std::vector<std::string> order;
+        for (const Axis& ax : tbb.axes)
+          if (!n.type.has(ax.name)) order.push_back(ax.name);
+        for (const Axis& ax : n.type.axes)
+          if (tbb.has(ax.name)) order.push_back(ax.name);
+        if (order != tbb.axis_names() || !b_buffer) {
+          Func bt = copy(in(static_cast<size_t>(bop)), "bt" + tag, order);
+          ls.funcs.root_copies.push_back(bt);
+          staged[bop] = {bt, order};
+        }
+        bool a_buffer = std::find(st.inputs.begin(), st.inputs.end(), in(static_cast<size_t>(aop))) != st.inputs.end();
+        if (!a_buffer) {
+          auto order = type(in(static_cast<size_t>(aop))).axis_names();
+          Func as = copy(in(static_cast<size_t>(aop)), "as" + tag, order);
+          ls.funcs.staged.push_back(as);
+          staged[aop] = {as, order};
+        }
+        ls.funcs.is_contract = true;
+        ls.funcs.contract_b_operand = bop;
+      }
+      auto operand = [&](int k, const Env& ev) -> Expr {
+        if (auto it = staged.find(k); it != staged.end()) return call(it->second.first, it->second.second, ev);
+        return at(in(static_cast<size_t>(k)), ev);
+      };
+      if (summed.empty()) {
+        f(vs) = operand(0, e) * operand(1, e);
+        break;
+      }
+      Region region;
+      for (const auto& s : summed) region.push_back({0, static_cast<int>(ta.size(s))});
+      RDom r(region, "r" + tag);
+      Env er = e;
+      for (size_t k = 0; k < summed.size(); ++k) er[summed[k]] = r[static_cast<int>(k)];
+      f(vs) = cast(T, 0);
+      f(vs) += operand(0, er) * operand(1, er);
+      if (is_root) ls.funcs.contract_rdom = r;
+      (void)tb;
+      break;
+    }
+    case Op::RmsNorm: {  // x * rr * w
+      const std::string axis = type(in(1)).axes[0].name;
+      Func rr = norm_scale(in(0), axis, n.attrs.eps, tag);
+      f(vs) = at(in(0), e) * rr(vars(without(names, axis))) * at(in(1), env({axis}));
+      break;
+    }
+    case Op::RmsNormGradX: {  // rr w dy - x rr^3 / n * sum(w dy x)
+      const std::string axis = type(in(1)).axes[0].name;
+      const TensorType& xt = type(in(0));
+      auto other = without(names, axis);
+      Func rr = norm_scale(in(0), axis, n.attrs.eps, tag);
+      RDom r(0, static_cast<int>(xt.size(axis)), "r_dot" + tag);
+      Env er = env(other);
+      er[axis] = r.x;
+      Func dot("dot" + tag);
+      dot(vars(other)) = cast(T, 0);
+      dot(vars(other)) += at(in(1), er) * at(in(2), er) * at(in(0), er);
+      ls.funcs.small.push_back(dot);
+      Expr rv = rr(vars(other));
+      f(vs) = rv * at(in(1), env({axis})) * at(in(2), e) -
+              at(in(0), e) * rv * rv * rv / num(T, static_cast<double>(xt.size(axis))) * dot(vars(other));
+      break;
+    }
+    case Op::RmsNormGradW: {  // dw[A] = sum over tokens of dy x rr
+      const std::string axis = n.attrs.axis;
+      const TensorType& xt = type(in(0));
+      auto other = without(xt.axis_names(), axis);
+      Func rr = norm_scale(in(0), axis, n.attrs.eps, tag);
+      Region region;
+      for (auto it = other.rbegin(); it != other.rend(); ++it) region.push_back({0, static_cast<int>(xt.size(*it))});
+      RDom r(region, "r_tokens" + tag);
+      Env er;
+      er[axis] = var(axis);
+      std::vector<Expr> rargs;
+      for (size_t k = 0; k < other.size(); ++k) er[other[other.size() - 1 - k]] = r[static_cast<int>(k)];
+      f(vs) = cast(T, 0);
+      f(vs) += at(in(1), er) * at(in(0), er) * rr(args(other, er));
+      break;
+    }
+    case Op::Rope: {  // x cos + rotate_half(x) sin at each token's position
+      const TensorType& xt = type(in(0));
+      const TensorType& pt = type(in(1));
+      const int D = static_cast<int>(xt.size("head_dim")), half = D / 2;
+      Buffer<double> inv(half, "inv_freq" + tag);
+      {
+        const RopeScaling& s = n.attrs.rope_scaling;
+        for (int i = 0; i < half; ++i) {
+          double v = 1.0 / std::pow(n.attrs.theta, 2.0 * i / D);
+          if (s.factor > 0) {
+            double wl = 2 * M_PI / v, low = s.original_max_position_embeddings / s.low_freq_factor,
+                   high = s.original_max_position_embeddings / s.high_freq_factor;
+            if (wl > low) {
+              v /= s.factor;
+            } else if (wl >= high) {
+              double sm = (s.original_max_position_embeddings / wl - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+              v = (1 - sm) * v / s.factor + sm * v;
+            }
+          }
+          inv(i) = v;
+        }
+      }
+      auto pnames = pt.axis_names();
+      std::vector<std::string> tnames = pnames;
+      tnames.push_back("head_dim");  // table over (positions' axes, frequency index)
+      Var fi = var("head_dim");
+      Expr angle = cast<double>(at(in(1), env(pnames))) * inv(fi);
+      Func cs("rope_cos" + tag), sn("rope_sin" + tag);
+      cs(vars(tnames)) = cast(T, cos(angle));
+      sn(vars(tnames)) = cast(T, sin(angle) * Expr(n.attrs.inverse ? -1.0 : 1.0));
+      ls.funcs.small.push_back(cs);
+      ls.funcs.small.push_back(sn);
+      Var d = var("head_dim");
+      Env ef = e, ep = e;
+      ef["head_dim"] = d % half;
+      ep["head_dim"] = (d + half) % D;
+      Expr sign = select(d < half, cast(T, -1), cast(T, 1));
+      f(vs) = at(in(0), e) * call(cs, tnames, ef) + sign * at(in(0), ep) * call(sn, tnames, ef);
+      break;
+    }
+    case Op::Attention:
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK:
+    case Op::AttentionGradV:
+      HALYARD_CHECK(is_root, "attention is never inlined");
+      attention(id, f);
+      break;
+    case Op::CrossEntropy:
+    case Op::CrossEntropyGrad: {
+      const TensorType& zt = type(in(0));
+      auto tok = type(in(1)).axis_names();
+      const int V = static_cast<int>(zt.axes.back().size);
+      RDom rv(0, V, "r_vocab" + tag);
+      Env ev = env(tok);
+      ev["vocab"] = rv.x;
+      Func mx("ce_max" + tag), se("ce_sumexp" + tag), lse("ce_lse" + tag), count("ce_count" + tag);
+      mx(vars(tok)) = num(T, -INFINITY);
+      mx(vars(tok)) = max(mx(vars(tok)), at(in(0), ev));
+      se(vars(tok)) = cast(T, 0);
+      se(vars(tok)) += exp(at(in(0), ev) - mx(vars(tok)));
+      lse(vars(tok)) = mx(vars(tok)) + log(se(vars(tok)));
+      Region region;
+      for (auto it = tok.rbegin(); it != tok.rend(); ++it) region.push_back({0, static_cast<int>(type(in(1)).size(*it))});
+      RDom rt(region, "r_tok" + tag);
+      Env et;
+      for (size_t k = 0; k < tok.size(); ++k) et[tok[tok.size() - 1 - k]] = rt[static_cast<int>(k)];
+      const int ignore = static_cast<int>(n.attrs.ignore_index);
+      Expr lab_t = at(in(1), et);
+      count() = 0;
+      count() += select(lab_t != ignore, 1, 0);
+      ls.funcs.small.insert(ls.funcs.small.end(), {mx, se, lse, count});
+      Expr denom = cast(T, max(count(), 1));
+      if (n.op == Op::CrossEntropy) {
+        Func total("ce_total" + tag);
+        Env ez = et;
+        ez["vocab"] = clamp(lab_t, 0, V - 1);
+        total() = cast(T, 0);
+        total() += select(lab_t != ignore, lse(args(tok, et)) - at(in(0), ez), cast(T, 0));
+        ls.funcs.small.push_back(total);
+        f() = total() / denom;
+      } else {  // (softmax - onehot) * dloss / count on real tokens
+        Expr lab = at(in(1), e), z = at(in(0), e);
+        Expr dl = at(in(2), Env{});
+        Expr p = exp(z - lse(vars(tok))) - select(var("vocab") == lab, cast(T, 1), cast(T, 0));
+        f(vs) = select(lab != ignore, p * dl / denom, cast(T, 0));
+      }
+      break;
+    }
+  }
+  return f;
+}
+
+// Causal grouped-query attention and its three gradients, flash-style: the
+// scores of a tile of queries (or keys) are computed inside the tile loop and
+// never exist whole; softmax statistics are an online (max, sum) reduction.
+void Ctx::attention(int id, Func out) {
+  const Node& n = g.node(id);
+  const int qid = n.inputs[0], kid = n.inputs[1], vid = n.inputs[2], pid = n.inputs[3];
+  const TensorType& qt = type(qid);
+  const TensorType& kt = type(kid);
+  const Type T = halide_type(qt.dtype);
+  const int S = static_cast<int>(qt.size("seq")), H = static_cast<int>(qt.size("heads")),
+            KV = static_cast<int>(kt.size("kv_heads")), D = static_cast<int>(qt.size("head_dim"));
+  const int grp = H / KV;
+  const Expr scale = num(T, 1.0 / std::sqrt(static_cast<double>(D)));
+  Var d("d"), h("h"), i("i"), j("j"), b("b"), gk("g");
+  auto acc4 = [&](int vid4, const std::string& heads_axis, Expr dd, Expr hh, Expr ss, Expr bb) {
+    Env ev{{"head_dim", dd}, {heads_axis, hh}, {"seq", ss}, {"batch", bb}};
+    return at(vid4, ev);
+  };
+  // Operands that are inlined expressions (e.g. rope of a projection) are computed once.
+  auto operand = [&](int vid4, const std::string& heads_axis, const std::string& name) {
+    Func f(name);
+    f(d, h, i, b) = acc4(vid4, heads_axis, d, h, i, b);
+    if (std::find(st.inputs.begin(), st.inputs.end(), vid4) == st.inputs.end()) ls.funcs.root_copies.push_back(f);
+    return f;
+  };
+  Func q = operand(qid, "heads", "q_s"), k = operand(kid, "kv_heads", "k_s"), v = operand(vid, "kv_heads", "v_s");
+  Func pos("pos_s");
+  pos(i, b) = at(pid, Env{{"seq", i}, {"batch", b}});
+  // Keys with the sequence innermost, so scores vectorize over keys.
+  Func kT("kT");
+  kT(j, d, gk, b) = k(d, gk, j, b);
+  ls.funcs.root_copies.push_back(kT);
+  RDom rd(0, D, "rd"), rj(0, S, "rj"), ri(0, S, "ri");
+
+  auto scores = [&](const std::string& name) {  // s[j, i, h, b] = q_i . k_j
+    Func s(name);
+    s(j, i, h, b) = cast(T, 0);
+    s(j, i, h, b) += q(rd, h, i, b) * kT(j, rd, h / grp, b);
+    return s;
+  };
+  auto valid = [&](Expr jj, Expr ii, Expr bb) { return pos(jj, bb) <= pos(ii, bb); };
+  // Online (max, sum of exp) over keys; lse = max + log(sum).
+  auto stats = [&](Func s, const std::string& name) {
+    Func st2(name + "_ms"), lse(name);
+    st2(i, h, b) = Tuple(num(T, -1e30), num(T, 0));
+    Expr x = s(rj, i, h, b) * scale, ok = valid(rj, i, b);
+    Expr m0 = st2(i, h, b)[0], l0 = st2(i, h, b)[1];
+    Expr m1 = select(ok, max(m0, x), m0);
+    st2(i, h, b) = Tuple(m1, l0 * exp(m0 - m1) + select(ok, exp(x - m1), cast(T, 0)));
+    lse(i, h, b) = st2(i, h, b)[0] + log(st2(i, h, b)[1]);
+    return std::pair{st2, lse};
+  };
+  auto probs = [&](Func s, Func lse, const std::string& name) {
+    Func p(name);
+    p(j, i, h, b) = select(valid(j, i, b), exp(s(j, i, h, b) * scale - lse(i, h, b)), cast(T, 0));
+    return p;
+  };
+  Func red("red");
+  ls.funcs.attention_kind = static_cast<int>(n.op);
+
+  if (n.op == Op::Attention || n.op == Op::AttentionGradQ) {
+    // Tiled over queries: everything per (b, h, query tile).
+    Func s = scores("s");
+    auto [ms, lse] = stats(s, "lse");
+    Func p = probs(s, lse, "p");
+    if (n.op == Op::Attention) {
+      red(d, h, i, b) = cast(T, 0);
+      red(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
+      ls.funcs.tile_funcs = {s, ms, lse, p, red};
+      ls.funcs.tile_reductions = {s, red};
+    } else {
+      const int oid = n.inputs[4], doid = n.inputs[5];
+      Func o = operand(oid, "heads", "o_s"), dO = operand(doid, "heads", "do_s");
+      Func vT("vT");
+      vT(j, d, gk, b) = v(d, gk, j, b);
+      ls.funcs.root_copies.push_back(vT);
+      Func Dsum("dsum");  // rowsum(dO * O)
+      Dsum(i, h, b) = cast(T, 0);
+      Dsum(i, h, b) += dO(rd, h, i, b) * o(rd, h, i, b);
+      ls.funcs.small.push_back(Dsum);
+      Func dp("dp"), ds("ds");
+      dp(j, i, h, b) = cast(T, 0);
+      dp(j, i, h, b) += dO(rd, h, i, b) * vT(j, rd, h / grp, b);
+      ds(j, i, h, b) = p(j, i, h, b) * (dp(j, i, h, b) - Dsum(i, h, b)) * scale;
+      red(d, h, i, b) = cast(T, 0);
+      red(d, h, i, b) += ds(rj, i, h, b) * k(d, h / grp, rj, b);
+      ls.funcs.tile_funcs = {s, ms, lse, dp, ds, red};
+      ls.funcs.tile_reductions = {s, dp, red};
+    }
+    out(d, h, i, b) = red(d, h, i, b);
+    ls.funcs.tile_var = i;
+  } else {
+    // dK, dV: tiled over keys; softmax statistics of every query row first.
+    Func s_rows = scores("s_rows");
+    auto [ms, lse] = stats(s_rows, "lse_rows");
+    ls.funcs.small.push_back(lse);  // scheduled with its own row loop
+    ls.funcs.row_funcs = {s_rows, ms};
+    ls.funcs.row_owner = lse;
+    Func s = scores("s");
+    Func p = probs(s, lse, "p");
+    const int doid = n.inputs[5];
+    Func dO = operand(doid, "heads", "do_s");
+    RDom rg(0, grp, 0, S, "rg");  // (head within the group, query)
+    Expr hh = gk * grp + rg.x;
+    if (n.op == Op::AttentionGradV) {
+      red(d, gk, j, b) = cast(T, 0);
+      red(d, gk, j, b) += p(j, rg.y, hh, b) * dO(d, hh, rg.y, b);
+      ls.funcs.tile_funcs = {s, p, red};
+      ls.funcs.tile_reductions = {s, red};
+    } else {
+      const int oid = n.inputs[4];
+      Func o = operand(oid, "heads", "o_s");
+      Func vT("vT");
+      vT(j, d, gk, b) = v(d, gk, j, b);
+      ls.funcs.root_copies.push_back(vT);
+      Func Dsum("dsum");
+      Dsum(i, h, b) = cast(T, 0);
+      Dsum(i, h, b) += dO(rd, h, i, b) * o(rd, h, i, b);
+      ls.funcs.small.push_back(Dsum);
+      Func dp("dp"), ds("ds");
+      dp(j, i, h, b) = cast(T, 0);
+      dp(j, i, h, b) += dO(rd, h, i, b) * vT(j, rd, h / grp, b);
+      ds(j, i, h, b) = p(j, i, h, b) * (dp(j, i, h, b) - Dsum(i, h, b)) * scale;
+      red(d, gk, j, b) = cast(T, 0);
+      red(d, gk, j, b) += ds(j, rg.y, hh, b) * q(d, hh, rg.y, b);
+      ls.funcs.tile_funcs = {s, p, dp, red};
+      ls.funcs.tile_reductions = {s, dp, red};
+    }
+    out(d, gk, j, b) = red(d, gk, j, b);
+    ls.funcs.tile_var = j;
+  }
+  (void)KV;
+}
+
+}  // namespace
+
+LoweredStage lower_stage(const Graph& g, const Stage& st) {
+  LoweredStage ls;
+  for (size_t k = 0; k < st.inputs.size(); ++k) {
+    const TensorType& t = g.node(st.inputs[k]).type;
+    ls.inputs.emplace_back(halide_type(t.dtype), t.rank(), "in" + std::to_string(k));
+    ls.args.push_back(ls.inputs.back());
+  }
+  Ctx c{g, st, ls, {}, {}};
+  ls.funcs.out = c.get(st.root);
+  ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
+  if (ls.funcs.attention_kind >= 0) {
+    // attention's output Func uses its own short var names
+    ls.funcs.out_vars.clear();
+    for (const auto& a : ls.funcs.out.args()) ls.funcs.out_vars.push_back(a);
+  }
+  ls.pipeline = Pipeline(ls.funcs.out);
+  return ls;
+}
+
+}  // namespace halyard

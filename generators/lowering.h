@@ -1,0 +1,59 @@
+// Lowering one stage of a scheduled graph to a Halide pipeline.
+//
+// The algorithm (lower.cpp) turns each node of the stage into Halide Funcs:
+// named axes become Vars (the last axis is Halide's innermost dimension),
+// contracted axes become RDoms, inlined nodes become Funcs that Halide inlines
+// or computes inside the consumer. The loop schedule is applied afterwards:
+// Halyard's hand-written CPU schedules (schedule_cpu.cpp), a GPU-legal
+// schedule for CUDA targets (schedule_gpu.cpp), or Halide's autoscheduler.
+#pragma once
+
+#include <Halide.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dsl/graph.h"
+#include "generators/partition.h"
+#include "schedules/schedule.h"
+
+namespace halyard {
+
+// What the schedulers need to know about the Funcs a stage was lowered to.
+struct StageFuncs {
+  Halide::Func out;                         // the root, named "out"
+  std::vector<Halide::Var> out_vars;        // Halide order (innermost first)
+  std::vector<Halide::Func> small;          // per-token/row helpers (norm scales, lse, tables)
+  std::vector<Halide::Func> row_funcs;      // computed per query row of row_owner
+  Halide::Func row_owner;                   // attention: the per-row softmax statistics
+  std::vector<Halide::Func> staged;         // operands a heavy op reads many times
+  std::vector<Halide::Func> root_copies;    // transposed copies computed once per call
+  // Attention only: the per-tile Funcs computed at the output's tile loop.
+  std::vector<Halide::Func> tile_funcs;
+  std::vector<Halide::Func> tile_reductions;  // updates to vectorize over their first var
+  Halide::Var tile_var;                     // the query (or key) axis that is tiled
+  int attention_kind = -1;                  // -1 none, else the Op as int
+  bool is_contract = false;
+  Halide::RDom contract_rdom;
+  int contract_b_operand = -1;              // which operand supplies the innermost output axis
+};
+
+struct LoweredStage {
+  Halide::Pipeline pipeline;
+  std::vector<Halide::Argument> args;       // the stage's input buffers, in order
+  StageFuncs funcs;
+  std::vector<Halide::ImageParam> inputs;
+};
+
+// Builds the algorithm of a stage (no schedule yet).
+LoweredStage lower_stage(const Graph& g, const Stage& st);
+
+void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);
+void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);
+// Sets input and output estimates from the graph's types (autoscheduler, bounds).
+void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st);
+
+Halide::Type halide_type(DType t);
+
+}  // namespace halyard

@@ -1,0 +1,134 @@
+// Partitioning a joint graph into stages (see partition.h).
+#include "generators/partition.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "dsl/error.h"
+
+namespace halyard {
+
+bool is_heavy(Op op) {
+  switch (op) {
+    case Op::Embedding:
+    case Op::EmbeddingGrad:
+    case Op::Contract:
+    case Op::RmsNormGradX:
+    case Op::RmsNormGradW:
+    case Op::Attention:
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK:
+    case Op::AttentionGradV:
+    case Op::CrossEntropy:
+    case Op::CrossEntropyGrad:
+      return true;
+    default:
+      return false;
+  }
+}
+
+namespace {
+
+// The schedule's name for an op that may be recomputed.
+std::string recompute_name(Op op) {
+  switch (op) {
+    case Op::RmsNorm: return "rms_norm";
+    case Op::Rope: return "rope";
+    case Op::Silu: return "silu";
+    case Op::Mul: return "mul";
+    default: return "";
+  }
+}
+
+std::string attrs_key(const Node& n) {
+  std::ostringstream os;
+  os.precision(17);
+  const Attrs& a = n.attrs;
+  switch (n.op) {
+    case Op::Fill: os << "v=" << a.value; break;
+    case Op::RmsNorm:
+    case Op::RmsNormGradX:
+    case Op::RmsNormGradW: os << "eps=" << a.eps << ",axis=" << a.axis; break;
+    case Op::Rope:
+      os << "theta=" << a.theta << ",inv=" << a.inverse << ",s=" << a.rope_scaling.factor << "/"
+         << a.rope_scaling.low_freq_factor << "/" << a.rope_scaling.high_freq_factor << "/"
+         << a.rope_scaling.original_max_position_embeddings;
+      break;
+    case Op::CrossEntropy:
+    case Op::CrossEntropyGrad: os << "ignore=" << a.ignore_index; break;
+    case Op::EmbeddingGrad: os << "vocab=" << a.size; break;
+    default: break;
+  }
+  return os.str();
+}
+
+}  // namespace
+
+Partition partition(const Graph& g, const std::vector<int>& outputs, const Schedule& s) {
+  const int n = g.size();
+  // Nodes the outputs depend on, and their consumers among those.
+  std::vector<bool> needed(static_cast<size_t>(n), false);
+  for (int o : outputs) needed[static_cast<size_t>(o)] = true;
+  for (int id = n - 1; id >= 0; --id)
+    if (needed[static_cast<size_t>(id)])
+      for (int i : g.node(id).inputs) needed[static_cast<size_t>(i)] = true;
+  std::vector<int> consumers(static_cast<size_t>(n), 0);
+  for (int id = 0; id < n; ++id)
+    if (needed[static_cast<size_t>(id)])
+      for (int i : g.node(id).inputs) ++consumers[static_cast<size_t>(i)];
+
+  Partition p;
+  p.materialized.assign(static_cast<size_t>(n), false);
+  std::vector<bool> is_output(static_cast<size_t>(n), false);
+  for (int o : outputs) is_output[static_cast<size_t>(o)] = true;
+  for (int id = 0; id < n; ++id) {
+    if (!needed[static_cast<size_t>(id)]) continue;
+    const Node& node = g.node(id);
+    bool root;
+    if (node.op == Op::Input || node.op == Op::Param) root = true;
+    else if (is_output[static_cast<size_t>(id)] || is_heavy(node.op)) root = true;
+    else if (node.op == Op::Fill) root = false;
+    else if (consumers[static_cast<size_t>(id)] <= 1) root = false;
+    else root = !s.recomputes(recompute_name(node.op));
+    p.materialized[static_cast<size_t>(id)] = root;
+  }
+
+  std::map<std::string, int> kernel_of;
+  for (int id = 0; id < n; ++id) {
+    const Node& node = g.node(id);
+    if (!needed[static_cast<size_t>(id)] || !p.materialized[static_cast<size_t>(id)]) continue;
+    if (node.op == Op::Input || node.op == Op::Param) continue;
+    Stage st;
+    st.root = id;
+    // Walk the inlined producers; buffers become inputs in first-use order.
+    std::map<int, std::string> memo;
+    std::function<std::string(int)> sig = [&](int v) -> std::string {
+      if (auto it = memo.find(v); it != memo.end()) return it->second;
+      const Node& x = g.node(v);
+      std::string out;
+      if (v != id && p.materialized[static_cast<size_t>(v)]) {
+        auto it = std::find(st.inputs.begin(), st.inputs.end(), v);
+        size_t k = static_cast<size_t>(it - st.inputs.begin());
+        if (it == st.inputs.end()) st.inputs.push_back(v);
+        out = "in" + std::to_string(k) + ":" + x.type.str();
+      } else {
+        out = std::string(op_name(x.op)) + "[" + attrs_key(x) + "](";
+        for (size_t k = 0; k < x.inputs.size(); ++k) out += (k ? "," : "") + sig(x.inputs[k]);
+        out += ")->" + x.type.str();
+        if (v != id) st.inlined.push_back(v);
+      }
+      return memo[v] = out;
+    };
+    st.signature = sig(id);
+    std::sort(st.inlined.begin(), st.inlined.end());
+    auto [it, fresh] = kernel_of.emplace(st.signature, static_cast<int>(p.kernels.size()));
+    if (fresh) p.kernels.push_back(static_cast<int>(p.stages.size()));
+    st.kernel = it->second;
+    p.stages.push_back(std::move(st));
+  }
+  return p;
+}
+
+}  // namespace halyard

@@ -1,0 +1,40 @@
+// Partitioning a joint graph into stages: which values are materialized.
+//
+// A stage computes one materialized value (its root) and inlines the cheap
+// values that feed it; every other value it reads is a buffer (a parameter, an
+// input, or another stage's root). Heavy ops (contractions, attention, losses,
+// scatters and norm gradients) are always roots. A cheap op (add, mul, silu,
+// rope, rms_norm, ...) is inlined into its consumers when it has one consumer,
+// or when the schedule recomputes that op: then the backward re-derives it
+// from saved inputs instead of reading a saved copy. Stages whose signatures
+// match share one kernel, so a 32-layer model compiles each layer's kernels once.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsl/graph.h"
+#include "schedules/schedule.h"
+
+namespace halyard {
+
+struct Stage {
+  int root = -1;               // the node this stage materializes
+  std::vector<int> inputs;     // buffers read, in kernel argument order
+  std::vector<int> inlined;    // nodes computed inside, topological order
+  std::string signature;       // structure + types; equal => same kernel
+  int kernel = -1;             // index into Partition::kernels
+};
+
+struct Partition {
+  std::vector<Stage> stages;           // in execution order
+  std::vector<int> kernels;            // stage index of each distinct kernel's first use
+  std::vector<bool> materialized;      // per node: a buffer (root, input or param)
+};
+
+// Stages needed to compute `outputs` (the loss and the gradients, or the loss alone).
+Partition partition(const Graph& g, const std::vector<int>& outputs, const Schedule& s);
+
+bool is_heavy(Op op);
+
+}  // namespace halyard

@@ -1,0 +1,98 @@
+// The step program and its memory plan (see program.h).
+#include "generators/program.h"
+
+#include <algorithm>
+#include <map>
+
+#include "dsl/error.h"
+
+namespace halyard {
+namespace {
+
+int64_t element_bytes(DType t) {
+  switch (t) {
+    case DType::f64: return 8;
+    case DType::bf16: return 2;
+    default: return 4;
+  }
+}
+
+constexpr int64_t kAlign = 128;  // Halide's allocation alignment; kernels may rely on it
+
+}  // namespace
+
+Program plan_program(const Graph& g, const Partition& p, const std::vector<int>& params,
+                     const std::vector<int>& grads, int loss) {
+  Program prog;
+  std::map<int, int> buffer_of;  // node -> buffer
+  auto buffer = [&](int node) -> int {
+    if (auto it = buffer_of.find(node); it != buffer_of.end()) return it->second;
+    const Node& n = g.node(node);
+    PlannedBuffer b;
+    b.node = node;
+    b.bytes = n.type.numel() * element_bytes(n.type.dtype);
+    if (n.op == Op::Input) {
+      b.kind = BufferKind::Input;
+      if (n.name == "input_ids") b.index = 0;
+      else if (n.name == "position_ids") b.index = 1;
+      else if (n.name == "labels") b.index = 2;
+      else throw UserError("error: model input \"" + n.name + "\" is not one the runtime feeds.\n"
+                           "legal inputs: input_ids, position_ids, labels.");
+    } else if (n.op == Op::Param) {
+      b.kind = BufferKind::Param;
+      b.index = static_cast<int>(std::find(params.begin(), params.end(), node) - params.begin());
+      HALYARD_CHECK(b.index < static_cast<int>(params.size()), "unlisted parameter " << n.name);
+    } else if (auto it = std::find(grads.begin(), grads.end(), node); it != grads.end()) {
+      b.kind = BufferKind::Grad;
+      b.index = static_cast<int>(it - grads.begin());
+    }
+    prog.buffers.push_back(b);
+    return buffer_of[node] = static_cast<int>(prog.buffers.size()) - 1;
+  };
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    const Stage& st = p.stages[s];
+    PlannedCall c;
+    c.stage = static_cast<int>(s);
+    for (int in : st.inputs) c.args.push_back(buffer(in));
+    c.args.push_back(buffer(st.root));
+    const int call = static_cast<int>(prog.calls.size());
+    for (int a : c.args) {
+      PlannedBuffer& b = prog.buffers[static_cast<size_t>(a)];
+      if (b.first < 0) b.first = call;
+      b.last = call;
+    }
+    prog.calls.push_back(std::move(c));
+  }
+  prog.loss = buffer(loss);
+  prog.buffers[static_cast<size_t>(prog.loss)].last = static_cast<int>(prog.calls.size());  // read after the step
+
+  // Greedy placement: largest first, lowest offset that overlaps no buffer
+  // alive at the same time.
+  std::vector<int> order;
+  for (size_t i = 0; i < prog.buffers.size(); ++i)
+    if (prog.buffers[i].kind == BufferKind::Arena) order.push_back(static_cast<int>(i));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return prog.buffers[static_cast<size_t>(a)].bytes > prog.buffers[static_cast<size_t>(b)].bytes; });
+  std::vector<int> placed;
+  for (int i : order) {
+    PlannedBuffer& b = prog.buffers[static_cast<size_t>(i)];
+    const int64_t size = (b.bytes + kAlign - 1) / kAlign * kAlign;
+    std::vector<std::pair<int64_t, int64_t>> busy;
+    for (int j : placed) {
+      const PlannedBuffer& o = prog.buffers[static_cast<size_t>(j)];
+      if (o.first <= b.last && b.first <= o.last) busy.push_back({o.offset, o.offset + (o.bytes + kAlign - 1) / kAlign * kAlign});
+    }
+    std::sort(busy.begin(), busy.end());
+    int64_t at = 0;
+    for (auto [lo, hi] : busy) {
+      if (at + size <= lo) break;
+      at = std::max(at, hi);
+    }
+    b.offset = at;
+    prog.arena_bytes = std::max(prog.arena_bytes, at + size);
+    placed.push_back(i);
+  }
+  return prog;
+}
+
+}  // namespace halyard

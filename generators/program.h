@@ -1,0 +1,47 @@
+// The step program: kernel calls in order, and the static memory plan.
+//
+// Every stage root that is not a gradient the caller receives lives in one
+// activation arena. Its live range runs from the call that writes it to the
+// last call that reads it; offsets are assigned greedily (largest first, at
+// the lowest offset free during that range), so peak memory is known before
+// anything runs and equals the arena size.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dsl/graph.h"
+#include "generators/partition.h"
+
+namespace halyard {
+
+enum class BufferKind { Input, Param, Grad, Arena };
+
+struct PlannedBuffer {
+  int node = -1;
+  BufferKind kind = BufferKind::Arena;
+  int index = -1;       // Input: 0 ids, 1 positions, 2 labels; Param/Grad: param index
+  int64_t offset = 0;   // Arena
+  int64_t bytes = 0;
+  int first = -1, last = -1;  // live range in calls (Arena)
+};
+
+struct PlannedCall {
+  int stage = -1;
+  std::vector<int> args;  // buffer indices: inputs, then the output
+};
+
+struct Program {
+  std::vector<PlannedBuffer> buffers;
+  std::vector<PlannedCall> calls;
+  int64_t arena_bytes = 0;
+  int loss = -1;
+};
+
+// params[i] and grads[i] (grad node of param i, or -1) fix the caller's
+// buffers; inputs are found by name (input_ids, position_ids, labels).
+Program plan_program(const Graph& g, const Partition& p, const std::vector<int>& params,
+                     const std::vector<int>& grads, int loss);
+
+}  // namespace halyard

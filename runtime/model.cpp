@@ -1,0 +1,159 @@
+// Executing a generated model's step programs (see model.h).
+#include "runtime/model.h"
+
+#include <HalideRuntime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace halyard::runtime {
+namespace {
+
+constexpr int64_t kAlign = 128;
+
+int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+halide_type_t halide_type_of(ElemType t) {
+  switch (t) {
+    case ElemType::F64: return halide_type_t(halide_type_float, 64);
+    case ElemType::I32: return halide_type_t(halide_type_int, 32);
+    default: return halide_type_t(halide_type_float, 32);
+  }
+}
+
+std::string where(const ModelSpec& s, int64_t flat) {
+  return "[batch=" + std::to_string(flat / s.seq) + ", seq=" + std::to_string(flat % s.seq) + "]";
+}
+
+}  // namespace
+
+Model::Block Model::allocate(int64_t bytes) {
+  void* p = std::aligned_alloc(kAlign, static_cast<size_t>(round_up(std::max<int64_t>(bytes, 1))));
+  if (!p) throw Error("error: cannot allocate " + std::to_string(bytes) + " bytes for a generated model.");
+  std::memset(p, 0, static_cast<size_t>(round_up(std::max<int64_t>(bytes, 1))));
+  return Block(static_cast<uint8_t*>(p));
+}
+
+Model::Model(const ModelSpec& spec) : spec_(spec) {
+  int64_t total = 0;
+  for (int i = 0; i < spec.num_params; ++i) {
+    offsets_.push_back(total);
+    total += round_up(spec.params[i].numel * static_cast<int64_t>(sizeof(float)));
+  }
+  params_ = allocate(total);
+  grads_ = allocate(total);
+  tokens_ = allocate(3 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+  arena_bytes_ = std::max(spec.train.arena_bytes, spec.forward.arena_bytes);
+  arena_ = allocate(arena_bytes_);
+}
+
+int Model::param_index(const std::string& name) const {
+  std::string names;
+  for (int i = 0; i < spec_.num_params; ++i) {
+    if (name == spec_.params[i].name) return i;
+    if (i < 8) names += std::string(i ? ", " : "") + spec_.params[i].name;
+  }
+  throw Error("error: model \"" + std::string(spec_.name) + "\" has no parameter \"" + name + "\".\nlegal names: " +
+              names + (spec_.num_params > 8 ? ", ..." : ""));
+}
+
+void Model::init_params(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 0.02f);
+  for (int i = 0; i < spec_.num_params; ++i) {
+    const bool norm = spec_.params[i].rank == 1;
+    float* w = param(i);
+    for (int64_t k = 0; k < spec_.params[i].numel; ++k) w[k] = norm ? 1.f : normal(rng);
+  }
+}
+
+void Model::set_num_threads(int n) { halide_set_num_threads(n); }
+
+void Model::validate(const int32_t* ids, const int32_t* labels, const int32_t* positions) const {
+  const int64_t n = tokens();
+  for (int64_t t = 0; t < n; ++t) {
+    if (ids[t] < 0 || ids[t] >= spec_.vocab)
+      throw Error("error: token id " + std::to_string(ids[t]) + " at input_ids" + where(spec_, t) +
+                  " is outside the vocabulary.\nlegal ids: 0 .. " + std::to_string(spec_.vocab - 1) +
+                  " (vocab = " + std::to_string(spec_.vocab) + " in model \"" + spec_.name + "\").");
+    if (labels[t] != spec_.ignore_index && (labels[t] < 0 || labels[t] >= spec_.vocab))
+      throw Error("error: label " + std::to_string(labels[t]) + " at labels" + where(spec_, t) +
+                  " is outside the vocabulary.\nlegal labels: 0 .. " + std::to_string(spec_.vocab - 1) + ", or " +
+                  std::to_string(spec_.ignore_index) + " to ignore the token.");
+    if (positions[t] < 0)
+      throw Error("error: position " + std::to_string(positions[t]) + " at position_ids" + where(spec_, t) +
+                  " is negative.\nlegal: positions >= 0 (each token's global position).");
+  }
+}
+
+double Model::train_step(const int32_t* ids, const int32_t* labels, const int32_t* positions) {
+  validate(ids, labels, positions);
+  const int32_t* inputs[3] = {ids, positions, labels};
+  return run(spec_.train, inputs);
+}
+
+double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int32_t* positions) {
+  validate(ids, labels, positions);
+  const int32_t* inputs[3] = {ids, positions, labels};
+  return run(spec_.forward, inputs);
+}
+
+double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
+  // The caller's token arrays need not be aligned; copy them (they are small).
+  const int32_t* inputs[3];
+  for (int k = 0; k < 3; ++k) {
+    auto* dst = reinterpret_cast<int32_t*>(tokens_.get() + k * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+    std::memcpy(dst, caller_inputs[k], static_cast<size_t>(tokens()) * sizeof(int32_t));
+    inputs[k] = dst;
+  }
+  // Halide buffers over the caller's arrays, the parameters and the arena.
+  std::vector<halide_buffer_t> bufs(static_cast<size_t>(p.num_buffers));
+  std::vector<halide_dimension_t> dims(static_cast<size_t>(p.num_buffers * kMaxRank));
+  for (int b = 0; b < p.num_buffers; ++b) {
+    const BufferSpec& s = p.buffers[b];
+    halide_buffer_t& hb = bufs[static_cast<size_t>(b)];
+    std::memset(&hb, 0, sizeof hb);
+    hb.type = halide_type_of(s.type);
+    hb.dimensions = s.rank;
+    hb.dim = &dims[static_cast<size_t>(b * kMaxRank)];
+    int32_t stride = 1;
+    for (int d = 0; d < s.rank; ++d) {  // innermost first
+      const int64_t extent = s.shape[s.rank - 1 - d];
+      hb.dim[d] = halide_dimension_t(0, static_cast<int32_t>(extent), stride);
+      stride *= static_cast<int32_t>(extent);
+    }
+    switch (s.storage) {
+      case Storage::Input: hb.host = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(inputs[s.index])); break;
+      case Storage::Param: hb.host = params_.get() + offsets_[static_cast<size_t>(s.index)]; break;
+      case Storage::Grad: hb.host = grads_.get() + offsets_[static_cast<size_t>(s.index)]; break;
+      case Storage::Arena: hb.host = arena_.get() + s.offset; break;
+    }
+  }
+  const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
+  std::ostringstream prof;
+  std::vector<void*> argv;
+  for (int c = 0; c < p.num_calls; ++c) {
+    const CallSpec& call = p.calls[c];
+    argv.clear();
+    for (int a = 0; a < call.num_args; ++a) argv.push_back(&bufs[static_cast<size_t>(call.args[a])]);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (int err = call.fn(argv.data()))
+      throw Error("error: kernel " + std::string(call.kernel) + " (" + call.label + ") of model \"" + spec_.name +
+                  "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
+    if (profile)
+      prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
+           << " ms  " << call.kernel << "  " << call.label << "\n";
+  }
+  profile_ = prof.str();
+  const BufferSpec& loss = p.buffers[p.loss];
+  return loss.type == ElemType::F64 ? *reinterpret_cast<const double*>(bufs[static_cast<size_t>(p.loss)].host)
+                                    : *reinterpret_cast<const float*>(bufs[static_cast<size_t>(p.loss)].host);
+}
+
+}  // namespace halyard::runtime

@@ -1,0 +1,34 @@
+// A schedule as plain data: what a model's joint graph is lowered with.
+//
+// Like Halide's Schedule, it is a value that prints, compares, serializes and
+// diffs; directives only edit it. This single-rank vocabulary says which cheap
+// forward values the backward recomputes instead of reading saved copies, and
+// whether kernels get Halyard's hand-written loop schedules or Halide's
+// Adams2019 autoscheduler. Sharding over ranks and sequence tiling extend it.
+#pragma once
+
+#include <set>
+#include <string>
+
+namespace halyard {
+
+struct Schedule {
+  std::string name = "default";
+  // Ops whose forward outputs the backward recomputes (AutoSP's "cheap,
+  // memory-heavy" class): any of rms_norm, rope, silu, mul.
+  std::set<std::string> recompute;
+  // "" for the hand-written loop schedules, or a Halide autoscheduler name.
+  std::string autoscheduler;
+
+  bool recomputes(const std::string& op) const { return recompute.count(op) > 0; }
+  bool operator==(const Schedule&) const = default;
+
+  std::string to_json() const;
+  std::string str() const;  // one line, for plan reports and generated headers
+
+  // default | recompute | autoscheduled, or a path to a schedule .json file.
+  static Schedule named(const std::string& name_or_path);
+  static Schedule parse(const std::string& json_text, const std::string& what);
+};
+
+}  // namespace halyard
