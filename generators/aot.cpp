@@ -157,9 +157,10 @@ int run(const Options& o, const ModelBuilder& build) {
   for (size_t k = 0; k < kernels.size(); ++k) {
     const Stage& st = *kernels[k];
     const auto k0 = std::chrono::steady_clock::now();
-    LoweredStage ls = lower_stage(g, st);
+    const bool autoschedule = !sched.autoscheduler.empty() && !target.has_gpu_feature();
+    LoweredStage ls = lower_stage(g, st, autoschedule);
     set_estimates(ls, g, st);
-    if (!sched.autoscheduler.empty() && !target.has_gpu_feature()) {
+    if (autoschedule) {
       Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"}});
       ls.pipeline.apply_autoscheduler(target, params);
     } else if (target.has_gpu_feature()) {

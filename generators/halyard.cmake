@@ -1,5 +1,6 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
-#                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>])
+#                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
+#                   [EXCLUDE_FROM_ALL])
 #
 # Runs the model's generator (an executable calling halyard::aot_main) at build
 # time and makes a static library <name> (lib<name>.a) whose header <name>.h
@@ -7,7 +8,7 @@
 # Kernels are built with no_runtime; every model of one target links a single
 # Halide runtime library (halyard_halide_runtime_<target>).
 function(halyard_add_model)
-  cmake_parse_arguments(M "" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET" "" ${ARGN})
+  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET" "" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
     if(NOT M_${req})
       message(FATAL_ERROR "halyard_add_model: ${req} is required")
@@ -32,7 +33,7 @@ function(halyard_add_model)
       COMMAND ${M_GENERATOR} --runtime-only --target ${M_TARGET} --out ${obj}
       DEPENDS ${M_GENERATOR}
       COMMENT "Halyard: Halide runtime for ${M_TARGET}" VERBATIM)
-    add_library(${runtime} STATIC ${obj})
+    add_library(${runtime} STATIC EXCLUDE_FROM_ALL ${obj})
     set_source_files_properties(${obj} PROPERTIES EXTERNAL_OBJECT TRUE GENERATED TRUE)
     set_target_properties(${runtime} PROPERTIES LINKER_LANGUAGE CXX)
     target_link_libraries(${runtime} INTERFACE Threads::Threads ${CMAKE_DL_LIBS})
@@ -51,7 +52,11 @@ function(halyard_add_model)
             --plugin-dir $<TARGET_FILE_DIR:Halide::Halide>
     DEPENDS ${deps}
     COMMENT "Halyard: AOT-compiling ${M_NAME} (${M_SCHEDULE}, ${M_TARGET})" VERBATIM)
-  add_library(${M_NAME} STATIC ${dir}/${M_NAME}_program.cpp ${dir}/${M_NAME}_kernels.o)
+  set(exclude)
+  if(M_EXCLUDE_FROM_ALL)
+    set(exclude EXCLUDE_FROM_ALL)
+  endif()
+  add_library(${M_NAME} STATIC ${exclude} ${dir}/${M_NAME}_program.cpp ${dir}/${M_NAME}_kernels.o)
   set_source_files_properties(${dir}/${M_NAME}_kernels.o PROPERTIES EXTERNAL_OBJECT TRUE GENERATED TRUE)
   target_include_directories(${M_NAME} PUBLIC ${dir})
   target_link_libraries(${M_NAME} PUBLIC halyard_runtime ${runtime})

@@ -38,6 +38,7 @@ struct Ctx {
   const Graph& g;
   const Stage& st;
   LoweredStage& ls;
+  bool for_autoscheduler;
   std::map<int, Func> funcs;
   std::map<std::string, Var> var_of;
 
@@ -131,7 +132,7 @@ Func Ctx::lower(int id) {
   switch (n.op) {
     case Op::Input:
     case Op::Param:
-      HALYARD_CHECK(false, "buffers are stage inputs");
+      internal_error(__FILE__, __LINE__, "buffers are stage inputs, never lowered");
     case Op::Fill:
       f(vs) = T.is_float() ? num(T, n.attrs.value) : cast(T, static_cast<int>(n.attrs.value));
       break;
@@ -225,9 +226,21 @@ Func Ctx::lower(int id) {
       RDom r(region, "r" + tag);
       Env er = e;
       for (size_t k = 0; k < summed.size(); ++k) er[summed[k]] = r[static_cast<int>(k)];
-      f(vs) = cast(T, 0);
-      f(vs) += operand(0, er) * operand(1, er);
-      if (is_root) ls.funcs.contract_rdom = r;
+      // The sum runs in its own Func so a schedule can keep a tile of it in
+      // registers across the whole reduction (the output is written once).
+      if (for_autoscheduler) {
+        f(vs) = cast(T, 0);
+        f(vs) += operand(0, er) * operand(1, er);
+        break;
+      }
+      Func acc("acc" + tag);
+      acc(vs) = cast(T, 0);
+      acc(vs) += operand(0, er) * operand(1, er);
+      f(vs) = acc(vs);
+      if (is_root) {
+        ls.funcs.contract_rdom = r;
+        ls.funcs.contract_acc = acc;
+      }
       (void)tb;
       break;
     }
@@ -498,14 +511,14 @@ void Ctx::attention(int id, Func out) {
 
 }  // namespace
 
-LoweredStage lower_stage(const Graph& g, const Stage& st) {
+LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler) {
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
     ls.inputs.emplace_back(halide_type(t.dtype), t.rank(), "in" + std::to_string(k));
     ls.args.push_back(ls.inputs.back());
   }
-  Ctx c{g, st, ls, {}, {}};
+  Ctx c{g, st, ls, for_autoscheduler, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
   if (ls.funcs.attention_kind >= 0) {

@@ -36,6 +36,7 @@ struct StageFuncs {
   int attention_kind = -1;                  // -1 none, else the Op as int
   bool is_contract = false;
   Halide::RDom contract_rdom;
+  Halide::Func contract_acc;                // the reduction; `out` copies it
   int contract_b_operand = -1;              // which operand supplies the innermost output axis
 };
 
@@ -46,8 +47,10 @@ struct LoweredStage {
   std::vector<Halide::ImageParam> inputs;
 };
 
-// Builds the algorithm of a stage (no schedule yet).
-LoweredStage lower_stage(const Graph& g, const Stage& st);
+// Builds the algorithm of a stage (no schedule yet). `for_autoscheduler`
+// reduces contractions straight into the output: with a separate accumulator
+// Func, Adams2019's tiles read past input edges (Halide issue #5070).
+LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false);
 
 void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);
 void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);

@@ -27,79 +27,59 @@ void pointwise(Func f, int vec, bool parallel = true) {
 
 void schedule_contract(StageFuncs& F, const Graph& g, const Stage& st, int vec) {
   const Node& n = g.node(st.root);
-  Func C = F.out;
+  Func C = F.out, acc = F.contract_acc;
   const auto& vars = F.out_vars;  // innermost first
   const int rank = static_cast<int>(vars.size());
-  if (rank == 0) return;
-  const TensorType& bt = g.node(n.inputs[static_cast<size_t>(F.contract_b_operand)]).type;
+  if (rank == 0 || !acc.defined()) return;
   const TensorType& at = g.node(n.inputs[static_cast<size_t>(1 - F.contract_b_operand)]).type;
   auto axis = [&](int k) { return n.type.axes[static_cast<size_t>(rank - 1 - k)].name; };
-  auto only_b = [&](int k) { return bt.has(axis(k)) && !at.has(axis(k)); };
-  auto only_a = [&](int k) { return at.has(axis(k)) && !bt.has(axis(k)); };
+  auto extent = [&](int k) { return static_cast<int>(n.type.size(axis(k))); };
 
-  // Column var: the run of innermost output axes that come from B.
-  Halide::Stage U = C.update();
-  VarOrRVar col = vars[0];
-  int k = 1;
-  int64_t col_extent = n.type.size(axis(0));
-  if (only_b(0)) {
-    for (; k < rank && only_b(k); ++k) {
-      Var fused(vars[0].name() + "_c" + std::to_string(k));
-      C.fuse(col.var, vars[static_cast<size_t>(k)], fused);
-      U.fuse(col.var, vars[static_cast<size_t>(k)], fused);
-      col = fused;
-      col_extent *= n.type.size(axis(k));
+  // Columns: the innermost output axis (contiguous in operand B). Rows: the
+  // innermost axis that comes from operand A. A register tile of VN x RT
+  // accumulators is summed over the whole reduction, then stored once.
+  const Var col = vars[0];
+  int row_k = -1;
+  for (int k = 1; k < rank; ++k)
+    if (at.has(axis(k))) {
+      row_k = k;
+      break;
     }
-  }
-  // Row var: the next run of axes that come from A.
-  bool has_row = k < rank && only_a(k);
-  Var row;
-  if (has_row) {
-    row = vars[static_cast<size_t>(k)];
-    int k0 = k++;
-    for (; k < rank && only_a(k); ++k) {
-      Var fused(row.name() + "_r" + std::to_string(k));
-      C.fuse(row, vars[static_cast<size_t>(k)], fused);
-      U.fuse(row, vars[static_cast<size_t>(k)], fused);
-      row = fused;
+  const int VN = std::min(2 * vec, extent(0));
+  const int RT = row_k < 0 ? 1 : std::min(vec >= 16 ? 8 : 6, extent(row_k));
+  Var co("co"), ci("ci"), ro("ro"), ri("ri"), rb("rb"), par("par");
+  std::vector<VarOrRVar> order;
+  if (row_k >= 0) {
+    const Var row = vars[static_cast<size_t>(row_k)];
+    const int panels = std::max(1, std::min(64 / RT, extent(row_k) / RT));
+    C.tile(col, row, co, ro, ci, ri, VN, RT, TailStrategy::ShiftInwards)
+        .split(ro, rb, ro, panels, TailStrategy::ShiftInwards);
+    order = {ci, ri, ro, co};
+    std::vector<Var> outer = {rb};
+    for (int k = 1; k < rank; ++k)
+      if (k != row_k) order.push_back(vars[static_cast<size_t>(k)]), outer.push_back(vars[static_cast<size_t>(k)]);
+    order.insert(order.begin() + 4, rb);
+    C.reorder(order);
+    // Fuse the row panels with every outer loop into one parallel loop.
+    Var p = rb;
+    for (size_t k = 1; k < outer.size(); ++k) {
+      Var f(p.name() + "_f" + std::to_string(k));
+      C.fuse(p, outer[k], f);
+      p = f;
     }
-    (void)k0;
-  }
-  std::vector<Var> outer(vars.begin() + k, vars.end());
-
-  // Initialization: vectorized, parallel over the outermost loop.
-  C.vectorize(col.var, vec, kGuard);
-  if (!outer.empty()) C.parallel(outer.back());
-  else if (has_row) C.parallel(row);
-
-  const int VN = col_extent >= 2 * vec ? 2 * vec : vec;
-  Var co("co"), ci("ci"), cii("cii"), cio("cio"), rb("rb"), rt("rt"), rti("rti"), ri("ri");
-  U.split(col.var, co, ci, VN, kGuard).split(ci, cio, cii, vec, kGuard);
-  std::vector<VarOrRVar> order = {cii, cio};
-  if (has_row) {
-    U.split(row, rb, rt, 64, kGuard).split(rt, rti, ri, 4, kGuard);
-    order.push_back(ri);
-  }
-  for (int d = 0; d < F.contract_rdom.dimensions(); ++d) order.push_back(F.contract_rdom[d]);
-  if (has_row) order.push_back(rti);
-  order.push_back(co);
-  if (has_row) order.push_back(rb);
-  for (const Var& o : outer) order.push_back(o);
-  U.reorder(order).vectorize(cii).unroll(cio);
-  if (has_row) U.unroll(ri);
-  // Parallel over row panels (fused with the outer loops).
-  if (has_row) {
-    Var par = rb;
-    for (const Var& o : outer) {
-      Var f(par.name() + "_" + o.name());
-      U.fuse(par, o, f);
-      par = f;
-    }
-    U.parallel(par);
-    // Inlined A operands (a norm, an add chain) are computed once per row panel.
-    for (Func s : F.staged) s.compute_at(C, par).vectorize(s.args().front(), vec, kGuard);
+    C.parallel(p);
+    for (Func s : F.staged) s.compute_at(C, p).vectorize(s.args().front(), vec, kGuard);
+    C.vectorize(ci, std::min(vec, VN)).unroll(ri);
+    acc.compute_at(C, ro);
+    acc.vectorize(col, std::min(vec, VN)).unroll(row);
+    std::vector<VarOrRVar> red = {col, row};
+    for (int d = 0; d < F.contract_rdom.dimensions(); ++d) red.push_back(F.contract_rdom[d]);
+    acc.update().reorder(red).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
   } else {
-    if (!outer.empty()) U.parallel(outer.back());
+    C.split(col, co, ci, VN, TailStrategy::ShiftInwards).vectorize(ci, std::min(vec, VN));
+    if (rank > 1) C.parallel(vars.back());
+    acc.compute_at(C, co).vectorize(col, std::min(vec, VN));
+    acc.update().vectorize(col, std::min(vec, VN));
     for (Func s : F.staged) s.compute_root();
   }
 }

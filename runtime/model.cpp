@@ -151,6 +151,12 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
            << " ms  " << call.kernel << "  " << call.label << "\n";
   }
   profile_ = prof.str();
+  // GPU kernels leave results on the device: bring outputs home, free the rest.
+  for (halide_buffer_t& hb : bufs) {
+    if (!hb.device) continue;
+    if (hb.flags & halide_buffer_flag_device_dirty) halide_copy_to_host(nullptr, &hb);
+    halide_device_free(nullptr, &hb);
+  }
   const BufferSpec& loss = p.buffers[p.loss];
   return loss.type == ElemType::F64 ? *reinterpret_cast<const double*>(bufs[static_cast<size_t>(p.loss)].host)
                                     : *reinterpret_cast<const float*>(bufs[static_cast<size_t>(p.loss)].host);

@@ -1,0 +1,29 @@
+// AdamW (Loshchilov & Hutter): decoupled weight decay, bias-corrected moments.
+//
+// State (m, v) is f32 per parameter. Parameters flagged `decay` get weight
+// decay (matrices, embeddings); norm weights usually do not. ZeRO-1 sharding
+// of the state comes with the distributed runtime.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace halyard::runtime {
+
+struct AdamWConfig {
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+};
+
+class AdamW {
+ public:
+  AdamW(const std::vector<int64_t>& sizes, const std::vector<bool>& decay, AdamWConfig cfg = {});
+  // One update with learning rate lr; call with step = 1, 2, ...
+  void step(int64_t step, double lr, float* const* params, const float* const* grads);
+
+ private:
+  AdamWConfig cfg_;
+  std::vector<bool> decay_;
+  std::vector<std::vector<float>> m_, v_;
+};
+
+}  // namespace halyard::runtime
