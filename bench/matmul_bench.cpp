@@ -15,6 +15,7 @@
 #include "bench/bench_util.h"
 #include "dsl/ops.h"
 #include "generators/lowering.h"
+#include "runtime/model.h"
 
 using namespace halyard;
 
@@ -96,6 +97,7 @@ int main(int argc, char** argv) {
     else if (k == "--seq") seq = std::atoll(argv[i + 1]);
     else if (k == "--reps") reps = std::atoi(argv[i + 1]);
   }
+  runtime::keep_freed_memory();
   setenv("HL_NUM_THREADS", std::to_string(threads).c_str(), 1);
   Eigen::setNbThreads(threads);
   std::printf("matmul: generated Halide kernels (JIT, same lowering and schedule as AOT) vs Eigen %d.%d.%d, %d threads "

@@ -15,7 +15,10 @@
 Runs under any interpreter that has torch (>= 1.13) and imports nothing from
 the project, so the peer cannot share a bug with the code it is compared to.
 peak_rss_mib is ru_maxrss of this whole process (interpreter and torch
-included), the same measure the C++ benchmarks print.
+included), the same measure the C++ benchmarks print; import_rss_mib is the
+same figure taken before any work (torch's own libraries: ~580 MiB for the
+PyPI 2.x wheel, ~230 MiB for Debian's 1.13), so the peer's working memory is
+the difference.
 """
 
 import argparse
@@ -79,6 +82,9 @@ def pick_attention(requested):
         sys.exit("error: --attention sdpa needs torch >= 2.0 (F.scaled_dot_product_attention); "
                  "this is torch %s. legal: auto, explicit" % torch.__version__)
     return requested
+
+
+IMPORT_RSS_MIB = None  # set in main() before any tensor work
 
 
 def peak_rss_mib():
@@ -314,7 +320,8 @@ def cmd_step(a):
     emit({"peer": "pytorch-eager", "torch": torch.__version__, "blas": blas_name(), "threads": a.threads,
           "seq": a.seq, "batch": a.batch, "attention": attention, "loss": round(loss, 6),
           "step_s_median": round(med, 4), "step_s_all": [round(t, 4) for t in ts],
-          "tokens_per_s": round(a.batch * a.seq / med, 1), "peak_rss_mib": round(peak_rss_mib(), 1)})
+          "tokens_per_s": round(a.batch * a.seq / med, 1), "peak_rss_mib": round(peak_rss_mib(), 1),
+          "import_rss_mib": IMPORT_RSS_MIB})
 
 
 def cmd_attention(a):
@@ -337,7 +344,8 @@ def cmd_attention(a):
     emit({"peer": "pytorch-eager", "bench": "attention", "torch": torch.__version__, "blas": blas_name(),
           "threads": a.threads, "seq": a.seq, "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
           "head_dim": a.head_dim, "attention": attention, "s_median": round(median(ts), 4),
-          "s_all": [round(t, 4) for t in ts], "peak_rss_mib": round(peak_rss_mib(), 1)})
+          "s_all": [round(t, 4) for t in ts], "peak_rss_mib": round(peak_rss_mib(), 1),
+          "import_rss_mib": IMPORT_RSS_MIB})
 
 
 def cmd_matmul(a):
@@ -349,7 +357,8 @@ def cmd_matmul(a):
     emit({"peer": "pytorch-eager", "bench": "matmul", "torch": torch.__version__, "blas": blas_name(),
           "threads": a.threads, "m": a.m, "n": a.n, "k": a.k, "s_median": round(med, 6),
           "s_all": [round(t, 6) for t in ts], "gflops": round(2.0 * a.m * a.n * a.k / med / 1e9, 1),
-          "peak_rss_mib": round(peak_rss_mib(), 1)})
+          "peak_rss_mib": round(peak_rss_mib(), 1),
+          "import_rss_mib": IMPORT_RSS_MIB})
 
 
 def main():
@@ -389,6 +398,8 @@ def main():
         v = getattr(a, name, None)
         if v is not None and v < 1:
             sys.exit("error: --%s is %d; it must be >= 1" % (name.replace("_", "-"), v))
+    global IMPORT_RSS_MIB
+    IMPORT_RSS_MIB = round(peak_rss_mib(), 1)
     torch.set_num_threads(a.threads)
     {"step": cmd_step, "attention": cmd_attention, "matmul": cmd_matmul}[a.cmd](a)
 

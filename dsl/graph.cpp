@@ -26,6 +26,7 @@ const char* op_name(Op op) {
     case Op::RmsNormGradW: return "rms_norm_grad_w";
     case Op::Rope: return "rope";
     case Op::Attention: return "attention";
+    case Op::AttentionLse: return "attention_lse";
     case Op::AttentionGradQ: return "attention_grad_q";
     case Op::AttentionGradK: return "attention_grad_k";
     case Op::AttentionGradV: return "attention_grad_v";

@@ -32,9 +32,10 @@ enum class Op {
   RmsNormGradW,      // (x, dy) -> [A]
   Rope,              // (x, positions): rotate-half RoPE over head_dim
   Attention,         // (q, k, v, positions): causal grouped-query attention
-  AttentionGradQ,    // (q, k, v, positions, out, dout)
-  AttentionGradK,    // (q, k, v, positions, out, dout)
-  AttentionGradV,    // (q, k, v, positions, out, dout)
+  AttentionLse,      // (q, k, positions) -> [batch, seq, heads]: log-sum-exp of each score row
+  AttentionGradQ,    // (q, k, v, positions, out, dout, lse)
+  AttentionGradK,    // (q, k, v, positions, out, dout, lse)
+  AttentionGradV,    // (q, k, v, positions, out, dout, lse)
   CrossEntropy,      // (logits, labels) -> scalar mean over non-ignored tokens
   CrossEntropyGrad,  // (logits, labels, dloss)
 };

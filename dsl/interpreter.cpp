@@ -223,12 +223,35 @@ std::vector<T> attention(const std::vector<T>& q, const std::vector<T>& k, const
   return out;
 }
 
-// dq, dk, dv of attention from dout and the forward output (D_i = rowsum(dO*O)).
+// lse[b, i, h] = log sum over visible keys j of exp(q_i . k_j / sqrt(d)).
+template <class T>
+std::vector<T> attention_lse(const std::vector<T>& q, const std::vector<T>& k, const std::vector<int32_t>& pos,
+                             const AttentionShape<T>& sh) {
+  std::vector<T> out(static_cast<size_t>(sh.B * sh.S * sh.H));
+  const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
+  for (int64_t b = 0; b < sh.B; ++b)
+    for (int64_t h = 0; h < sh.H; ++h) {
+      Mat<T> s = (sh.view(q, b, h, sh.H) * sh.view(k, b, h / (sh.H / sh.KV), sh.KV).transpose()) * scale;
+      const int32_t* p = pos.data() + b * sh.S;
+      for (int64_t i = 0; i < sh.S; ++i) {
+        T mx = -std::numeric_limits<T>::infinity(), sum = 0;
+        for (int64_t j = 0; j < sh.S; ++j)
+          if (p[j] <= p[i]) mx = std::max(mx, s(i, j));
+        for (int64_t j = 0; j < sh.S; ++j)
+          if (p[j] <= p[i]) sum += std::exp(s(i, j) - mx);
+        out[static_cast<size_t>((b * sh.S + i) * sh.H + h)] = mx + std::log(sum);
+      }
+    }
+  return out;
+}
+
+// dq, dk, dv of attention from dout, the forward output (D_i = rowsum(dO*O))
+// and the row log-sum-exps (P = exp(S - lse) on visible keys).
 template <class T>
 std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q, const std::vector<T>& k,
                                                  const std::vector<T>& v, const std::vector<int32_t>& pos,
                                                  const std::vector<T>& o, const std::vector<T>& dout,
-                                                 const AttentionShape<T>& sh) {
+                                                 const std::vector<T>& lse, const AttentionShape<T>& sh) {
   std::array<std::vector<T>, 3> d{std::vector<T>(q.size(), T(0)), std::vector<T>(k.size(), T(0)),
                                   std::vector<T>(v.size(), T(0))};
   const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
@@ -239,7 +262,11 @@ std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q, const 
       auto K = sh.view(k, b, g, sh.KV);
       auto V = sh.view(v, b, g, sh.KV);
       auto dO = sh.view(dout, b, h, sh.H);
-      Mat<T> p = attention_probs<T>((Q * K.transpose()) * scale, pos.data() + b * sh.S, sh.S);
+      Mat<T> p = (Q * K.transpose()) * scale;
+      const int32_t* ps = pos.data() + b * sh.S;
+      for (int64_t i = 0; i < sh.S; ++i)
+        for (int64_t j = 0; j < sh.S; ++j)
+          p(i, j) = ps[j] <= ps[i] ? std::exp(p(i, j) - lse[static_cast<size_t>((b * sh.S + i) * sh.H + h)]) : T(0);
       Mat<T> dp = dO * V.transpose();
       Eigen::Matrix<T, Eigen::Dynamic, 1> rows = dO.cwiseProduct(sh.view(o, b, h, sh.H)).rowwise().sum();
       Mat<T> ds = p.cwiseProduct(dp.colwise() - rows) * scale;
@@ -404,10 +431,13 @@ void Interpreter<T>::eval(const Node& n) {
     case Op::Attention:
       out = attention(F(0), F(1), F(2), I(3), AttentionShape<T>(type(0), type(1)));
       return;
+    case Op::AttentionLse:
+      out = attention_lse(F(0), F(1), I(2), AttentionShape<T>(type(0), type(1)));
+      return;
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV: {
-      auto d = attention_backward(F(0), F(1), F(2), I(3), F(4), F(5), AttentionShape<T>(type(0), type(1)));
+      auto d = attention_backward(F(0), F(1), F(2), I(3), F(4), F(5), F(6), AttentionShape<T>(type(0), type(1)));
       out = std::move(d[n.op == Op::AttentionGradQ ? 0 : n.op == Op::AttentionGradK ? 1 : 2]);
       return;
     }

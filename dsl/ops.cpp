@@ -249,13 +249,26 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::Attention:
       c.arity(4);
       return attention_type(c);
+    case Op::AttentionLse: {
+      c.arity(3);
+      c.is_float_operand(0);
+      c.is_float_operand(1);
+      c.same_dtype(0, 1);
+      c.layout(0, {"batch", "seq", "heads", "head_dim"}, "query");
+      c.layout(1, {"batch", "seq", "kv_heads", "head_dim"}, "key");
+      c.is_int_operand(2, "positions");
+      c.layout(2, {"batch", "seq"}, "positions");
+      const TensorType& q = c.t(0);
+      return TensorType{q.dtype, {q.axes[0], q.axes[1], q.axes[2]}};
+    }
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV: {
-      c.arity(6);
+      c.arity(7);
       attention_type(c);
       c.same_type(0, 4);
       c.same_type(0, 5);
+      HALYARD_CHECK(c.t(6).rank() == 3, "lse must be [batch, seq, heads]");
       return c.t(op == Op::AttentionGradQ ? 0 : op == Op::AttentionGradK ? 1 : 2);
     }
     case Op::CrossEntropy:
@@ -376,8 +389,12 @@ Value rms_norm_grad_w(Value x, Value dy, const std::string& axis, double eps) {
   return x.graph->add(Op::RmsNormGradW, {x, dy}, a);
 }
 
-Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout) {
-  return q.graph->add(which, {q, k, v, positions, out, dout});
+Value attention_lse(Value q, Value k, Value positions) {
+  return q.graph->add(Op::AttentionLse, {q, k, positions});
+}
+
+Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse) {
+  return q.graph->add(which, {q, k, v, positions, out, dout, lse});
 }
 
 Value cross_entropy_grad(Value logits, Value labels, Value dloss, int64_t ignore_index) {

@@ -47,7 +47,9 @@ Value embedding_grad(Value dy, Value ids, int64_t vocab);
 Value silu_grad(Value x, Value dy);
 Value rms_norm_grad_x(Value x, Value w, Value dy, double eps);
 Value rms_norm_grad_w(Value x, Value dy, const std::string& axis, double eps);
-Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout);
+// The softmax statistics the backward reuses: lse[b, i, h] = log sum_j exp(score).
+Value attention_lse(Value q, Value k, Value positions);
+Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse);
 Value cross_entropy_grad(Value logits, Value labels, Value dloss, int64_t ignore_index);
 
 // The type rule of every op: the result type of `op` on these inputs, or a

@@ -47,11 +47,13 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       d[0] = rope(dy, in(1), n.attrs.theta, n.attrs.rope_scaling, !n.attrs.inverse);
       break;
     case Op::Attention: {
-      // o = softmax(q k^T / sqrt(d) + causal) v; the backward reads o (flash-style).
+      // o = softmax(q k^T / sqrt(d) + causal) v. Flash-style, the backward reads
+      // o and each score row's log-sum-exp, and recomputes the probabilities.
       Value out = g.value(n.id);
+      Value lse = attention_lse(in(0), in(1), in(3));
       const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
       for (size_t k = 0; k < 3; ++k)
-        if (want(k)) d[k] = attention_grad(which[k], in(0), in(1), in(2), in(3), out, dy);
+        if (want(k)) d[k] = attention_grad(which[k], in(0), in(1), in(2), in(3), out, dy, lse);
       break;
     }
     case Op::CrossEntropy:

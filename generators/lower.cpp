@@ -324,6 +324,7 @@ Func Ctx::lower(int id) {
       break;
     }
     case Op::Attention:
+    case Op::AttentionLse:
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV:
@@ -375,12 +376,14 @@ Func Ctx::lower(int id) {
   return f;
 }
 
-// Causal grouped-query attention and its three gradients, flash-style: the
-// scores of a tile of queries (or keys) are computed inside the tile loop and
-// never exist whole; softmax statistics are an online (max, sum) reduction.
+// Causal grouped-query attention, its row statistics and its three gradients,
+// flash-style: scores exist only for one tile of queries (or keys) at a time,
+// and every product of two matrices (q k^T, p v, dO v^T, ds k, ds^T q, p^T dO)
+// is an accumulator Func that the schedule keeps in registers over the whole
+// reduction. Tile sizes come from the schedule (schedule_cpu.cpp).
 void Ctx::attention(int id, Func out) {
   const Node& n = g.node(id);
-  const int qid = n.inputs[0], kid = n.inputs[1], vid = n.inputs[2], pid = n.inputs[3];
+  const int qid = n.inputs[0], kid = n.inputs[1];
   const TensorType& qt = type(qid);
   const TensorType& kt = type(kid);
   const Type T = halide_type(qt.dtype);
@@ -388,125 +391,110 @@ void Ctx::attention(int id, Func out) {
             KV = static_cast<int>(kt.size("kv_heads")), D = static_cast<int>(qt.size("head_dim"));
   const int grp = H / KV;
   const Expr scale = num(T, 1.0 / std::sqrt(static_cast<double>(D)));
+  const Expr lowest = num(T, -1e30);
   Var d("d"), h("h"), i("i"), j("j"), b("b"), gk("g");
-  auto acc4 = [&](int vid4, const std::string& heads_axis, Expr dd, Expr hh, Expr ss, Expr bb) {
-    Env ev{{"head_dim", dd}, {heads_axis, hh}, {"seq", ss}, {"batch", bb}};
-    return at(vid4, ev);
-  };
+  AttentionFuncs& A = ls.funcs.attn;
+  A.kind = static_cast<int>(n.op);
+  A.S = S;
+  A.D = D;
+  A.grp = grp;
   // Operands that are inlined expressions (e.g. rope of a projection) are computed once.
   auto operand = [&](int vid4, const std::string& heads_axis, const std::string& name) {
     Func f(name);
-    f(d, h, i, b) = acc4(vid4, heads_axis, d, h, i, b);
+    f(d, h, i, b) = at(vid4, Env{{"head_dim", d}, {heads_axis, h}, {"seq", i}, {"batch", b}});
     if (std::find(st.inputs.begin(), st.inputs.end(), vid4) == st.inputs.end()) ls.funcs.root_copies.push_back(f);
     return f;
   };
-  Func q = operand(qid, "heads", "q_s"), k = operand(kid, "kv_heads", "k_s"), v = operand(vid, "kv_heads", "v_s");
+  // [d, seq] operands transposed to [seq, d], so products vectorize over keys.
+  auto transposed = [&](Func x, const std::string& name) {
+    Func t(name);
+    t(j, d, gk, b) = x(d, gk, j, b);
+    ls.funcs.root_copies.push_back(t);
+    return t;
+  };
+  Func q = operand(qid, "heads", "q_s"), k = operand(kid, "kv_heads", "k_s");
   Func pos("pos_s");
-  pos(i, b) = at(pid, Env{{"seq", i}, {"batch", b}});
-  // Keys with the sequence innermost, so scores vectorize over keys.
-  Func kT("kT");
-  kT(j, d, gk, b) = k(d, gk, j, b);
-  ls.funcs.root_copies.push_back(kT);
-  RDom rd(0, D, "rd"), rj(0, S, "rj"), ri(0, S, "ri");
+  pos(i, b) = at(n.inputs[n.op == Op::AttentionLse ? 2 : 3], Env{{"seq", i}, {"batch", b}});
+  Func kT = transposed(k, "kT");
+  Expr visible = pos(j, b) <= pos(i, b);
+  RDom rd(0, D, "rd"), rj(0, S, "rj");
 
-  auto scores = [&](const std::string& name) {  // s[j, i, h, b] = q_i . k_j
-    Func s(name);
-    s(j, i, h, b) = cast(T, 0);
-    s(j, i, h, b) += q(rd, h, i, b) * kT(j, rd, h / grp, b);
-    return s;
-  };
-  auto valid = [&](Expr jj, Expr ii, Expr bb) { return pos(jj, bb) <= pos(ii, bb); };
-  // Online (max, sum of exp) over keys; lse = max + log(sum).
-  auto stats = [&](Func s, const std::string& name) {
-    Func st2(name + "_ms"), lse(name);
-    st2(i, h, b) = Tuple(num(T, -1e30), num(T, 0));
-    Expr x = s(rj, i, h, b) * scale, ok = valid(rj, i, b);
-    Expr m0 = st2(i, h, b)[0], l0 = st2(i, h, b)[1];
-    Expr m1 = select(ok, max(m0, x), m0);
-    st2(i, h, b) = Tuple(m1, l0 * exp(m0 - m1) + select(ok, exp(x - m1), cast(T, 0)));
-    lse(i, h, b) = st2(i, h, b)[0] + log(st2(i, h, b)[1]);
-    return std::pair{st2, lse};
-  };
-  auto probs = [&](Func s, Func lse, const std::string& name) {
-    Func p(name);
-    p(j, i, h, b) = select(valid(j, i, b), exp(s(j, i, h, b) * scale - lse(i, h, b)), cast(T, 0));
-    return p;
-  };
-  Func red("red");
-  ls.funcs.attention_kind = static_cast<int>(n.op);
+  // scores[j, i, h] = q_i . k_j * scale
+  Func s_acc("s_acc"), s("s");
+  s_acc(j, i, h, b) = cast(T, 0);
+  s_acc(j, i, h, b) += q(rd, h, i, b) * kT(j, rd, h / grp, b);
+  s(j, i, h, b) = s_acc(j, i, h, b) * scale;
+  A.products.push_back({s, s_acc, j, i});
 
-  if (n.op == Op::Attention || n.op == Op::AttentionGradQ) {
-    // Tiled over queries: everything per (b, h, query tile).
-    Func s = scores("s");
-    auto [ms, lse] = stats(s, "lse");
-    Func p = probs(s, lse, "p");
-    if (n.op == Op::Attention) {
-      red(d, h, i, b) = cast(T, 0);
-      red(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
-      ls.funcs.tile_funcs = {s, ms, lse, p, red};
-      ls.funcs.tile_reductions = {s, red};
-    } else {
-      const int oid = n.inputs[4], doid = n.inputs[5];
-      Func o = operand(oid, "heads", "o_s"), dO = operand(doid, "heads", "do_s");
-      Func vT("vT");
-      vT(j, d, gk, b) = v(d, gk, j, b);
-      ls.funcs.root_copies.push_back(vT);
-      Func Dsum("dsum");  // rowsum(dO * O)
-      Dsum(i, h, b) = cast(T, 0);
-      Dsum(i, h, b) += dO(rd, h, i, b) * o(rd, h, i, b);
-      ls.funcs.small.push_back(Dsum);
-      Func dp("dp"), ds("ds");
-      dp(j, i, h, b) = cast(T, 0);
-      dp(j, i, h, b) += dO(rd, h, i, b) * vT(j, rd, h / grp, b);
-      ds(j, i, h, b) = p(j, i, h, b) * (dp(j, i, h, b) - Dsum(i, h, b)) * scale;
-      red(d, h, i, b) = cast(T, 0);
-      red(d, h, i, b) += ds(rj, i, h, b) * k(d, h / grp, rj, b);
-      ls.funcs.tile_funcs = {s, ms, lse, dp, ds, red};
-      ls.funcs.tile_reductions = {s, dp, red};
-    }
-    out(d, h, i, b) = red(d, h, i, b);
-    ls.funcs.tile_var = i;
-  } else {
-    // dK, dV: tiled over keys; softmax statistics of every query row first.
-    Func s_rows = scores("s_rows");
-    auto [ms, lse] = stats(s_rows, "lse_rows");
-    ls.funcs.small.push_back(lse);  // scheduled with its own row loop
-    ls.funcs.row_funcs = {s_rows, ms};
-    ls.funcs.row_owner = lse;
-    Func s = scores("s");
-    Func p = probs(s, lse, "p");
-    const int doid = n.inputs[5];
-    Func dO = operand(doid, "heads", "do_s");
-    RDom rg(0, grp, 0, S, "rg");  // (head within the group, query)
-    Expr hh = gk * grp + rg.x;
-    if (n.op == Op::AttentionGradV) {
-      red(d, gk, j, b) = cast(T, 0);
-      red(d, gk, j, b) += p(j, rg.y, hh, b) * dO(d, hh, rg.y, b);
-      ls.funcs.tile_funcs = {s, p, red};
-      ls.funcs.tile_reductions = {s, red};
-    } else {
-      const int oid = n.inputs[4];
-      Func o = operand(oid, "heads", "o_s");
-      Func vT("vT");
-      vT(j, d, gk, b) = v(d, gk, j, b);
-      ls.funcs.root_copies.push_back(vT);
-      Func Dsum("dsum");
-      Dsum(i, h, b) = cast(T, 0);
-      Dsum(i, h, b) += dO(rd, h, i, b) * o(rd, h, i, b);
-      ls.funcs.small.push_back(Dsum);
-      Func dp("dp"), ds("ds");
-      dp(j, i, h, b) = cast(T, 0);
-      dp(j, i, h, b) += dO(rd, h, i, b) * vT(j, rd, h / grp, b);
-      ds(j, i, h, b) = p(j, i, h, b) * (dp(j, i, h, b) - Dsum(i, h, b)) * scale;
-      red(d, gk, j, b) = cast(T, 0);
-      red(d, gk, j, b) += ds(j, rg.y, hh, b) * q(d, hh, rg.y, b);
-      ls.funcs.tile_funcs = {s, p, dp, red};
-      ls.funcs.tile_reductions = {s, dp, red};
-    }
-    out(d, gk, j, b) = red(d, gk, j, b);
-    ls.funcs.tile_var = j;
+  auto row_stats = [&]() {  // max and sum of exp over visible keys, per query row
+    Func m("row_max"), l("row_sum");
+    Expr vis_r = pos(rj, b) <= pos(i, b);
+    m(i, h, b) = lowest;
+    m(i, h, b) = max(m(i, h, b), select(vis_r, s(rj, i, h, b), lowest));
+    l(i, h, b) = cast(T, 0);
+    l(i, h, b) += select(vis_r, exp(s(rj, i, h, b) - m(i, h, b)), cast(T, 0));
+    A.row_reductions = {m, l};
+    return std::pair{m, l};
+  };
+
+  if (n.op == Op::AttentionLse) {
+    auto [m, l] = row_stats();
+    out(h, i, b) = m(i, h, b) + log(l(i, h, b));  // layout [batch, seq, heads]
+    A.tile_var = i;
+    return;
   }
-  (void)KV;
+  Func v = operand(n.inputs[2], "kv_heads", "v_s");
+  if (n.op == Op::Attention) {
+    auto [m, l] = row_stats();
+    Func p("p"), o_acc("o_acc");
+    p(j, i, h, b) = select(visible, exp(s(j, i, h, b) - m(i, h, b)), cast(T, 0));
+    o_acc(d, h, i, b) = cast(T, 0);
+    o_acc(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
+    out(d, h, i, b) = o_acc(d, h, i, b) / l(i, h, b);
+    A.pointwise = {p};
+    A.out_acc = o_acc;
+    A.tile_var = i;
+    return;
+  }
+  // Gradients: P = exp(S - lse) from the saved statistics, D_i = rowsum(dO * O).
+  Func o = operand(n.inputs[4], "heads", "o_s"), dO = operand(n.inputs[5], "heads", "do_s");
+  Func lse("lse_s");
+  lse(i, h, b) = at(n.inputs[6], Env{{"batch", b}, {"seq", i}, {"heads", h}});
+  Func p("p");
+  p(j, i, h, b) = select(visible, exp(s(j, i, h, b) - lse(i, h, b)), cast(T, 0));
+  A.pointwise = {p};
+  Func dsum("dsum");
+  dsum(i, h, b) = cast(T, 0);
+  dsum(i, h, b) += dO(rd, h, i, b) * o(rd, h, i, b);
+  ls.funcs.small.push_back(dsum);
+  Func ds("ds");
+  if (n.op != Op::AttentionGradV) {
+    Func vT = transposed(v, "vT");
+    Func dp_acc("dp_acc"), dp("dp");
+    dp_acc(j, i, h, b) = cast(T, 0);
+    dp_acc(j, i, h, b) += dO(rd, h, i, b) * vT(j, rd, h / grp, b);
+    dp(j, i, h, b) = dp_acc(j, i, h, b);
+    A.products.push_back({dp, dp_acc, j, i});
+    ds(j, i, h, b) = p(j, i, h, b) * (dp(j, i, h, b) - dsum(i, h, b)) * scale;
+    A.pointwise.push_back(ds);
+  }
+  Func acc("grad_acc");
+  if (n.op == Op::AttentionGradQ) {  // dq[d, i] = sum_j ds[j, i] k[d, j]
+    acc(d, h, i, b) = cast(T, 0);
+    acc(d, h, i, b) += ds(rj, i, h, b) * k(d, h / grp, rj, b);
+    out(d, h, i, b) = acc(d, h, i, b);
+    A.tile_var = i;
+  } else {  // dk[d, j] = sum_{h in group, i} ds[j, i, h] q[d, h, i]; dv likewise with p and dO
+    RDom ri(0, grp, 0, S, "ri");
+    Expr hh = gk * grp + ri.x;
+    Func src = n.op == Op::AttentionGradK ? ds : p;
+    Func other = n.op == Op::AttentionGradK ? q : dO;
+    acc(d, gk, j, b) = cast(T, 0);
+    acc(d, gk, j, b) += src(j, ri.y, hh, b) * other(d, hh, ri.y, b);
+    out(d, gk, j, b) = acc(d, gk, j, b);
+    A.tile_var = j;
+  }
+  A.out_acc = acc;
 }
 
 }  // namespace
@@ -521,7 +509,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   Ctx c{g, st, ls, for_autoscheduler, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
-  if (ls.funcs.attention_kind >= 0) {
+  if (ls.funcs.attn.kind >= 0) {
     // attention's output Func uses its own short var names
     ls.funcs.out_vars.clear();
     for (const auto& a : ls.funcs.out.args()) ls.funcs.out_vars.push_back(a);

@@ -20,20 +20,32 @@
 
 namespace halyard {
 
+// A product of two matrices inside attention: `wrapper` stores what the
+// accumulator `acc` sums; `col` is vectorized, `row` register-blocked.
+struct AttentionProduct {
+  Halide::Func wrapper, acc;
+  Halide::Var col, row;
+};
+
+// The Funcs of an attention kernel, for its schedule.
+struct AttentionFuncs {
+  int kind = -1;                               // the Op (as int), -1 for other kernels
+  int S = 0, D = 0, grp = 1;
+  Halide::Var tile_var;                        // the output axis tiled: queries (i) or keys (j)
+  std::vector<AttentionProduct> products;      // scores, dP: computed per tile
+  std::vector<Halide::Func> pointwise;         // probabilities, dS: per tile, vectorized
+  std::vector<Halide::Func> row_reductions;    // row max and sum: per tile
+  Halide::Func out_acc;                        // the output's accumulator (register tile)
+};
+
 // What the schedulers need to know about the Funcs a stage was lowered to.
 struct StageFuncs {
   Halide::Func out;                         // the root, named "out"
   std::vector<Halide::Var> out_vars;        // Halide order (innermost first)
   std::vector<Halide::Func> small;          // per-token/row helpers (norm scales, lse, tables)
-  std::vector<Halide::Func> row_funcs;      // computed per query row of row_owner
-  Halide::Func row_owner;                   // attention: the per-row softmax statistics
   std::vector<Halide::Func> staged;         // operands a heavy op reads many times
   std::vector<Halide::Func> root_copies;    // transposed copies computed once per call
-  // Attention only: the per-tile Funcs computed at the output's tile loop.
-  std::vector<Halide::Func> tile_funcs;
-  std::vector<Halide::Func> tile_reductions;  // updates to vectorize over their first var
-  Halide::Var tile_var;                     // the query (or key) axis that is tiled
-  int attention_kind = -1;                  // -1 none, else the Op as int
+  AttentionFuncs attn;                      // attention kernels only (attn.kind >= 0)
   bool is_contract = false;
   Halide::RDom contract_rdom;
   Halide::Func contract_acc;                // the reduction; `out` copies it

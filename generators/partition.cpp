@@ -18,6 +18,7 @@ bool is_heavy(Op op) {
     case Op::RmsNormGradX:
     case Op::RmsNormGradW:
     case Op::Attention:
+    case Op::AttentionLse:
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV:

@@ -84,34 +84,70 @@ void schedule_contract(StageFuncs& F, const Graph& g, const Stage& st, int vec) 
   }
 }
 
+// Register-blocks a product of two matrices computed per tile: `col`
+// vectorized (VN wide), RT rows, the accumulator kept across its reduction.
+void product(AttentionProduct pr, int col_extent, int row_extent, int vec) {
+  const int VN = std::min(2 * vec, col_extent), RT = std::min(8, row_extent);
+  Var co("co"), ci("ci"), ro("ro"), rr("rr");
+  pr.wrapper.tile(pr.col, pr.row, co, ro, ci, rr, VN, RT, TailStrategy::ShiftInwards)
+      .vectorize(ci, std::min(vec, VN))
+      .unroll(rr);
+  pr.acc.compute_at(pr.wrapper, co).vectorize(pr.col, std::min(vec, VN)).unroll(pr.row);
+  auto red = pr.acc.update().get_schedule().rvars();
+  std::vector<VarOrRVar> order = {pr.col, pr.row};
+  for (const auto& r : red) order.push_back(RVar(r.var));
+  pr.acc.update().reorder(order).vectorize(pr.col, std::min(vec, VN)).unroll(pr.col).unroll(pr.row);
+}
+
 void schedule_attention(StageFuncs& F, int vec) {
+  AttentionFuncs& A = F.attn;
   Func out = F.out;
-  auto args = out.args();  // (d, h|g, i|j, b)
-  Var d = args[0], h = args[1], t = args[2], b = args[3];
-  Var to("to"), ti("ti"), par("par"), par2("par2");
-  const bool query_tiles = F.tile_var.name() == "i";
-  out.split(t, to, ti, query_tiles ? 32 : 16, kGuard)
-      .reorder(d, ti, h, to, b)
-      .fuse(h, to, par)
-      .fuse(par, b, par2)
-      .parallel(par2)
-      .vectorize(d, vec, kGuard);
-  for (Func f : F.tile_funcs) {
-    f.compute_at(out, par2);
-    auto fa = f.args();
-    f.vectorize(fa.front(), vec, kGuard);
-    // The online (max, sum) statistics run along keys; nothing to vectorize.
-    if (f.outputs() > 1) f.update().unscheduled();
+  auto args = out.args();
+  const bool key_tiles = A.tile_var.name() == "j";
+  const int tile = std::min(key_tiles ? 32 : 64, A.S);
+  Var to("to"), tt("tt"), p1("p1"), par("par");
+  if (A.kind == static_cast<int>(Op::AttentionLse)) {  // out(h, i, b)
+    Var h = args[0], i = args[1], b = args[2];
+    out.split(i, to, tt, tile, TailStrategy::ShiftInwards)
+        .reorder(tt, h, to, b)
+        .fuse(h, to, p1)
+        .fuse(p1, b, par)
+        .parallel(par);
+  } else {  // out(d, h|g, i|j, b)
+    Var d = args[0], h = args[1], t = args[2], b = args[3];
+    out.split(t, to, tt, tile, TailStrategy::ShiftInwards)
+        .reorder(d, tt, h, to, b)
+        .fuse(h, to, p1)
+        .fuse(p1, b, par)
+        .parallel(par);
+    // The output tile [d x rows] is summed in registers over all keys (or queries).
+    const int VN = std::min(2 * vec, A.D), RT = std::min(8, tile);
+    Var dout("dout"), di("di"), tto("tto"), tti("tti");
+    out.split(tt, tto, tti, RT, TailStrategy::ShiftInwards)
+        .split(d, dout, di, VN, TailStrategy::ShiftInwards)
+        .reorder(di, tti, dout, tto, par)
+        .vectorize(di, std::min(vec, VN))
+        .unroll(tti);
+    Func acc = A.out_acc;
+    auto aa = acc.args();
+    acc.compute_at(out, dout).vectorize(aa[0], std::min(vec, VN)).unroll(aa[2]);
+    std::vector<VarOrRVar> order = {aa[0], aa[2]};
+    auto rvars = acc.update().get_schedule().rvars();
+    for (auto it = rvars.rbegin(); it != rvars.rend(); ++it) order.push_back(RVar(it->var));
+    // keep the query loop inside the head loop for dK/dV (ri.y inside ri.x)
+    if (rvars.size() == 2) order = {aa[0], aa[2], RVar(rvars[1].var), RVar(rvars[0].var)};
+    acc.update().reorder(order).vectorize(aa[0], std::min(vec, VN)).unroll(aa[0]).unroll(aa[2]);
   }
-  for (Func f : F.tile_reductions) {
-    auto fa = f.args();
-    f.update().vectorize(fa.front(), vec, kGuard);
+  // Per tile: scores (and dP), probabilities (and dS), row statistics.
+  for (AttentionProduct pr : A.products) {
+    pr.wrapper.compute_at(out, par);
+    product(pr, key_tiles ? tile : A.S, key_tiles ? A.S : tile, vec);
   }
-  if (F.row_owner.defined()) {
-    auto ra = F.row_owner.args();  // (i, h, b)
-    F.row_owner.compute_root().parallel(ra[2]).parallel(ra[1]);
-    for (Func f : F.row_funcs) f.compute_at(F.row_owner, ra[0]);
-    F.row_funcs[0].update().vectorize(F.row_funcs[0].args().front(), vec, kGuard);
+  for (Func f : A.pointwise) f.compute_at(out, par).vectorize(f.args().front(), vec, kGuard);
+  for (Func f : A.row_reductions) {
+    f.compute_at(out, par);
+    auto rvars = f.update().get_schedule().rvars();
+    f.update().atomic().vectorize(RVar(rvars[0].var), vec);
   }
 }
 
@@ -120,17 +156,14 @@ void schedule_attention(StageFuncs& F, int vec) {
 void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target& t) {
   StageFuncs& F = ls.funcs;
   const int vec = t.natural_vector_size(halide_type(g.node(st.root).type.dtype));
-  for (Func f : F.small) {
-    if (F.row_owner.defined() && f.name() == F.row_owner.name()) continue;
-    f.compute_root();
-  }
+  for (Func f : F.small) f.compute_root();
   for (Func f : F.root_copies) {
     f.compute_root();
     pointwise(f, vec);
   }
   if (F.is_contract) {
     schedule_contract(F, g, st, vec);
-  } else if (F.attention_kind >= 0) {
+  } else if (F.attn.kind >= 0) {
     schedule_attention(F, vec);
   } else {
     Func out = F.out;

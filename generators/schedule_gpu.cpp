@@ -38,8 +38,13 @@ void on_gpu(Func f) {
 
 void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
   StageFuncs& F = ls.funcs;
-  for (auto* list : {&F.small, &F.row_funcs, &F.staged, &F.root_copies, &F.tile_funcs})
-    for (Func f : *list) on_gpu(f);
+  std::vector<Func> all = F.small;
+  for (auto* list : {&F.staged, &F.root_copies, &F.attn.pointwise, &F.attn.row_reductions})
+    all.insert(all.end(), list->begin(), list->end());
+  for (const AttentionProduct& p : F.attn.products) all.insert(all.end(), {p.wrapper, p.acc});
+  if (F.attn.out_acc.defined()) all.push_back(F.attn.out_acc);
+  if (F.contract_acc.defined()) all.push_back(F.contract_acc);
+  for (Func f : all) on_gpu(f);
   on_gpu(F.out);
 }
 

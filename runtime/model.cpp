@@ -41,6 +41,7 @@ Model::Block Model::allocate(int64_t bytes) {
 }
 
 Model::Model(const ModelSpec& spec) : spec_(spec) {
+  keep_freed_memory();
   int64_t total = 0;
   for (int i = 0; i < spec.num_params; ++i) {
     offsets_.push_back(total);

@@ -21,6 +21,10 @@
 
 namespace halyard::runtime {
 
+// Tunes glibc so that memory freed by kernels stays in the heap (see model.cpp).
+// Model does this itself; programs that call kernels directly (benchmarks) call it.
+void keep_freed_memory();
+
 class Model {
  public:
   explicit Model(const ModelSpec& spec);

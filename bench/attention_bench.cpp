@@ -1,0 +1,91 @@
+// Causal grouped-query attention, forward + backward, as Halyard generates it.
+//
+// Builds attention in the DSL, differentiates it, and JIT-compiles the five
+// attention kernels of the joint graph (forward, row statistics, dQ, dK, dV)
+// with the same lowering and CPU schedule an AOT build uses. Prints one JSON
+// line: median seconds of forward and of forward+backward, and peak RSS (the
+// kernels never hold a [seq, seq] matrix). scripts/bench.sh prints it next to
+// PyTorch's attention on the same shapes.
+//   attention_bench [--seq S] [--heads H] [--kv-heads KV] [--head-dim D] [--threads T] [--reps R]
+#include <HalideBuffer.h>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "bench/bench_util.h"
+#include "dsl/autodiff.h"
+#include "dsl/ops.h"
+#include "generators/lowering.h"
+#include "runtime/model.h"
+
+using namespace halyard;
+
+int main(int argc, char** argv) {
+  std::map<std::string, int> o = {{"--seq", 4096}, {"--heads", 8}, {"--kv-heads", 2}, {"--head-dim", 32}, {"--threads", 2}, {"--reps", 5}};
+  for (int i = 1; i + 1 < argc; i += 2) o[argv[i]] = std::atoi(argv[i + 1]);
+  runtime::keep_freed_memory();
+  setenv("HL_NUM_THREADS", std::to_string(o["--threads"]).c_str(), 1);
+  const Axis B{"batch", 1}, S{"seq", o["--seq"]}, H{"heads", o["--heads"]}, KV{"kv_heads", o["--kv-heads"]},
+      D{"head_dim", o["--head-dim"]};
+  Graph g;
+  Value q = param(g, "q", DType::f32, {B, S, H, D});
+  Value k = param(g, "k", DType::f32, {B, S, KV, D});
+  Value v = param(g, "v", DType::f32, {B, S, KV, D});
+  Value pos = input(g, "position_ids", DType::i32, {B, S});
+  Value out = attention(q, k, v, pos);
+  Value r = input(g, "r", DType::f32, out.type().axes);
+  Value loss = contract_to(out, r, {});
+  Gradients grads = grad(loss, {q, k, v});
+  Partition p = partition(g, {grads[q].id, grads[k].id, grads[v].id}, Schedule{});
+
+  // Every buffer a stage reads or writes, filled with small random-ish values.
+  std::map<int, Halide::Buffer<>> bufs;
+  auto buffer = [&](int id) -> Halide::Buffer<>& {
+    auto it = bufs.find(id);
+    if (it != bufs.end()) return it->second;
+    const TensorType& t = g.node(id).type;
+    std::vector<int> sizes;
+    for (int d = t.rank() - 1; d >= 0; --d) sizes.push_back(static_cast<int>(t.axes[static_cast<size_t>(d)].size));
+    Halide::Buffer<> b(halide_type(t.dtype), sizes);
+    if (t.dtype == DType::i32) {
+      Halide::Buffer<int32_t> bi(b);
+      bi.for_each_element([&](const int* c) { bi(c) = c[0]; });  // positions 0..S-1
+    } else {
+      Halide::Buffer<float> bf(b);
+      unsigned x = 1;
+      bf.for_each_value([&](float& f) { x = x * 1664525u + 1013904223u; f = static_cast<float>(x >> 8) / (1 << 24) - 0.5f; });
+    }
+    return bufs.emplace(id, b).first->second;
+  };
+  struct Kernel {
+    std::string name;
+    LoweredStage ls;
+    int root;
+  };
+  std::vector<Kernel> kernels;
+  Halide::Target t = Halide::get_host_target();
+  for (const Stage& st : p.stages) {
+    Op op = g.node(st.root).op;
+    if (op != Op::Attention && op != Op::AttentionLse && op != Op::AttentionGradQ && op != Op::AttentionGradK &&
+        op != Op::AttentionGradV)
+      continue;
+    LoweredStage ls = lower_stage(g, st);
+    schedule_cpu(ls, g, st, t);
+    for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(buffer(st.inputs[i]));
+    ls.pipeline.compile_jit(t);
+    kernels.push_back({op_name(op), std::move(ls), st.root});
+  }
+  double fwd = 0, total = 0;
+  for (Kernel& kern : kernels) {
+    Halide::Buffer<>& dst = buffer(kern.root);
+    const double s = bench::median_seconds([&] { kern.ls.pipeline.realize(Halide::Realization({dst})); }, o["--reps"]);
+    total += s;
+    if (kern.name == "attention") fwd = s;
+    std::fprintf(stderr, "  %-18s %8.1f ms\n", kern.name.c_str(), s * 1e3);
+  }
+  std::printf("{\"peer\":\"halyard\",\"bench\":\"attention\",\"seq\":%d,\"heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,"
+              "\"threads\":%d,\"forward_s\":%.4f,\"forward_backward_s\":%.4f,\"peak_rss_mib\":%.1f}\n",
+              o["--seq"], o["--heads"], o["--kv-heads"], o["--head-dim"], o["--threads"], fwd, total, bench::peak_rss_mib());
+  return 0;
+}

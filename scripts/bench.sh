@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Benchmarks: builds the bench programs and prints Halyard's figures next to
+# its peers', measured in the same run (ratios are peer time / Halyard time,
+# so > 1 means Halyard is faster). Prints figures; asserts nothing.
+#
+#   bash scripts/bench.sh            # THREADS=2 by default
+#
+# Peers: Eigen (matmul, same ISA flags as Halide's host target) and PyTorch
+# eager (attention, training step). PyTorch is looked up in .venv-bench/ (make
+# it with: python3 -m venv .venv-bench && .venv-bench/bin/pip install torch numpy)
+# and then in Debian's python3-torch (apt-get install python3-torch
+# libopenblas0-pthread); without torch, Halyard's own figures still print.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+threads=${THREADS:-2}
+bash "$root/scripts/configure.sh"
+source "$root/.venv/halyard.env"
+"$HALYARD_CMAKE" --build "$root/build" -j "$(nproc)" --target matmul_bench attention_bench step_bench >/dev/null
+bin="$root/build/bench"
+out=$(mktemp -d)
+
+torch_py=""
+for py in "$root/.venv-bench/bin/python" /usr/bin/python3; do
+  if [ -x "$py" ] && "$py" -c "import torch" 2>/dev/null; then torch_py=$py; break; fi
+done
+
+echo "== matmul (generated kernels vs Eigen, $threads threads)"
+"$bin/matmul_bench" --threads "$threads"
+
+echo; echo "== causal GQA attention forward+backward, seq 4096, heads 8, kv_heads 2, head_dim 32"
+"$bin/attention_bench" --threads "$threads" --seq 4096 2>/dev/null | tee "$out/attn_halyard.json"
+[ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" attention --seq 4096 --heads 8 --kv-heads 2 \
+  --head-dim 32 --threads "$threads" --reps 3 | tee "$out/attn_torch.json"
+
+echo; echo "== tiny Llama training step (forward+backward), batch 1"
+for seq in 1024 4096; do
+  for sched in default recompute; do
+    "$bin/step_bench" --model "tiny_s${seq}_${sched}" --threads "$threads" --steps 5 | tee -a "$out/step_halyard.json"
+  done
+  [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" step --config "$root/examples/llama/configs/tiny.json" \
+    --seq "$seq" --batch 1 --threads "$threads" --steps 3 | tee -a "$out/step_torch.json"
+done
+if [ -z "$torch_py" ]; then
+  echo "(no PyTorch found: see the header of scripts/bench.sh to install the peer)"
+  exit 0
+fi
+
+echo; echo "== ratios (PyTorch eager / Halyard, same run)"
+python3 - "$out" <<'PY'
+import json, sys, os
+d = sys.argv[1]
+def rows(name):
+    p = os.path.join(d, name)
+    return [json.loads(l) for l in open(p) if l.startswith("{")] if os.path.exists(p) else []
+ah, at = rows("attn_halyard.json"), rows("attn_torch.json")
+if ah and at:
+    h, t = ah[0], at[0]
+    tt = t.get("forward_backward_s") or t.get("s_median") or t.get("median_s")
+    print(f"attention fwd+bwd: halyard {h['forward_backward_s']:.3f}s, pytorch {tt:.3f}s ({t.get('attention', '?')}, torch {t.get('torch')}), "
+          f"speedup {tt / h['forward_backward_s']:.2f}x; peak RSS halyard {h['peak_rss_mib']:.0f} MiB, pytorch {t['peak_rss_mib']:.0f} MiB")
+peers = {r["seq"]: r for r in rows("step_torch.json")}
+for h in rows("step_halyard.json"):
+    t = peers.get(h["seq"])
+    if not t: continue
+    print(f"step seq {h['seq']:>5} {h['model']:<22} halyard {h['tokens_per_s']:8.0f} tok/s, pytorch {t['tokens_per_s']:8.0f} tok/s "
+          f"(torch {t['torch']}, {t['blas']}, {t['attention']}): {h['tokens_per_s'] / t['tokens_per_s']:.2f}x; "
+          f"peak RSS {h['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB ({h['peak_rss_mib'] / t['peak_rss_mib']:.2f}x)")
+PY

@@ -1,0 +1,100 @@
+// Partitioning and the static memory plan, without compiling anything:
+// layers share kernels, live buffers never overlap in the arena, recomputing
+// cheap ops shrinks it, and bad schedules are user errors.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "dsl/autodiff.h"
+#include "dsl/error.h"
+#include "examples/llama/llama_model.h"
+#include "generators/partition.h"
+#include "generators/program.h"
+
+namespace halyard {
+namespace {
+
+struct Planned {
+  llama::LlamaGraph m;
+  Partition part;
+  Program prog;
+};
+
+Planned plan(int layers, const std::string& schedule, int64_t seq = 64) {
+  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
+  cfg.num_hidden_layers = layers;
+  Planned p{llama::build_llama(cfg, 1, seq), {}, {}};
+  Gradients g = grad(p.m.loss, p.m.params);
+  std::vector<int> params, grads, outs;
+  for (const Value& v : p.m.params) {
+    params.push_back(v.id);
+    grads.push_back(g[v].id);
+  }
+  outs = grads;
+  outs.push_back(p.m.loss.id);
+  p.part = partition(*p.m.graph, outs, Schedule::named(schedule));
+  p.prog = plan_program(*p.m.graph, p.part, params, grads, p.m.loss.id);
+  return p;
+}
+
+size_t distinct_kernels(const Partition& p) {
+  std::set<std::string> s;
+  for (const Stage& st : p.stages) s.insert(st.signature);
+  return s.size();
+}
+
+TEST(Partition, LayersShareKernels) {
+  const size_t two = distinct_kernels(plan(2, "default").part);
+  const size_t eight = distinct_kernels(plan(8, "default").part);
+  std::printf("  distinct kernels: %zu for 2 layers, %zu for 8 layers\n", two, eight);
+  EXPECT_EQ(two, eight);
+  EXPECT_GT(plan(8, "default").part.stages.size(), plan(2, "default").part.stages.size());
+}
+
+TEST(Partition, LiveBuffersNeverOverlap) {
+  for (const char* sched : {"default", "recompute"}) {
+    Planned p = plan(2, sched);
+    const auto& b = p.prog.buffers;
+    int64_t total = 0;
+    for (size_t x = 0; x < b.size(); ++x) {
+      if (b[x].kind != BufferKind::Arena) continue;
+      total += b[x].bytes;
+      EXPECT_EQ(b[x].offset % 128, 0);
+      EXPECT_LE(b[x].offset + b[x].bytes, p.prog.arena_bytes);
+      for (size_t y = x + 1; y < b.size(); ++y) {
+        if (b[y].kind != BufferKind::Arena) continue;
+        const bool live_together = b[x].first <= b[y].last && b[y].first <= b[x].last;
+        const bool overlap = b[x].offset < b[y].offset + b[y].bytes && b[y].offset < b[x].offset + b[x].bytes;
+        EXPECT_FALSE(live_together && overlap) << sched << ": buffers " << x << " and " << y;
+      }
+    }
+    std::printf("  %s: arena %lld bytes for %lld bytes of activations (%zu stages)\n", sched,
+                static_cast<long long>(p.prog.arena_bytes), static_cast<long long>(total), p.part.stages.size());
+    EXPECT_LT(p.prog.arena_bytes, total);  // reuse happened
+  }
+}
+
+TEST(Partition, RecomputeShrinksArena) {
+  EXPECT_LT(plan(2, "recompute", 512).prog.arena_bytes, plan(2, "default", 512).prog.arena_bytes);
+}
+
+TEST(Partition, BadScheduleIsUserError) {
+  auto msg = [](const std::string& json) {
+    try {
+      Schedule::parse(json, "s.json");
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(msg(R"({"recompute": ["contract"]})"),
+              ::testing::AllOf(::testing::HasSubstr("recompute(contract)"), ::testing::HasSubstr("legal: mul, rms_norm, rope, silu")));
+  EXPECT_THAT(msg(R"({"tile": 4})"), ::testing::HasSubstr("unknown or ill-typed key \"tile\""));
+  EXPECT_THAT(msg(R"({"autoscheduler": "Li2018"})"), ::testing::HasSubstr("legal: \"\" (hand-written schedules) or \"Adams2019\""));
+  EXPECT_THROW(Schedule::named("/nonexistent.json"), UserError);
+  EXPECT_EQ(Schedule::parse(Schedule::named("recompute").to_json(), "round trip"), Schedule::named("recompute"));
+}
+
+}  // namespace
+}  // namespace halyard
