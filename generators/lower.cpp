@@ -418,6 +418,10 @@ void Ctx::attention(int id, Func out) {
   Func kT = transposed(k, "kT");
   Expr visible = pos(j, b) <= pos(i, b);
   RDom rd(0, D, "rd"), rj(0, S, "rj");
+  // Positions increase along seq (the runtime checks it), so keys after the
+  // query are never visible: with this predicate Halide trims those loops,
+  // halving the work. The positional mask below keeps the result exact.
+  rj.where(rj <= i);
 
   // scores[j, i, h] = q_i . k_j * scale
   Func s_acc("s_acc"), s("s");
@@ -427,12 +431,15 @@ void Ctx::attention(int id, Func out) {
   A.products.push_back({s, s_acc, j, i});
 
   auto row_stats = [&]() {  // max and sum of exp over visible keys, per query row
+    // Over all keys with the mask: a where() here would stop Halide from
+    // vectorizing these reductions, which costs more than the skipped half.
+    RDom rk(0, S, "rk");
     Func m("row_max"), l("row_sum");
-    Expr vis_r = pos(rj, b) <= pos(i, b);
+    Expr vis_r = pos(rk, b) <= pos(i, b);
     m(i, h, b) = lowest;
-    m(i, h, b) = max(m(i, h, b), select(vis_r, s(rj, i, h, b), lowest));
+    m(i, h, b) = max(m(i, h, b), select(vis_r, s(rk, i, h, b), lowest));
     l(i, h, b) = cast(T, 0);
-    l(i, h, b) += select(vis_r, exp(s(rj, i, h, b) - m(i, h, b)), cast(T, 0));
+    l(i, h, b) += select(vis_r, exp(s(rk, i, h, b) - m(i, h, b)), cast(T, 0));
     A.row_reductions = {m, l};
     return std::pair{m, l};
   };
@@ -486,6 +493,7 @@ void Ctx::attention(int id, Func out) {
     A.tile_var = i;
   } else {  // dk[d, j] = sum_{h in group, i} ds[j, i, h] q[d, h, i]; dv likewise with p and dO
     RDom ri(0, grp, 0, S, "ri");
+    ri.where(ri.y >= j);  // queries before the key never see it
     Expr hh = gk * grp + ri.x;
     Func src = n.op == Op::AttentionGradK ? ds : p;
     Func other = n.op == Op::AttentionGradK ? q : dO;

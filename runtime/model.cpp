@@ -90,6 +90,11 @@ void Model::validate(const int32_t* ids, const int32_t* labels, const int32_t* p
     if (positions[t] < 0)
       throw Error("error: position " + std::to_string(positions[t]) + " at position_ids" + where(spec_, t) +
                   " is negative.\nlegal: positions >= 0 (each token's global position).");
+    if (t % spec_.seq != 0 && positions[t] <= positions[t - 1])
+      throw Error("error: position_ids" + where(spec_, t) + " is " + std::to_string(positions[t]) + " after " +
+                  std::to_string(positions[t - 1]) + "; generated attention kernels skip keys after each query,\n"
+                  "so positions must increase strictly along seq in every batch row.\n"
+                  "legal: e.g. 0, 1, 2, ... (or a rank's global positions under sequence parallelism).");
   }
 }
 

@@ -121,6 +121,15 @@ TEST(Lowering, BadTokensAreUserErrors) {
   } catch (const runtime::Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("label -5 at labels[batch=0, seq=0]"));
   }
+  auto pos = f.pos;
+  pos[27] = 1;  // row 1 counts 0, 1, 2, then 1
+  try {
+    m.train_step(f.ids.data(), f.labels.data(), pos.data());
+    FAIL() << "expected an error";
+  } catch (const runtime::Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("position_ids[batch=1, seq=3] is 1 after 2"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("positions must increase strictly along seq"));
+  }
   EXPECT_THROW(m.param_index("nope"), runtime::Error);
 }
 
