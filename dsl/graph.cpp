@@ -30,6 +30,7 @@ const char* op_name(Op op) {
     case Op::AttentionGradQ: return "attention_grad_q";
     case Op::AttentionGradK: return "attention_grad_k";
     case Op::AttentionGradV: return "attention_grad_v";
+    case Op::TokenCount: return "token_count";
     case Op::CrossEntropy: return "cross_entropy";
     case Op::CrossEntropyGrad: return "cross_entropy_grad";
   }

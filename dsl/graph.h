@@ -36,8 +36,9 @@ enum class Op {
   AttentionGradQ,    // (q, k, v, positions, out, dout, lse)
   AttentionGradK,    // (q, k, v, positions, out, dout, lse)
   AttentionGradV,    // (q, k, v, positions, out, dout, lse)
-  CrossEntropy,      // (logits, labels) -> scalar mean over non-ignored tokens
-  CrossEntropyGrad,  // (logits, labels, dloss)
+  TokenCount,        // (labels) -> scalar: how many labels are not ignore_index
+  CrossEntropy,      // (logits, labels, count) -> sum over real tokens of -log p(label) / count
+  CrossEntropyGrad,  // (logits, labels, count, dloss)
 };
 
 const char* op_name(Op op);

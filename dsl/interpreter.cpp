@@ -441,13 +441,19 @@ void Interpreter<T>::eval(const Node& n) {
       out = std::move(d[n.op == Op::AttentionGradQ ? 0 : n.op == Op::AttentionGradK ? 1 : 2]);
       return;
     }
+    case Op::TokenCount: {
+      int64_t count = 0;
+      for (int32_t l : I(0)) count += l != n.attrs.ignore_index;
+      out.assign(1, static_cast<T>(count));
+      return;
+    }
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad: {
-      // loss = sum over real tokens (lse(z) - z[label]) / count
+      // loss = sum over real tokens (lse(z) - z[label]) / count; no real tokens: 0
       const auto& z = F(0);
       const auto& labels = I(1);
       const int64_t vocab = type(0).axes.back().size;
-      int64_t count = 0;
+      const T count = std::max(F(2)[0], T(1));
       for (size_t t = 0; t < labels.size(); ++t) {
         if (labels[t] == n.attrs.ignore_index) continue;
         if (labels[t] < 0 || labels[t] >= vocab)
@@ -455,9 +461,8 @@ void Interpreter<T>::eval(const Node& n) {
                           index_str(g_.node(n.inputs[1]), static_cast<int64_t>(t)) +
                           " is outside the vocabulary.\nlegal labels: 0 .. " + std::to_string(vocab - 1) +
                           ", or " + std::to_string(n.attrs.ignore_index) + " to ignore the token.");
-        ++count;
       }
-      const T dl = n.op == Op::CrossEntropyGrad ? F(2)[0] : T(0);
+      const T dl = n.op == Op::CrossEntropyGrad ? F(3)[0] : T(0);
       out.assign(numel, T(0));
       T total = 0;
       for (size_t t = 0; t < labels.size(); ++t) {
@@ -470,11 +475,11 @@ void Interpreter<T>::eval(const Node& n) {
           total += lse - row[labels[t]];
         } else {
           T* drow = out.data() + t * static_cast<size_t>(vocab);
-          for (int64_t j = 0; j < vocab; ++j) drow[j] = std::exp(row[j] - lse) * dl / static_cast<T>(count);
-          drow[labels[t]] -= dl / static_cast<T>(count);
+          for (int64_t j = 0; j < vocab; ++j) drow[j] = std::exp(row[j] - lse) * dl / count;
+          drow[labels[t]] -= dl / count;
         }
       }
-      if (n.op == Op::CrossEntropy) out[0] = count ? total / static_cast<T>(count) : T(0);
+      if (n.op == Op::CrossEntropy) out[0] = total / count;
       return;
     }
   }

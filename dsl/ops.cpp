@@ -271,9 +271,13 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       HALYARD_CHECK(c.t(6).rank() == 3, "lse must be [batch, seq, heads]");
       return c.t(op == Op::AttentionGradQ ? 0 : op == Op::AttentionGradK ? 1 : 2);
     }
+    case Op::TokenCount:
+      c.arity(1);
+      c.is_int_operand(0, "labels");
+      return TensorType{DType::f32, {}};
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad: {
-      c.arity(op == Op::CrossEntropy ? 2 : 3);
+      c.arity(op == Op::CrossEntropy ? 3 : 4);
       c.is_float_operand(0);
       c.is_int_operand(1, "labels");
       const TensorType& logits = c.t(0);
@@ -283,8 +287,9 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       if (c.t(1).axes != want)
         c.fail("labels " + c.label(1) + " must have the logits' axes without vocab.",
                "labels " + TensorType{DType::i32, want}.str() + ".");
+      HALYARD_CHECK(c.t(2).rank() == 0 && is_float(c.t(2).dtype), "the token count must be a float scalar");
       if (op == Op::CrossEntropyGrad) {
-        HALYARD_CHECK(c.t(2).rank() == 0, "dloss must be a scalar");
+        HALYARD_CHECK(c.t(3).rank() == 0, "dloss must be a scalar");
         return logits;
       }
       return TensorType{logits.dtype, {}};
@@ -365,7 +370,7 @@ Value attention(Value q, Value k, Value v, Value positions) {
 Value cross_entropy(Value logits, Value labels, int64_t ignore_index) {
   Attrs a;
   a.ignore_index = ignore_index;
-  return logits.graph->add(Op::CrossEntropy, {logits, labels}, a);
+  return logits.graph->add(Op::CrossEntropy, {logits, labels, token_count(labels, ignore_index)}, a);
 }
 
 Value embedding_grad(Value dy, Value ids, int64_t vocab) {
@@ -397,10 +402,16 @@ Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value
   return q.graph->add(which, {q, k, v, positions, out, dout, lse});
 }
 
-Value cross_entropy_grad(Value logits, Value labels, Value dloss, int64_t ignore_index) {
+Value token_count(Value labels, int64_t ignore_index) {
   Attrs a;
   a.ignore_index = ignore_index;
-  return logits.graph->add(Op::CrossEntropyGrad, {logits, labels, dloss}, a);
+  return labels.graph->add(Op::TokenCount, {labels}, a);
+}
+
+Value cross_entropy_grad(Value logits, Value labels, Value count, Value dloss, int64_t ignore_index) {
+  Attrs a;
+  a.ignore_index = ignore_index;
+  return logits.graph->add(Op::CrossEntropyGrad, {logits, labels, count, dloss}, a);
 }
 
 }  // namespace halyard

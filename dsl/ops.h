@@ -39,8 +39,11 @@ Value rope(Value x, Value positions, double theta, RopeScaling scaling = {}, boo
 // visible to query i when positions[j] <= positions[i]; scale 1/sqrt(head_dim).
 Value attention(Value q, Value k, Value v, Value positions);
 // Mean over tokens whose label != ignore_index of -log softmax(logits)[label];
-// labels arrive already shifted. No real tokens gives 0.
+// labels arrive already shifted. No real tokens gives 0. Built as a sum over
+// tokens divided by token_count(labels), so that a schedule can make the
+// count global (over sequence shards or tiles) without touching the model.
 Value cross_entropy(Value logits, Value labels, int64_t ignore_index = -100);
+Value token_count(Value labels, int64_t ignore_index = -100);
 
 // Backward primitives (built by the VJP rules in dsl/vjp.cpp).
 Value embedding_grad(Value dy, Value ids, int64_t vocab);
@@ -50,7 +53,7 @@ Value rms_norm_grad_w(Value x, Value dy, const std::string& axis, double eps);
 // The softmax statistics the backward reuses: lse[b, i, h] = log sum_j exp(score).
 Value attention_lse(Value q, Value k, Value positions);
 Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse);
-Value cross_entropy_grad(Value logits, Value labels, Value dloss, int64_t ignore_index);
+Value cross_entropy_grad(Value logits, Value labels, Value count, Value dloss, int64_t ignore_index);
 
 // The type rule of every op: the result type of `op` on these inputs, or a
 // UserError. Graph::add and verify() both use it.

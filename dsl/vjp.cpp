@@ -57,8 +57,8 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       break;
     }
     case Op::CrossEntropy:
-      // l = mean(lse(z) - z[label])  =>  dz = (softmax(z) - onehot(label)) / count * dl
-      d[0] = cross_entropy_grad(in(0), in(1), dy, n.attrs.ignore_index);
+      // l = sum(lse(z) - z[label]) / count  =>  dz = (softmax(z) - onehot(label)) / count * dl
+      d[0] = cross_entropy_grad(in(0), in(1), in(2), dy, n.attrs.ignore_index);
       break;
     default:
       throw UserError(std::string("error: cannot differentiate ") + op_name(n.op) + " at " +

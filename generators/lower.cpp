@@ -331,6 +331,18 @@ Func Ctx::lower(int id) {
       HALYARD_CHECK(is_root, "attention is never inlined");
       attention(id, f);
       break;
+    case Op::TokenCount: {  // how many labels are real tokens
+      const TensorType& lt = type(in(0));
+      auto tok = lt.axis_names();
+      Region region;
+      for (auto it = tok.rbegin(); it != tok.rend(); ++it) region.push_back({0, static_cast<int>(lt.size(*it))});
+      RDom rt(region, "r_tok" + tag);
+      Env et;
+      for (size_t k = 0; k < tok.size(); ++k) et[tok[tok.size() - 1 - k]] = rt[static_cast<int>(k)];
+      f() = cast(T, 0);
+      f() += select(at(in(0), et) != static_cast<int>(n.attrs.ignore_index), cast(T, 1), cast(T, 0));
+      break;
+    }
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad: {
       const TensorType& zt = type(in(0));
@@ -339,7 +351,7 @@ Func Ctx::lower(int id) {
       RDom rv(0, V, "r_vocab" + tag);
       Env ev = env(tok);
       ev["vocab"] = rv.x;
-      Func mx("ce_max" + tag), se("ce_sumexp" + tag), lse("ce_lse" + tag), count("ce_count" + tag);
+      Func mx("ce_max" + tag), se("ce_sumexp" + tag), lse("ce_lse" + tag);
       mx(vars(tok)) = num(T, -INFINITY);
       mx(vars(tok)) = max(mx(vars(tok)), at(in(0), ev));
       se(vars(tok)) = cast(T, 0);
@@ -352,10 +364,8 @@ Func Ctx::lower(int id) {
       for (size_t k = 0; k < tok.size(); ++k) et[tok[tok.size() - 1 - k]] = rt[static_cast<int>(k)];
       const int ignore = static_cast<int>(n.attrs.ignore_index);
       Expr lab_t = at(in(1), et);
-      count() = 0;
-      count() += select(lab_t != ignore, 1, 0);
-      ls.funcs.small.insert(ls.funcs.small.end(), {mx, se, lse, count});
-      Expr denom = cast(T, max(count(), 1));
+      ls.funcs.small.insert(ls.funcs.small.end(), {mx, se, lse});
+      Expr denom = max(at(in(2), Env{}), cast(T, 1));
       if (n.op == Op::CrossEntropy) {
         Func total("ce_total" + tag);
         Env ez = et;
@@ -366,7 +376,7 @@ Func Ctx::lower(int id) {
         f() = total() / denom;
       } else {  // (softmax - onehot) * dloss / count on real tokens
         Expr lab = at(in(1), e), z = at(in(0), e);
-        Expr dl = at(in(2), Env{});
+        Expr dl = at(in(3), Env{});
         Expr p = exp(z - lse(vars(tok))) - select(var("vocab") == lab, cast(T, 1), cast(T, 0));
         f(vs) = select(lab != ignore, p * dl / denom, cast(T, 0));
       }

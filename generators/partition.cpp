@@ -22,6 +22,7 @@ bool is_heavy(Op op) {
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV:
+    case Op::TokenCount:
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad:
       return true;
@@ -57,6 +58,7 @@ std::string attrs_key(const Node& n) {
          << a.rope_scaling.low_freq_factor << "/" << a.rope_scaling.high_freq_factor << "/"
          << a.rope_scaling.original_max_position_embeddings;
       break;
+    case Op::TokenCount:
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad: os << "ignore=" << a.ignore_index; break;
     case Op::EmbeddingGrad: os << "vocab=" << a.size; break;

@@ -124,7 +124,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
   for (int b = 0; b < p.num_buffers; ++b) {
     const BufferSpec& s = p.buffers[b];
     halide_buffer_t& hb = bufs[static_cast<size_t>(b)];
-    std::memset(&hb, 0, sizeof hb);
+    hb = halide_buffer_t{};
     hb.type = halide_type_of(s.type);
     hb.dimensions = s.rank;
     hb.dim = &dims[static_cast<size_t>(b * kMaxRank)];
