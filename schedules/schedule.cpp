@@ -24,7 +24,7 @@ std::string Schedule::to_json() const {
 }
 
 std::string Schedule::str() const {
-  std::string s = "schedule \"" + name + "\": recompute {" +
+  std::string s = "schedule " + name + ": recompute {" +
                   join(std::vector<std::string>(recompute.begin(), recompute.end())) + "}";
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
   return s;

@@ -64,5 +64,6 @@ for h in rows("step_halyard.json"):
     if not t: continue
     print(f"step seq {h['seq']:>5} {h['model']:<22} halyard {h['tokens_per_s']:8.0f} tok/s, pytorch {t['tokens_per_s']:8.0f} tok/s "
           f"(torch {t['torch']}, {t['blas']}, {t['attention']}): {h['tokens_per_s'] / t['tokens_per_s']:.2f}x; "
-          f"peak RSS {h['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB ({h['peak_rss_mib'] / t['peak_rss_mib']:.2f}x)")
+          f"peak RSS {h['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB ({h['peak_rss_mib'] / t['peak_rss_mib']:.2f}x; "
+          f"{h['peak_rss_mib'] / max(1.0, t['peak_rss_mib'] - t.get('import_rss_mib', 0)):.2f}x of torch's peak above its import)")
 PY
