@@ -461,6 +461,21 @@ void Ctx::attention(int id, Func out) {
     return;
   }
   Func v = operand(n.inputs[2], "kv_heads", "v_s");
+  int saved_lse = -1;  // the backward's statistics, when the partition passes them
+  for (int in : st.inputs)
+    if (g.node(in).op == Op::AttentionLse) saved_lse = in;
+  if (n.op == Op::Attention && saved_lse >= 0) {
+    Func lse("lse_s"), p("p"), o_acc("o_acc");
+    lse(i, h, b) = at(saved_lse, Env{{"batch", b}, {"seq", i}, {"heads", h}});
+    p(j, i, h, b) = select(visible, exp(s(j, i, h, b) - lse(i, h, b)), cast(T, 0));
+    o_acc(d, h, i, b) = cast(T, 0);
+    o_acc(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
+    out(d, h, i, b) = o_acc(d, h, i, b);
+    A.pointwise = {p};
+    A.out_acc = o_acc;
+    A.tile_var = i;
+    return;
+  }
   if (n.op == Op::Attention) {
     auto [m, l] = row_stats();
     Func p("p"), o_acc("o_acc");

@@ -98,7 +98,20 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     p.materialized[static_cast<size_t>(id)] = root;
   }
 
-  std::map<std::string, int> kernel_of;
+  // When the backward's row statistics of an attention exist, the forward
+  // kernel reads them instead of recomputing them (and skips masked keys).
+  std::map<int, int> lse_of;
+  for (int id = 0; id < n; ++id) {
+    const Node& x = g.node(id);
+    if (!needed[static_cast<size_t>(id)] || x.op != Op::AttentionLse) continue;
+    for (int a = 0; a < id; ++a) {
+      const Node& y = g.node(a);
+      if (y.op == Op::Attention && needed[static_cast<size_t>(a)] && y.inputs[0] == x.inputs[0] &&
+          y.inputs[1] == x.inputs[1] && y.inputs[3] == x.inputs[2])
+        lse_of[a] = id;
+    }
+  }
+
   for (int id = 0; id < n; ++id) {
     const Node& node = g.node(id);
     if (!needed[static_cast<size_t>(id)] || !p.materialized[static_cast<size_t>(id)]) continue;
@@ -125,11 +138,35 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       return memo[v] = out;
     };
     st.signature = sig(id);
+    if (auto it = lse_of.find(id); it != lse_of.end()) {
+      st.signature += "+lse:in" + std::to_string(st.inputs.size()) + ":" + g.node(it->second).type.str();
+      st.inputs.push_back(it->second);
+    }
     std::sort(st.inlined.begin(), st.inlined.end());
-    auto [it, fresh] = kernel_of.emplace(st.signature, static_cast<int>(p.kernels.size()));
-    if (fresh) p.kernels.push_back(static_cast<int>(p.stages.size()));
-    st.kernel = it->second;
     p.stages.push_back(std::move(st));
+  }
+
+  // Execution order: each stage after the stages whose roots it reads (node
+  // order already is, except for forward attention reading later statistics).
+  std::map<int, size_t> stage_of;
+  for (size_t s2 = 0; s2 < p.stages.size(); ++s2) stage_of[p.stages[s2].root] = s2;
+  std::vector<Stage> ordered;
+  std::vector<bool> done(p.stages.size(), false);
+  std::function<void(size_t)> emit = [&](size_t s2) {
+    if (done[s2]) return;
+    done[s2] = true;
+    for (int in : p.stages[s2].inputs)
+      if (auto it = stage_of.find(in); it != stage_of.end()) emit(it->second);
+    ordered.push_back(p.stages[s2]);
+  };
+  for (size_t s2 = 0; s2 < p.stages.size(); ++s2) emit(s2);
+  p.stages = std::move(ordered);
+
+  std::map<std::string, int> kernel_of;
+  for (size_t s2 = 0; s2 < p.stages.size(); ++s2) {
+    auto [it, fresh] = kernel_of.emplace(p.stages[s2].signature, static_cast<int>(p.kernels.size()));
+    if (fresh) p.kernels.push_back(static_cast<int>(s2));
+    p.stages[s2].kernel = it->second;
   }
   return p;
 }
