@@ -15,20 +15,26 @@
 
 #include "bench/bench_util.h"
 #include "runtime/model.h"
+#include "tiny_s1024_checkpoint.h"
 #include "tiny_s1024_default.h"
 #include "tiny_s1024_recompute.h"
+#include "tiny_s4096_checkpoint.h"
 #include "tiny_s4096_default.h"
 #include "tiny_s4096_recompute.h"
+#include "tiny_s8192_checkpoint.h"
+#include "tiny_s8192_default.h"
+#include "tiny_s8192_recompute.h"
 
 using namespace halyard;
 
 int main(int argc, char** argv) {
+#define HALYARD_MODEL(seq, sched) {"tiny_s" #seq "_" #sched, &halyard_models::tiny_s##seq##_##sched}
   std::map<std::string, const runtime::ModelSpec& (*)()> models = {
-      {"tiny_s1024_default", &halyard_models::tiny_s1024_default},
-      {"tiny_s1024_recompute", &halyard_models::tiny_s1024_recompute},
-      {"tiny_s4096_default", &halyard_models::tiny_s4096_default},
-      {"tiny_s4096_recompute", &halyard_models::tiny_s4096_recompute},
+      HALYARD_MODEL(1024, default), HALYARD_MODEL(1024, recompute), HALYARD_MODEL(1024, checkpoint),
+      HALYARD_MODEL(4096, default), HALYARD_MODEL(4096, recompute), HALYARD_MODEL(4096, checkpoint),
+      HALYARD_MODEL(8192, default), HALYARD_MODEL(8192, recompute), HALYARD_MODEL(8192, checkpoint),
   };
+#undef HALYARD_MODEL
   std::string name;
   int threads = 2, steps = 5;
   for (int i = 1; i + 1 < argc; i += 2) {

@@ -12,7 +12,7 @@ Value Gradients::operator[](Value v) const {
   return it->second;
 }
 
-Gradients grad(Value loss, const std::vector<Value>& wrt) {
+Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& options) {
   Graph& g = *loss.graph;
   if (loss.type().rank() != 0 || !is_float(loss.type().dtype))
     throw UserError("error: grad(" + describe(g, loss.id) +
@@ -33,6 +33,25 @@ Gradients grad(Value loss, const std::vector<Value>& wrt) {
 
   g.set_building_backward(true);
   g.set_name_prefix("");
+  // Forward values as the backward reads them: clones for rematerialized ones.
+  std::map<int, Value> clones;
+  ForwardValue fwd = [&](int id) -> Value {
+    const Node& x = g.node(id);
+    const bool remat = options.rematerialize && !x.backward && x.op != Op::Input && x.op != Op::Param &&
+                       options.rematerialize(x);
+    if (!remat) return g.value(id);
+    if (auto it = clones.find(id); it != clones.end()) return it->second;
+    const Node copy = x;
+    Value c;
+    if (copy.op == Op::Fill) {
+      c = fill(g, copy.type, copy.attrs.value);
+    } else {
+      std::vector<Value> ins;
+      for (int i : copy.inputs) ins.push_back(fwd(i));
+      c = g.add(copy.op, ins, copy.attrs, copy.name);
+    }
+    return clones[id] = c;
+  };
   std::vector<Value> adj(static_cast<size_t>(n));
   adj[static_cast<size_t>(loss.id)] = fill(g, loss.type(), 1.0);
   for (int id = loss.id; id >= 0; --id) {
@@ -47,7 +66,7 @@ Gradients grad(Value loss, const std::vector<Value>& wrt) {
     }
     if (!any) continue;
     const Node snapshot = node;  // g grows below; keep the record stable
-    std::vector<Value> din = vjp(g, snapshot, dout, needed);
+    std::vector<Value> din = vjp(g, snapshot, dout, needed, fwd);
     for (size_t k = 0; k < snapshot.inputs.size(); ++k) {
       if (!needed[k]) continue;
       HALYARD_CHECK(din[k].valid(), op_name(snapshot.op) << " gave no cotangent for operand " << k);

@@ -6,6 +6,7 @@
 // marked, and the forward values they read are the graph's residuals.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -18,12 +19,24 @@ struct Gradients {
   Value operator[](Value v) const;
 };
 
+struct GradOptions {
+  // Forward values the backward recomputes from their inputs instead of
+  // reading them (activation checkpointing): each VJP that reads such a value
+  // reads a clone built in the backward, computed again from the nearest
+  // values the predicate keeps. Cheap-op recompute is the partition's job;
+  // this is for whole subgraphs, matmuls included.
+  std::function<bool(const Node&)> rematerialize;
+};
+
 // d loss / d wrt for each wrt (params or float inputs). A wrt value that does
 // not influence the loss gets a zero gradient.
-Gradients grad(Value loss, const std::vector<Value>& wrt);
+Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& options = {});
+
+// How a VJP rule reads a forward value (the value itself, or its clone).
+using ForwardValue = std::function<Value(int id)>;
 
 // The VJP rule of one forward node: given the cotangent of its output, the
 // cotangents of the inputs selected by `needed` (others left empty).
-std::vector<Value> vjp(Graph& g, const Node& n, Value dout, const std::vector<bool>& needed);
+std::vector<Value> vjp(Graph& g, const Node& n, Value dout, const std::vector<bool>& needed, const ForwardValue& fwd);
 
 }  // namespace halyard

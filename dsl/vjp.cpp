@@ -9,19 +9,20 @@
 
 namespace halyard {
 
-std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool>& needed) {
+std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool>& needed, const ForwardValue& fwd) {
   std::vector<Value> d(n.inputs.size());
-  auto in = [&](size_t k) { return g.value(n.inputs[k]); };
+  auto in = [&](size_t k) { return fwd(n.inputs[k]); };
+  auto type = [&](size_t k) -> const TensorType& { return g.node(n.inputs[k]).type; };
   auto want = [&](size_t k) { return needed[k]; };
   switch (n.op) {
     case Op::Embedding:
       // y[ids.., X] = table[ids.., X]  =>  dtable[vocab, X] = scatter-add of dy at ids
-      if (want(0)) d[0] = embedding_grad(dy, in(1), in(0).type().size("vocab"));
+      if (want(0)) d[0] = embedding_grad(dy, in(1), type(0).size("vocab"));
       break;
     case Op::Contract:
       // y = sum_c a*b  =>  da = sum(dy*b) over b's own axes, db likewise
-      if (want(0)) d[0] = contract_to(dy, in(1), in(0).type().axis_names());
-      if (want(1)) d[1] = contract_to(dy, in(0), in(1).type().axis_names());
+      if (want(0)) d[0] = contract_to(dy, in(1), type(0).axis_names());
+      if (want(1)) d[1] = contract_to(dy, in(0), type(1).axis_names());
       break;
     case Op::Add:
       if (want(0)) d[0] = dy;
@@ -39,7 +40,7 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // y = x*r*w, r = rsqrt(mean(x^2)+eps)
       //   dx = r*(w*dy) - x*r^3/n * sum(w*dy*x);  dw = sum over tokens(dy*x*r)
       if (want(0)) d[0] = rms_norm_grad_x(in(0), in(1), dy, n.attrs.eps);
-      if (want(1)) d[1] = rms_norm_grad_w(in(0), dy, in(1).type().axes[0].name, n.attrs.eps);
+      if (want(1)) d[1] = rms_norm_grad_w(in(0), dy, type(1).axes[0].name, n.attrs.eps);
       break;
     }
     case Op::Rope:
@@ -49,7 +50,7 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
     case Op::Attention: {
       // o = softmax(q k^T / sqrt(d) + causal) v. Flash-style, the backward reads
       // o and each score row's log-sum-exp, and recomputes the probabilities.
-      Value out = g.value(n.id);
+      Value out = fwd(n.id);
       Value lse = attention_lse(in(0), in(1), in(3));
       const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
       for (size_t k = 0; k < 3; ++k)

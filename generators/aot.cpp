@@ -115,7 +115,7 @@ int run(const Options& o, const ModelBuilder& build) {
   Schedule sched = Schedule::named(o.schedule);
   BuiltModel m = build(o.config, o.batch, o.seq);
   Graph& g = *m.graph;
-  Gradients grads = grad(m.loss, m.params);
+  Gradients grads = grad(m.loss, m.params, GradOptions{sched.rematerialize()});
   verify(g);
   std::vector<int> param_ids, grad_ids;
   for (const Value& p : m.params) {

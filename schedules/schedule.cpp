@@ -19,13 +19,29 @@ const std::set<std::string>& recomputable() {
 }  // namespace
 
 std::string Schedule::to_json() const {
-  nlohmann::json j = {{"name", name}, {"recompute", recompute}, {"autoscheduler", autoscheduler}};
+  nlohmann::json j = {{"name", name}, {"recompute", recompute}, {"autoscheduler", autoscheduler}, {"checkpoint", checkpoint}};
   return j.dump(2);
+}
+
+std::function<bool(const Node&)> Schedule::rematerialize() const {
+  if (!checkpoint) return {};
+  return [](const Node& n) {
+    switch (n.op) {
+      case Op::Add:         // the residual stream: each layer's input
+      case Op::Embedding:
+      case Op::Attention:   // expensive, and its output is what the backward reads
+      case Op::TokenCount:
+        return false;
+      default:
+        return true;
+    }
+  };
 }
 
 std::string Schedule::str() const {
   std::string s = "schedule " + name + ": recompute {" +
                   join(std::vector<std::string>(recompute.begin(), recompute.end())) + "}";
+  if (checkpoint) s += ", checkpointed (backward recomputes all but residuals and attention)";
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
   return s;
 }
@@ -52,6 +68,8 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
                           join(std::vector<std::string>(recomputable().begin(), recomputable().end())) + ".");
         s.recompute.insert(o);
       }
+    } else if (key == "checkpoint" && it->is_boolean()) {
+      s.checkpoint = it->get<bool>();
     } else if (key == "autoscheduler" && it->is_string()) {
       s.autoscheduler = it->get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
@@ -60,7 +78,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     } else {
       throw UserError("error: schedule \"" + what + "\": unknown or ill-typed key \"" + key + "\" (" +
                       it->dump() + ").\nlegal keys: name (string), recompute (array of op names), "
-                      "autoscheduler (string).");
+                      "checkpoint (bool), autoscheduler (string).");
     }
   }
   return s;
@@ -74,6 +92,11 @@ Schedule Schedule::named(const std::string& n) {
     s.recompute = recomputable();
     return s;
   }
+  if (n == "checkpoint") {
+    s.recompute = recomputable();
+    s.checkpoint = true;
+    return s;
+  }
   if (n == "autoscheduled") {
     s.autoscheduler = "Adams2019";
     return s;
@@ -81,7 +104,7 @@ Schedule Schedule::named(const std::string& n) {
   std::ifstream in(n);
   if (!in)
     throw UserError("error: schedule \"" + n + "\" is neither a preset nor a readable file.\n"
-                    "legal: default, recompute, autoscheduled, or a path to a schedule .json.");
+                    "legal: default, recompute, checkpoint, autoscheduled, or a path to a schedule .json.");
   std::stringstream ss;
   ss << in.rdbuf();
   return parse(ss.str(), n);

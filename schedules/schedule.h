@@ -7,8 +7,11 @@
 // Adams2019 autoscheduler. Sharding over ranks and sequence tiling extend it.
 #pragma once
 
+#include <functional>
 #include <set>
 #include <string>
+
+#include "dsl/graph.h"
 
 namespace halyard {
 
@@ -19,6 +22,13 @@ struct Schedule {
   std::set<std::string> recompute;
   // "" for the hand-written loop schedules, or a Halide autoscheduler name.
   std::string autoscheduler;
+  // Activation checkpointing: the backward recomputes every forward value
+  // except the residual stream (adds, the embedding) and attention outputs,
+  // AutoSP's policy at long sequence (matmuls are recomputed, attention is not).
+  bool checkpoint = false;
+
+  // The predicate grad() uses for checkpointing (empty when it is off).
+  std::function<bool(const Node&)> rematerialize() const;
 
   bool recomputes(const std::string& op) const { return recompute.count(op) > 0; }
   bool operator==(const Schedule&) const = default;
@@ -26,7 +36,7 @@ struct Schedule {
   std::string to_json() const;
   std::string str() const;  // one line, for plan reports and generated headers
 
-  // default | recompute | autoscheduled, or a path to a schedule .json file.
+  // default | recompute | checkpoint | autoscheduled, or a path to a schedule .json file.
   static Schedule named(const std::string& name_or_path);
   static Schedule parse(const std::string& json_text, const std::string& what);
 };

@@ -29,6 +29,7 @@ struct GradcheckOptions {
   std::map<std::string, std::vector<int32_t>> ints;
   // Float inputs/params with given values; all others are random N(0, 1).
   std::map<std::string, std::vector<double>> floats;
+  GradOptions grad_options;
 };
 
 // Returns the worst relative error over `wrt`, printing one line per tensor.
@@ -38,7 +39,7 @@ inline double check_gradients(Value out, const std::vector<Value>& wrt, const Gr
   std::normal_distribution<double> normal(0.0, 1.0);
   Value r = input(g, "gradcheck.r" + std::to_string(g.size()), out.type().dtype, out.type().axes);
   Value loss = contract_to(out, r, {});
-  Gradients grads = grad(loss, wrt);
+  Gradients grads = grad(loss, wrt, o.grad_options);
   verify(g);
 
   Interpreter<double> in(g);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "examples/llama/llama_model.h"
+#include "schedules/schedule.h"
 #include "tests/dsl/gradcheck.h"
 
 namespace halyard {
@@ -127,10 +128,11 @@ TEST(Gradcheck, LlamaBlock) {
   EXPECT_LE(check_gradients(y, g.params(), o), kTol);
 }
 
-void check_whole_model(const llama::LlamaConfig& c, int per_tensor = 24) {
+void check_whole_model(const llama::LlamaConfig& c, int per_tensor = 24, GradOptions grad_options = {}) {
   auto m = llama::build_llama(c, 2, 6, DType::f64);
   GradcheckOptions o;
   o.max_elements = per_tensor;
+  o.grad_options = grad_options;
   o.ints["input_ids"] = {1, 4, 4, 9, 10, 0, 3, 3, 7, 2, 8, 5};
   o.ints["labels"] = {4, 4, 9, 10, -100, 3, 3, 7, 2, 8, 5, 6};
   o.ints["position_ids"] = iota_positions(2, 6);
@@ -147,6 +149,10 @@ void check_whole_model(const llama::LlamaConfig& c, int per_tensor = 24) {
 
 TEST(Gradcheck, WholeMicroModel) { check_whole_model(micro_config(false)); }
 TEST(Gradcheck, WholeMicroModelTiedEmbeddings) { check_whole_model(micro_config(true)); }
+// Activation checkpointing: the backward reads clones recomputed from the residual stream.
+TEST(Gradcheck, WholeMicroModelCheckpointed) {
+  check_whole_model(micro_config(false), 24, GradOptions{Schedule::named("checkpoint").rematerialize()});
+}
 // The demo's own config (examples/llama/configs/tiny.json) at a short sequence.
 TEST(Gradcheck, WholeTinyModel) {
   check_whole_model(llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json"), 6);

@@ -12,6 +12,7 @@
 #include "dsl/interpreter.h"
 #include "examples/llama/llama_model.h"
 #include "llama_micro_autoscheduled.h"
+#include "llama_micro_checkpoint.h"
 #include "llama_micro_default.h"
 #include "llama_micro_recompute.h"
 #include "runtime/error.h"
@@ -76,6 +77,7 @@ void check_against_fixture(const runtime::ModelSpec& spec) {
 
 TEST(Lowering, DefaultScheduleMatchesTorch) { check_against_fixture(halyard_models::llama_micro_default()); }
 TEST(Lowering, RecomputeScheduleMatchesTorch) { check_against_fixture(halyard_models::llama_micro_recompute()); }
+TEST(Lowering, CheckpointScheduleMatchesTorch) { check_against_fixture(halyard_models::llama_micro_checkpoint()); }
 TEST(Lowering, AutoscheduledMatchesTorch) { check_against_fixture(halyard_models::llama_micro_autoscheduled()); }
 
 TEST(Lowering, DefaultScheduleMatchesInterpreter) {
