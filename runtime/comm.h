@@ -1,0 +1,160 @@
+// Communicators: the collectives sequence parallelism needs, over ranks that
+// each hold a slice of the sequence (DeepSpeed-Ulysses style).
+//
+//   auto group = halyard::runtime::make_in_process_group(4, 0.5);   // tests: threads
+//   auto comm = halyard::runtime::make_mpi_communicator();          // mpirun -np 4
+//   comm->all_to_all_v(send, send_counts, recv, recv_counts);        // seq@sp -> heads@sp
+//   double tokens = comm->all_reduce_sum(double(local_tokens));      // global loss count
+//
+// Contract, for every backend:
+// - Every rank calls the same collectives in the same order with matching
+//   sizes; a Communicator is used by one thread at a time.
+// - Counts are in elements, never bytes. Buffers are host memory unless a
+//   backend says otherwise. Send and receive buffers of one call must not overlap
+//   (all_reduce_sum works in place).
+// - No call waits forever. Each waits at most timeout_s() (default 60 s; the MPI
+//   backend may take up to a second more to find out which peers are missing)
+//   and then throws Error naming the operation, this rank, and the rank(s) it
+//   was waiting for:
+//     error: all_to_all_v on rank 0 of 4 timed out after 60 s waiting for rank 2 (dead or stuck?)
+// - After any failure (a timeout, mismatched calls, an error from MPI) the
+//   communicator is broken: every later call throws at once, quoting the first
+//   failure. A failed collective cannot be undone, so the caller should report
+//   the error and exit non-zero; mpirun then stops the other ranks.
+// - User mistakes (a negative count, a peer that is not a rank, a bad tag, a
+//   timeout that is not a positive number of seconds) throw before anything is
+//   sent, and leave the communicator usable.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace halyard::runtime {
+
+// Element types the collectives move.
+enum class CommType { F32, I32, F64, I64 };
+const char* comm_type_name(CommType t);  // "f32", "i32", "f64", "i64"
+int64_t comm_type_size(CommType t);      // bytes per element
+
+// The operations, as named in error messages.
+enum class CommOp { AllToAllV, AllReduceSum, AllGather, ReduceScatterSum, Send, Recv, Barrier };
+const char* comm_op_name(CommOp op);  // "all_to_all_v", "all_reduce_sum", ...
+
+inline constexpr double kDefaultCommTimeoutS = 60.0;
+// Tags of send/recv: the range every MPI guarantees (MPI_TAG_UB >= 32767).
+inline constexpr int kMaxCommTag = 32767;
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // "in-process" or "MPI", for messages and reports.
+  virtual const char* backend() const = 0;
+
+  // How long any call waits for its peers before throwing. Must be a positive,
+  // finite number of seconds: a dead or stuck peer must never hang the others.
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout_s(double seconds);
+
+  // All-to-all with uneven splits. `send` holds size() blocks back to back:
+  // block p has send_counts[p] elements, goes to rank p, and starts at element
+  // send_counts[0] + ... + send_counts[p-1]. `recv` likewise holds size()
+  // blocks: block p has recv_counts[p] elements, came from rank p, and starts at
+  // recv_counts[0] + ... + recv_counts[p-1]. Counts may be zero. recv_counts[p]
+  // on this rank must equal send_counts[rank()] on rank p. The block a rank sends
+  // itself is copied locally and not counted as traffic.
+  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts);
+  void all_to_all_v(const int32_t* send, const int64_t* send_counts, int32_t* recv, const int64_t* recv_counts);
+
+  // In place: data[i] becomes the sum of data[i] over all ranks. Every rank gets
+  // bitwise the same result (the in-process group sums in rank order).
+  void all_reduce_sum(float* data, int64_t n);
+  void all_reduce_sum(double* data, int64_t n);
+  // Scalars, e.g. a global count of real tokens for the loss.
+  double all_reduce_sum(double value);
+  int64_t all_reduce_sum(int64_t value);
+
+  // recv (size() * n elements) gets rank p's n elements at offset p * n.
+  void all_gather(const float* send, int64_t n, float* recv);
+  void all_gather(const int32_t* send, int64_t n, int32_t* recv);
+
+  // send holds size() * n_per_rank elements; recv (n_per_rank elements) gets
+  // the sum over all ranks of their block rank() (elements rank() * n_per_rank ...).
+  void reduce_scatter_sum(const float* send, float* recv, int64_t n_per_rank);
+
+  // Point to point. A message is matched by (sender, receiver, tag), in order;
+  // n must agree on both sides. Tags are 0..kMaxCommTag. A rank cannot send to
+  // itself (copy the buffer instead). send returns once `data` may be reused.
+  void send(const float* data, int64_t n, int peer, int tag);
+  void send(const int32_t* data, int64_t n, int peer, int tag);
+  void recv(float* data, int64_t n, int peer, int tag);
+  void recv(int32_t* data, int64_t n, int peer, int tag);
+
+  void barrier();
+
+  // Bytes this rank has sent through all_to_all_v to other ranks (the block
+  // to itself excluded), summed over all successful calls since construction
+  // or the last reset. Tests and benchmarks check it against the formula of a
+  // schedule, e.g. Ulysses' (P-1)/P of each q/k/v/out slice per layer.
+  int64_t all_to_all_bytes_sent() const { return all_to_all_bytes_sent_; }
+  void reset_all_to_all_bytes_sent() { all_to_all_bytes_sent_ = 0; }
+
+ protected:
+  Communicator(int rank, int size, double timeout_s);
+
+  // Backends implement these. Arguments are already checked (counts >= 0,
+  // non-null buffers where elements move, peers and tags in range).
+  virtual void do_all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                               CommType type) = 0;
+  virtual void do_all_reduce_sum(void* data, int64_t n, CommType type) = 0;
+  virtual void do_all_gather(const void* send, int64_t n, void* recv, CommType type) = 0;
+  virtual void do_reduce_scatter_sum(const void* send, void* recv, int64_t n_per_rank, CommType type) = 0;
+  virtual void do_send(const void* data, int64_t n, int peer, int tag, CommType type) = 0;
+  virtual void do_recv(void* data, int64_t n, int peer, int tag, CommType type) = 0;
+  virtual void do_barrier() = 0;
+
+  // "all_to_all_v on rank 1 of 4"
+  std::string where(CommOp op) const;
+  // The timeout error: "error: <op> on rank r of n timed out after T s waiting
+  // for rank(s) <missing> (dead or stuck?)" then `detail` (one line or more,
+  // may be empty), then the fix.
+  std::string timeout_message(CommOp op, const std::vector<int>& missing, const std::string& detail) const;
+  // "rank 2", "ranks 1, 3", "a peer" (empty list).
+  static std::string rank_list(const std::vector<int>& ranks);
+  // "0.5", "60": seconds as people write them.
+  static std::string seconds_string(double s);
+
+ private:
+  void check_buffer(CommOp op, const char* name, const void* p, int64_t n) const;
+  void check_count(CommOp op, const char* name, int64_t n) const;
+  void check_counts(CommOp op, const char* name, const int64_t* counts) const;
+  void check_peer(CommOp op, int peer, int tag) const;
+  void all_to_all_v_any(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                        CommType type);
+  void send_any(const void* data, int64_t n, int peer, int tag, CommType type);
+  void recv_any(void* data, int64_t n, int peer, int tag, CommType type);
+
+  int rank_ = 0, size_ = 1;
+  double timeout_s_ = kDefaultCommTimeoutS;
+  int64_t all_to_all_bytes_sent_ = 0;
+};
+
+// n ranks as threads of this process, over shared memory: element [r] is rank
+// r's communicator, to be used by one thread. Used by fast unit tests. A failure
+// on one rank (a timeout, mismatched calls) breaks the whole group, so peers
+// blocked in a call fail at once instead of waiting out their own timeout.
+std::vector<std::unique_ptr<Communicator>> make_in_process_group(int n, double timeout_s = kDefaultCommTimeoutS);
+
+// This process's rank of MPI_COMM_WORLD (runtime/comm_mpi.cpp; link
+// halyard_comm_mpi). Initializes MPI if nobody has (and finalizes it at exit,
+// unless a communicator failed: finalizing then could wait on a dead peer).
+// Each call makes an independent communicator over a duplicate of the world.
+std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultCommTimeoutS);
+
+}  // namespace halyard::runtime

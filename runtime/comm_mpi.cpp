@@ -1,0 +1,468 @@
+// The MPI communicator: one rank of MPI_COMM_WORLD (launched by mpirun).
+//
+// Every operation is a nonblocking MPI call (MPI_Ialltoallv, MPI_Iallreduce,
+// MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibarrier, MPI_Isend,
+// MPI_Irecv) polled with MPI_Test until it completes or the deadline passes,
+// so a dead or stuck peer costs its partners a timeout, never a hang. The
+// communicator is a duplicate of the world with MPI_ERRORS_RETURN, so an error
+// MPI does detect (a broken connection) becomes an Error rather than an abort.
+//
+// MPI cannot tell which rank is missing from a collective, so the ranks talk
+// on a second duplicate, the control communicator. A rank that times out asks
+// every peer where it is; a peer answers whenever it is inside a call of this
+// communicator (it polls the control queue while it waits):
+//   query   {kQuery, query id, my collective number, my op}
+//   reply   {kReply, query id, its collectives started, op of its last one, inside it?}
+//   gave up {kGaveUp, collective number, op}  (sent by a rank that timed out)
+// After a grace period (a quarter of the timeout, at most 1 s) the peers that
+// did not answer, or answered from an earlier or a different collective, are
+// the ones named in the error. Peers that gave up on the same collective count
+// as arrived. Collectives are numbered from 1 on each rank, in call order.
+//
+// Counts are ints in MPI 3: a call over more than 2^31-1 elements per rank is
+// split into pieces where the operation allows it (all_reduce_sum, send/recv)
+// and rejected with an Error otherwise.
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <list>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/error.h"
+
+namespace halyard::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point deadline_after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// Set once any communicator fails: MPI_Finalize at exit could then wait
+// forever on a dead peer, so it is skipped (mpirun sees an abnormal exit and
+// stops the job, which is what a failed rank wants).
+std::atomic<bool> g_failed{false};
+
+void finalize_at_exit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && !g_failed.load()) MPI_Finalize();
+}
+
+std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+MPI_Datatype mpi_type(CommType t) {
+  switch (t) {
+    case CommType::F32: return MPI_FLOAT;
+    case CommType::I32: return MPI_INT32_T;
+    case CommType::F64: return MPI_DOUBLE;
+    case CommType::I64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// Pieces of split calls; a power of two keeps them aligned.
+constexpr int64_t kMaxPiece = int64_t{1} << 30;
+
+// Control messages.
+constexpr int kControlTag = 1;
+enum : int64_t { kQuery = 1, kReply = 2, kGaveUp = 3 };
+using Control = std::array<int64_t, 5>;
+
+// A buffer MPI may point at when a count is zero and the caller passed null.
+char g_empty[8];
+
+// Polls `request` until it completes or `deadline` passes, calling `idle`
+// about every 5 ms. Spins (yielding the core) for the first millisecond, then
+// sleeps 50 us between tests: MPI progresses a nonblocking collective only
+// inside MPI calls, so the tests must keep coming. Returns MPI_Test's error
+// code, or -1 on timeout.
+template <typename Idle>
+int poll(MPI_Request* request, MPI_Status* status, Clock::time_point deadline, Idle&& idle) {
+  const auto start = Clock::now();
+  auto next_idle = start;
+  for (;;) {
+    int done = 0;
+    int rc = MPI_Test(request, &done, status);
+    if (rc != MPI_SUCCESS) return rc;
+    if (done) return MPI_SUCCESS;
+    const auto now = Clock::now();
+    if (now >= next_idle) {
+      idle();
+      next_idle = now + std::chrono::milliseconds(5);
+    }
+    if (now >= deadline) return -1;
+    if (now - start < std::chrono::milliseconds(1))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(int rank, int size, MPI_Comm data, MPI_Comm control, double timeout_s)
+      : Communicator(rank, size, timeout_s),
+        comm_(data),
+        ctl_(control),
+        replies_(static_cast<size_t>(size)),
+        gave_up_(static_cast<size_t>(size), 0) {}
+
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    // A failed communicator is left as it is: freeing it could wait on a dead peer.
+    if (finalized || !failure_.empty() || comm_ == MPI_COMM_NULL) return;
+    for (Pending& p : pending_) {
+      int done = 0;
+      MPI_Test(&p.request, &done, MPI_STATUS_IGNORE);
+      if (!done) MPI_Request_free(&p.request);  // a reply to a peer that gave up
+    }
+    MPI_Comm_free(&ctl_);
+    MPI_Comm_free(&comm_);
+  }
+
+  const char* backend() const override { return "MPI"; }
+
+ protected:
+  void do_all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                       CommType type) override {
+    const size_t n = static_cast<size_t>(size());
+    send_counts_.resize(n), send_offsets_.resize(n), recv_counts_.resize(n), recv_offsets_.resize(n);
+    int64_t send_at = 0, recv_at = 0;
+    for (size_t p = 0; p < n; ++p) {
+      send_offsets_[p] = to_int(CommOp::AllToAllV, "the offset of send block " + std::to_string(p), send_at);
+      recv_offsets_[p] = to_int(CommOp::AllToAllV, "the offset of recv block " + std::to_string(p), recv_at);
+      send_counts_[p] = to_int(CommOp::AllToAllV, "send_counts[" + std::to_string(p) + "]", send_counts[p]);
+      recv_counts_[p] = to_int(CommOp::AllToAllV, "recv_counts[" + std::to_string(p) + "]", recv_counts[p]);
+      send_at += send_counts[p];
+      recv_at += recv_counts[p];
+    }
+    start(CommOp::AllToAllV);
+    MPI_Request request;
+    check(MPI_Ialltoallv(send ? send : g_empty, send_counts_.data(), send_offsets_.data(), mpi_type(type),
+                         recv ? recv : g_empty, recv_counts_.data(), recv_offsets_.data(), mpi_type(type), comm_,
+                         &request),
+          CommOp::AllToAllV, "MPI_Ialltoallv");
+    wait(&request, CommOp::AllToAllV);
+    finish();
+  }
+
+  void do_all_reduce_sum(void* data, int64_t n, CommType type) override {
+    start(CommOp::AllReduceSum);
+    int64_t at = 0;
+    do {  // once even when n is 0, like every rank
+      int piece = static_cast<int>(std::min(n - at, kMaxPiece));
+      MPI_Request request;
+      check(MPI_Iallreduce(MPI_IN_PLACE, data ? static_cast<char*>(data) + at * comm_type_size(type) : g_empty,
+                           piece, mpi_type(type), MPI_SUM, comm_, &request),
+            CommOp::AllReduceSum, "MPI_Iallreduce");
+      wait(&request, CommOp::AllReduceSum);
+      at += piece;
+    } while (at < n);
+    finish();
+  }
+
+  void do_all_gather(const void* send, int64_t n, void* recv, CommType type) override {
+    int count = to_int(CommOp::AllGather, "n", n);
+    to_int(CommOp::AllGather, "size() * n", n * size());
+    start(CommOp::AllGather);
+    MPI_Request request;
+    check(MPI_Iallgather(send ? send : g_empty, count, mpi_type(type), recv ? recv : g_empty, count, mpi_type(type),
+                         comm_, &request),
+          CommOp::AllGather, "MPI_Iallgather");
+    wait(&request, CommOp::AllGather);
+    finish();
+  }
+
+  void do_reduce_scatter_sum(const void* send, void* recv, int64_t n_per_rank, CommType type) override {
+    int count = to_int(CommOp::ReduceScatterSum, "n_per_rank", n_per_rank);
+    to_int(CommOp::ReduceScatterSum, "size() * n_per_rank", n_per_rank * size());
+    start(CommOp::ReduceScatterSum);
+    MPI_Request request;
+    check(MPI_Ireduce_scatter_block(send ? send : g_empty, recv ? recv : g_empty, count, mpi_type(type), MPI_SUM,
+                                    comm_, &request),
+          CommOp::ReduceScatterSum, "MPI_Ireduce_scatter_block");
+    wait(&request, CommOp::ReduceScatterSum);
+    finish();
+  }
+
+  void do_barrier() override {
+    start(CommOp::Barrier);
+    MPI_Request request;
+    check(MPI_Ibarrier(comm_, &request), CommOp::Barrier, "MPI_Ibarrier");
+    wait(&request, CommOp::Barrier);
+    finish();
+  }
+
+  void do_send(const void* data, int64_t n, int peer, int tag, CommType type) override {
+    throw_if_broken(CommOp::Send);
+    const Peer who{peer, tag, n, type};
+    int64_t at = 0;
+    do {
+      int piece = static_cast<int>(std::min(n - at, kMaxPiece));
+      MPI_Request request;
+      check(MPI_Isend(data ? static_cast<const char*>(data) + at * comm_type_size(type) : g_empty, piece,
+                      mpi_type(type), peer, tag, comm_, &request),
+            CommOp::Send, "MPI_Isend");
+      wait(&request, CommOp::Send, &who);
+      at += piece;
+    } while (at < n);
+  }
+
+  void do_recv(void* data, int64_t n, int peer, int tag, CommType type) override {
+    throw_if_broken(CommOp::Recv);
+    const Peer who{peer, tag, n, type};
+    int64_t at = 0;
+    do {
+      int piece = static_cast<int>(std::min(n - at, kMaxPiece));
+      MPI_Request request;
+      check(MPI_Irecv(data ? static_cast<char*>(data) + at * comm_type_size(type) : g_empty, piece, mpi_type(type),
+                      peer, tag, comm_, &request),
+            CommOp::Recv, "MPI_Irecv");
+      MPI_Status status = wait(&request, CommOp::Recv, &who);
+      int got = 0;
+      MPI_Get_count(&status, mpi_type(type), &got);
+      if (got != piece) size_mismatch(who, at + got);
+      at += piece;
+    } while (at < n);
+  }
+
+ private:
+  // The other side of a send or recv, for messages.
+  struct Peer {
+    int rank, tag;
+    int64_t n;
+    CommType type;
+  };
+
+  struct Pending {
+    Control message;
+    MPI_Request request;
+  };
+
+  void throw_if_broken(CommOp op) const {
+    if (failure_.empty()) return;
+    throw Error("error: " + where(op) + ": the communicator is broken by an earlier failure:\n  " + failure_ +
+                "\na failed call cannot be undone; report it and exit (then restart from the last checkpoint).");
+  }
+
+  // Before a collective: counts it and remembers what it is, for peers' queries.
+  void start(CommOp op) {
+    throw_if_broken(op);
+    ++calls_;
+    last_op_ = op;
+    in_collective_ = 1;
+  }
+  void finish() { in_collective_ = 0; }
+
+  [[noreturn]] void fail(const std::string& message, const std::string& summary) {
+    failure_ = summary;
+    in_collective_ = 0;
+    g_failed = true;
+    throw Error(message);
+  }
+
+  void check(int rc, CommOp op, const char* call) {
+    if (rc == MPI_SUCCESS) return;
+    fail("error: " + where(op) + ": " + call + " failed: " + mpi_error_string(rc) +
+             "\na peer may have died or the network failed; this communicator cannot be used any more.",
+         where(op) + ": " + call + " failed: " + mpi_error_string(rc));
+  }
+
+  int to_int(CommOp op, const std::string& name, int64_t n) const {
+    if (n <= INT_MAX) return static_cast<int>(n);
+    throw Error("error: " + where(op) + ": " + name + " is " + std::to_string(n) +
+                " elements, but MPI counts and offsets are ints (at most " + std::to_string(INT_MAX) +
+                ").\nfix: split the call into pieces of at most " + std::to_string(INT_MAX) + " elements per rank.");
+  }
+
+  [[noreturn]] void size_mismatch(const Peer& who, int64_t got) {
+    fail("error: " + where(CommOp::Recv) + ": rank " + std::to_string(who.rank) + " sent " +
+             (got > who.n ? "more than " + std::to_string(who.n) : std::to_string(got)) + " " +
+             comm_type_name(who.type) + " with tag " + std::to_string(who.tag) + " but this rank expected " +
+             std::to_string(who.n) + " " + comm_type_name(who.type) +
+             ".\nthe element count and type must agree on both sides of a send/recv pair.",
+         where(CommOp::Recv) + " got a message of the wrong size from rank " + std::to_string(who.rank));
+  }
+
+  // Waits for `request`; `peer` is set for send and recv. Throws on an MPI
+  // error or at the deadline, naming the missing ranks.
+  MPI_Status wait(MPI_Request* request, CommOp op, const Peer* peer = nullptr) {
+    MPI_Status status;
+    int rc = poll(request, &status, deadline_after(timeout_s()), [&] { serve_control(); });
+    if (rc == MPI_SUCCESS) return status;
+    if (rc != -1) {
+      int error_class = 0;
+      MPI_Error_class(rc, &error_class);
+      if (op == CommOp::Recv && error_class == MPI_ERR_TRUNCATE) size_mismatch(*peer, peer->n + 1);
+      check(rc, op, "MPI_Test");
+    }
+    std::vector<int> missing;
+    std::string detail;
+    if (peer) {
+      missing = {peer->rank};
+      detail = op == CommOp::Send ? "rank " + std::to_string(peer->rank) + " did not receive the message with tag "
+                                  : "no message with tag ";
+      detail += std::to_string(peer->tag) + " (" + std::to_string(peer->n) + " " + comm_type_name(peer->type) + ")";
+      detail += op == CommOp::Send ? "." : " came from rank " + std::to_string(peer->rank) + ".";
+    } else {
+      missing = find_missing(op, &detail);
+      for (int p = 0; p < size(); ++p)
+        if (p != rank()) post_control(p, {kGaveUp, calls_, static_cast<int64_t>(op), 0, 0});
+    }
+    fail(timeout_message(op, missing, detail), where(op) + " timed out after " + seconds_string(timeout_s()) +
+                                                   " s waiting for " + rank_list(missing));
+  }
+
+  void post_control(int peer, const Control& message) {
+    pending_.push_back(Pending{message, MPI_REQUEST_NULL});
+    Pending& p = pending_.back();
+    if (MPI_Isend(p.message.data(), static_cast<int>(p.message.size()), MPI_INT64_T, peer, kControlTag, ctl_,
+                  &p.request) != MPI_SUCCESS)
+      pending_.pop_back();  // best effort: the control channel only improves messages
+  }
+
+  // Answers queries, records replies and give-ups, forgets finished sends.
+  void serve_control() {
+    pending_.remove_if([](Pending& p) {
+      int done = 0;
+      return MPI_Test(&p.request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done;
+    });
+    for (;;) {
+      int waiting = 0;
+      MPI_Status status;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kControlTag, ctl_, &waiting, &status) != MPI_SUCCESS || !waiting) return;
+      Control m{};
+      if (MPI_Recv(m.data(), static_cast<int>(m.size()), MPI_INT64_T, status.MPI_SOURCE, kControlTag, ctl_,
+                   MPI_STATUS_IGNORE) != MPI_SUCCESS)
+        return;
+      const size_t from = static_cast<size_t>(status.MPI_SOURCE);
+      if (m[0] == kQuery)
+        post_control(status.MPI_SOURCE, {kReply, m[1], calls_, static_cast<int64_t>(last_op_), in_collective_});
+      else if (m[0] == kReply && m[1] == query_)
+        replies_[from] = m;
+      else if (m[0] == kGaveUp)
+        gave_up_[from] = std::max(gave_up_[from], m[1]);
+    }
+  }
+
+  // Asks every peer where it is (see the top of the file). Returns the ranks
+  // that have not reached this collective; explains any out-of-step rank in
+  // `detail`.
+  std::vector<int> find_missing(CommOp op, std::string* detail) {
+    ++query_;
+    std::fill(replies_.begin(), replies_.end(), Control{});
+    for (int p = 0; p < size(); ++p)
+      if (p != rank()) post_control(p, {kQuery, query_, calls_, static_cast<int64_t>(op), 0});
+    auto answered = [&] {
+      for (int p = 0; p < size(); ++p)
+        if (p != rank() && replies_[static_cast<size_t>(p)][0] != kReply) return false;
+      return true;
+    };
+    const auto grace = deadline_after(std::min(1.0, timeout_s() / 4));
+    while (!answered() && Clock::now() < grace) {
+      serve_control();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    serve_control();
+
+    const std::string here = std::string(comm_op_name(op)) + " (collective #" + std::to_string(calls_) + ")";
+    std::vector<int> missing;
+    std::string lines;
+    for (int p = 0; p < size(); ++p) {
+      const Control& r = replies_[static_cast<size_t>(p)];
+      if (p == rank() || gave_up_[static_cast<size_t>(p)] >= calls_) continue;
+      const std::string who = "rank " + std::to_string(p);
+      if (r[0] != kReply) {
+        missing.push_back(p);
+      } else if (r[2] < calls_) {
+        missing.push_back(p);
+        const auto last = static_cast<CommOp>(r[3]);
+        lines += "\n  " + who + " has not reached it: " +
+                 (r[4] ? "it is still in its collective #" + std::to_string(r[2]) + " (" + comm_op_name(last) + ")"
+                       : "it has started " + std::to_string(r[2]) + (r[2] == 1 ? " collective" : " collectives") +
+                             " and is in none now");
+      } else if (r[2] == calls_ && static_cast<CommOp>(r[3]) != op) {
+        missing.push_back(p);
+        lines += "\n  " + who + " called " + comm_op_name(static_cast<CommOp>(r[3])) +
+                 " as its collective #" + std::to_string(r[2]) + ": the ranks' calls are out of step";
+      }
+    }
+    *detail = "this rank is in " + here + "; no answer means dead, or busy outside the communicator." + lines;
+    return missing;
+  }
+
+  MPI_Comm comm_, ctl_;
+  int64_t calls_ = 0;  // collectives started on this rank
+  CommOp last_op_ = CommOp::Barrier;
+  int64_t in_collective_ = 0;  // 1 while inside collective calls_
+  std::string failure_;        // the first failure, one line; empty while healthy
+  int64_t query_ = 0;
+  std::vector<Control> replies_;  // per peer, to query_
+  std::vector<int64_t> gave_up_;  // per peer: the collective number it gave up on
+  std::list<Pending> pending_;    // control sends in flight
+  std::vector<int> send_counts_, send_offsets_, recv_counts_, recv_offsets_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized)
+    throw Error("error: make_mpi_communicator: MPI is already finalized in this process.\n"
+                "fix: make every communicator before MPI_Finalize.");
+  if (!initialized) {
+    int provided = 0;
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    if (rc != MPI_SUCCESS) throw Error("error: make_mpi_communicator: MPI_Init_thread failed: " + mpi_error_string(rc));
+    std::atexit(finalize_at_exit);
+  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (!(timeout_s > 0 && std::isfinite(timeout_s)))  // the base class words the error, and throws
+    MpiCommunicator(rank, size, MPI_COMM_NULL, MPI_COMM_NULL, timeout_s);
+
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
+  // Duplicating is collective: poll it too, so a rank that never arrives
+  // cannot hang the others at startup.
+  MPI_Comm comms[2] = {MPI_COMM_NULL, MPI_COMM_NULL};
+  for (MPI_Comm& c : comms) {
+    MPI_Request request;
+    MPI_Status status;
+    int rc = MPI_Comm_idup(MPI_COMM_WORLD, &c, &request);
+    if (rc == MPI_SUCCESS) rc = poll(&request, &status, deadline_after(timeout_s), [] {});
+    if (rc == -1) {
+      g_failed = true;
+      throw Error("error: make_mpi_communicator on rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                  " timed out after " + seconds + 
+                  " s waiting for a peer (dead or stuck?)\nevery rank must make its communicators in the same order.");
+    }
+    if (rc != MPI_SUCCESS)
+      throw Error("error: make_mpi_communicator: MPI_Comm_idup failed: " + mpi_error_string(rc));
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  }
+  return std::make_unique<MpiCommunicator>(rank, size, comms[0], comms[1], timeout_s);
+}
+
+}  // namespace halyard::runtime

@@ -1,0 +1,315 @@
+// The MPI communicator under mpirun, in three modes of one program:
+//
+//   mpirun -np 4 comm_mpi_main            GoogleTest suites on every rank (rank 0
+//                                         prints; other ranks print failures only);
+//                                         exits non-zero if any rank failed.
+//   mpirun -np 4 comm_mpi_main --fault=M  rank 2 misbehaves before an
+//                                         all_reduce_sum (M = stuck: sleeps;
+//                                         killed: SIGKILLs itself); the others,
+//                                         with a 5 s timeout, print the Error and
+//                                         exit 1.
+//   comm_mpi_main --check-fault=C         the ctest wrapper: runs mpirun on the
+//                                         fault mode of case C, kills it if it runs
+//                                         past 60 s, prints its output, and passes
+//                                         only if the expected outcome appeared:
+//     stuck            survivors report "all_reduce_sum ... timed out after 5 s
+//                      waiting for rank 2"; mpirun exits non-zero.
+//     killed           plain mpirun notices the dead rank itself and ends the job
+//                      non-zero at once (survivors get no chance to report).
+//     killed_recovery  mpirun --enable-recovery keeps the survivors running; they
+//                      report the timeout naming the operation and rank 2.
+//                      (OpenMPI 4.1's mpirun exits 0 in this mode whatever the
+//                      ranks return, so only the output is checked.)
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/error.h"
+
+namespace halyard::runtime {
+namespace {
+
+using ::testing::HasSubstr;
+
+Communicator* g_comm = nullptr;
+
+int64_t uneven_count(int from, int to) { return (from * 3 + to * 5 + 1) % 5; }
+float element(int from, int to, int64_t k) { return static_cast<float>(from * 1000 + to * 100 + k); }
+
+TEST(CommMpi, AllToAllVPermutesUnevenBlocksAndCountsBytes) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), r = c.rank();
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  std::vector<float> send;
+  int64_t expected_bytes = 0;
+  for (int p = 0; p < n; ++p) {
+    send_counts[p] = uneven_count(r, p);
+    recv_counts[p] = uneven_count(p, r);
+    for (int64_t k = 0; k < send_counts[p]; ++k) send.push_back(element(r, p, k));
+    if (p != r) expected_bytes += send_counts[p] * 4;
+  }
+  std::vector<float> recv(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})));
+  c.reset_all_to_all_bytes_sent();
+  c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+  size_t at = 0;
+  for (int p = 0; p < n; ++p)
+    for (int64_t k = 0; k < recv_counts[p]; ++k, ++at) EXPECT_EQ(recv[at], element(p, r, k));
+  EXPECT_EQ(c.all_to_all_bytes_sent(), expected_bytes);
+
+  std::vector<int32_t> send_i(send.begin(), send.end()), recv_i(recv.size());
+  c.all_to_all_v(send_i.data(), send_counts.data(), recv_i.data(), recv_counts.data());
+  for (size_t i = 0; i < recv.size(); ++i) EXPECT_EQ(recv_i[i], static_cast<int32_t>(recv[i]));
+  EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * expected_bytes);
+}
+
+TEST(CommMpi, AllReduceSumIsExactAndIdenticalOnEveryRank) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), r = c.rank();
+  for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{100000}}) {
+    std::vector<float> data(static_cast<size_t>(len));
+    for (int64_t i = 0; i < len; ++i) data[i] = static_cast<float>(r + 1) + 0.5f * (i % 1000);
+    c.all_reduce_sum(data.data(), len);
+    for (int64_t i = 0; i < len; ++i) ASSERT_EQ(data[i], static_cast<float>(n * (n + 1) / 2) + 0.5f * (i % 1000) * n);
+  }
+  std::vector<float> noisy(257);
+  for (size_t i = 0; i < noisy.size(); ++i) noisy[i] = std::sin(1.0f + r * 7.0f + i) * 1e-3f + 1.0f / (r + 3);
+  c.all_reduce_sum(noisy.data(), static_cast<int64_t>(noisy.size()));
+  std::vector<float> everyone(noisy.size() * n);
+  c.all_gather(noisy.data(), static_cast<int64_t>(noisy.size()), everyone.data());
+  for (int p = 0; p < n; ++p)
+    EXPECT_EQ(std::memcmp(everyone.data() + p * noisy.size(), noisy.data(), noisy.size() * 4), 0)
+        << "rank " << p << " got a different sum";
+  EXPECT_EQ(c.all_reduce_sum(1.5 * r), 1.5 * n * (n - 1) / 2);
+  EXPECT_EQ(c.all_reduce_sum(int64_t{1} << (40 + r)), ((int64_t{1} << n) - 1) << 40);
+}
+
+TEST(CommMpi, AllGatherAndReduceScatter) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), r = c.rank();
+  const int64_t per = 6;
+  std::vector<int32_t> ids(per), all_ids(per * n);
+  for (int64_t k = 0; k < per; ++k) ids[k] = r * 10 + static_cast<int32_t>(k);
+  c.all_gather(ids.data(), per, all_ids.data());
+  for (int p = 0; p < n; ++p)
+    for (int64_t k = 0; k < per; ++k) EXPECT_EQ(all_ids[p * per + k], p * 10 + k);
+
+  std::vector<float> send(per * n), recv(per);
+  for (int64_t i = 0; i < per * n; ++i) send[i] = static_cast<float>(i) + 1000.0f * r;
+  c.reduce_scatter_sum(send.data(), recv.data(), per);
+  for (int64_t k = 0; k < per; ++k)
+    EXPECT_EQ(recv[k], static_cast<float>(n * (r * per + k)) + 1000.0f * n * (n - 1) / 2);
+}
+
+TEST(CommMpi, SendRecvRingMatchesByTag) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), r = c.rank();
+  if (n == 1) GTEST_SKIP() << "a single rank has no peer";
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  std::vector<float> a(1 << 16, 1.0f * r), b = {-1.0f * r};  // a goes by rendezvous, b eagerly
+  c.send(b.data(), 1, next, 2);
+  std::vector<float> got_b(1), got_a(a.size());
+  // Post the large send only after the peer can receive it: recv b first on odd
+  // ranks so that the ring cannot deadlock on rendezvous sends.
+  if (r % 2 == 0) {
+    c.send(a.data(), static_cast<int64_t>(a.size()), next, 1);
+    c.recv(got_a.data(), static_cast<int64_t>(a.size()), prev, 1);
+  } else {
+    c.recv(got_a.data(), static_cast<int64_t>(a.size()), prev, 1);
+    c.send(a.data(), static_cast<int64_t>(a.size()), next, 1);
+  }
+  c.recv(got_b.data(), 1, prev, 2);
+  EXPECT_EQ(got_a, std::vector<float>(a.size(), 1.0f * prev));
+  EXPECT_EQ(got_b[0], -1.0f * prev);
+}
+
+TEST(CommMpi, ManyCollectivesInARowStayInStep) {
+  Communicator& c = *g_comm;
+  const int n = c.size();
+  for (int it = 0; it < 200; ++it) {
+    float x = static_cast<float>(c.rank() + it);
+    c.all_reduce_sum(&x, 1);
+    ASSERT_EQ(x, static_cast<float>(n * (n - 1) / 2 + n * it));
+    if (it % 3 == 0) c.barrier();
+  }
+}
+
+TEST(CommMpi, UserMistakesThrowAndLeaveTheCommunicatorUsable) {
+  Communicator& c = *g_comm;
+  float x = 0;
+  try {
+    c.send(&x, 1, c.size(), 0);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("error: send on rank " + std::to_string(c.rank()) + " of " +
+                                    std::to_string(c.size()) + ": peer " + std::to_string(c.size()) +
+                                    " is not a rank."));
+  }
+  EXPECT_STREQ(c.backend(), "MPI");
+  c.barrier();
+}
+
+// Rank 0 prints everything; the other ranks print only failed assertions.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.message());
+  }
+
+ private:
+  int rank_;
+};
+
+int run_tests(int argc, char** argv) {
+  auto comm = make_mpi_communicator(20);
+  g_comm = comm.get();
+  ::testing::InitGoogleTest(&argc, argv);
+  if (comm->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(comm->rank()));
+  }
+  int failed = RUN_ALL_TESTS() != 0;
+  int64_t ranks_failed = comm->all_reduce_sum(int64_t{failed});
+  if (comm->rank() == 0)
+    std::printf("comm_mpi: %s (%d ranks)\n",
+                ranks_failed ? (std::to_string(ranks_failed) + " rank(s) FAILED").c_str() : "all ranks passed",
+                comm->size());
+  g_comm = nullptr;
+  comm.reset();
+  return ranks_failed ? 1 : 0;
+}
+
+// --fault=stuck|killed, under mpirun.
+int run_fault(const std::string& mode) {
+  auto comm = make_mpi_communicator(5);
+  comm->barrier();  // everyone is up
+  if (comm->rank() == 2) {
+    if (mode == "killed") raise(SIGKILL);
+    std::this_thread::sleep_for(std::chrono::seconds(120));  // stuck; mpirun ends it
+    return 0;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<float> grads(1024, 1.0f);
+  try {
+    comm->all_reduce_sum(grads.data(), static_cast<int64_t>(grads.size()));
+  } catch (const Error& e) {
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "[rank %d after %.1f s] %s\n", comm->rank(), s, e.what());
+    std::fflush(stderr);
+    std::exit(1);
+  }
+  std::fprintf(stderr, "[rank %d] all_reduce_sum returned without rank 2\n", comm->rank());
+  return 3;
+}
+
+// --check-fault=CASE: the ctest wrapper (no MPI in this process).
+int check_fault(const std::string& which) {
+  const bool recovery = which == "killed_recovery";
+  const std::string mode = which == "stuck" ? "stuck" : "killed";
+  if (which != "stuck" && which != "killed" && !recovery) {
+    std::fprintf(stderr, "unknown case %s; cases: stuck, killed, killed_recovery\n", which.c_str());
+    return 2;
+  }
+  char self[4096];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0) return 2;
+  self[len] = 0;
+  std::vector<std::string> args = {HALYARD_MPIEXEC, "--allow-run-as-root", "--oversubscribe"};
+  if (recovery) args.push_back("--enable-recovery");
+  for (const char* a : std::initializer_list<const char*>{"-np", "4", self}) args.push_back(a);
+  args.push_back("--fault=" + mode);
+  std::string line;
+  for (const auto& a : args) line += a + " ";
+  std::printf("$ %s\n", line.c_str());
+  std::fflush(stdout);
+
+  int out[2];
+  if (pipe(out) != 0) return 2;
+  const auto start = std::chrono::steady_clock::now();
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(out[1], 1);
+    dup2(out[1], 2);
+    close(out[0]);
+    close(out[1]);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(out[1]);
+  std::string log;
+  bool hung = false;
+  for (;;) {
+    double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed > 60) {
+      hung = true;
+      kill(-pid, SIGTERM);
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      kill(-pid, SIGKILL);
+      break;
+    }
+    pollfd p{out[0], POLLIN, 0};
+    if (poll(&p, 1, 200) <= 0) continue;
+    char buf[4096];
+    ssize_t got = read(out[0], buf, sizeof buf);
+    if (got <= 0) break;
+    log.append(buf, static_cast<size_t>(got));
+  }
+  close(out[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::printf("%s\n--- mpirun exited %d after %.1f s\n", log.c_str(), rc, elapsed);
+
+  std::vector<std::string> problems;
+  if (hung) problems.push_back("mpirun was still running after 60 s: something hung");
+  const std::string ours = "timed out after 5 s waiting for rank 2 (dead or stuck?)";
+  if (which == "stuck" || recovery) {
+    if (log.find("error: all_reduce_sum on rank ") == std::string::npos || log.find(ours) == std::string::npos)
+      problems.push_back("no survivor reported \"error: all_reduce_sum on rank r of 4 " + ours + "\"");
+    if (log.find("returned without rank 2") != std::string::npos)
+      problems.push_back("a survivor's all_reduce_sum completed without rank 2");
+  }
+  if (!recovery && rc == 0) problems.push_back("mpirun exited 0 though ranks failed");
+  if (which == "killed" && log.find("rank 2") == std::string::npos)
+    problems.push_back("mpirun's output does not name rank 2");
+  for (const auto& p : problems) std::printf("FAILED: %s\n", p.c_str());
+  if (problems.empty()) std::printf("PASSED: %s, the failure reported in %.1f s\n", which.c_str(), elapsed);
+  return problems.empty() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace halyard::runtime
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--check-fault=", 0) == 0) return halyard::runtime::check_fault(a.substr(14));
+    if (a.rfind("--fault=", 0) == 0) return halyard::runtime::run_fault(a.substr(8));
+  }
+  return halyard::runtime::run_tests(argc, argv);
+}

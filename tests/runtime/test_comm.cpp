@@ -1,0 +1,427 @@
+// Tests for runtime/comm over the in-process group (threads as ranks), with
+// 1, 2 and 4 ranks: every collective against values computed by hand, the
+// all-to-all traffic counter against the Ulysses formula, one test per user
+// mistake checking its message, and (suite CommFaults, label "faults") ranks
+// that never arrive, which must make the others throw within the timeout
+// naming the missing ranks.
+#include "runtime/comm.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/error.h"
+
+namespace halyard::runtime {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Runs fn(comm) on every rank of a fresh group of n, one thread per rank.
+// Returns what each rank threw ("" when it returned normally).
+std::vector<std::string> run_ranks(int n, double timeout_s, const std::function<void(Communicator&)>& fn) {
+  auto comms = make_in_process_group(n, timeout_s);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(*comms[static_cast<size_t>(r)]);
+      } catch (const Error& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = std::string("unexpected exception: ") + e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+void expect_no_errors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// What a test throws on rank r, or "" if it does not.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Elements rank `from` sends rank `to` in the uneven tests: 0..4, zeros included.
+int64_t uneven_count(int from, int to) { return (from * 3 + to * 5 + 1) % 5; }
+
+// The k-th element rank `from` sends rank `to`: exact in f32 and i32.
+float element(int from, int to, int64_t k) { return static_cast<float>(from * 1000 + to * 100 + k); }
+
+class Comm : public ::testing::TestWithParam<int> {};
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Comm, ::testing::Values(1, 2, 4), [](const auto& info) {
+  return std::to_string(info.param) + "ranks";
+});
+
+TEST_P(Comm, AllToAllVPermutesUnevenBlocksExactly) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<int64_t> send_counts(n), recv_counts(n);
+    std::vector<float> send;
+    for (int p = 0; p < n; ++p) {
+      send_counts[p] = uneven_count(r, p);
+      recv_counts[p] = uneven_count(p, r);
+      for (int64_t k = 0; k < send_counts[p]; ++k) send.push_back(element(r, p, k));
+    }
+    std::vector<float> recv(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})),
+                            -1.0f);
+    c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+    size_t at = 0;
+    for (int p = 0; p < n; ++p)
+      for (int64_t k = 0; k < recv_counts[p]; ++k, ++at)
+        EXPECT_EQ(recv[at], element(p, r, k)) << "rank " << r << " block from " << p << " element " << k;
+
+    // The same exchange on int32 (token ids, positions).
+    std::vector<int32_t> send_i(send.begin(), send.end()), recv_i(recv.size(), -1);
+    c.all_to_all_v(send_i.data(), send_counts.data(), recv_i.data(), recv_counts.data());
+    for (size_t i = 0; i < recv.size(); ++i) EXPECT_EQ(recv_i[i], static_cast<int32_t>(recv[i]));
+  }));
+}
+
+TEST_P(Comm, AllToAllBytesCounterMatchesFormula) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank();
+    // Uneven: every element to another rank counts, the block to itself does not.
+    std::vector<int64_t> send_counts(n), recv_counts(n);
+    int64_t expected = 0;
+    for (int p = 0; p < n; ++p) {
+      send_counts[p] = uneven_count(r, p);
+      recv_counts[p] = uneven_count(p, r);
+      if (p != r) expected += send_counts[p] * 4;
+    }
+    std::vector<float> send(64), recv(64);
+    EXPECT_EQ(c.all_to_all_bytes_sent(), 0);
+    c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+    EXPECT_EQ(c.all_to_all_bytes_sent(), expected);
+    c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+    EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * expected);
+    c.reset_all_to_all_bytes_sent();
+
+    // Ulysses: q of f32[seq=S@sp, heads=H, head_dim=D] goes to heads@sp. Each
+    // rank keeps 1/P of its slice and sends the rest: (P-1) * S/P * H/P * D * 4 bytes.
+    const int64_t S = 32, H = 8, D = 4, P = n;
+    std::vector<int64_t> counts(n, (S / P) * (H / P) * D);
+    std::vector<float> q(static_cast<size_t>(S / P * H * D)), q_heads(q.size());
+    c.all_to_all_v(q.data(), counts.data(), q_heads.data(), counts.data());
+    EXPECT_EQ(c.all_to_all_bytes_sent(), (P - 1) * (S / P) * (H / P) * D * 4);
+  }));
+}
+
+TEST_P(Comm, AllReduceSumIsExactAndIdenticalOnEveryRank) {
+  const int n = GetParam();
+  std::vector<std::vector<float>> results(static_cast<size_t>(n));
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank();
+    for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{1000}}) {
+      std::vector<float> data(static_cast<size_t>(len));
+      for (int64_t i = 0; i < len; ++i) data[static_cast<size_t>(i)] = static_cast<float>(r + 1) + 0.5f * i;
+      c.all_reduce_sum(data.data(), len);
+      for (int64_t i = 0; i < len; ++i)
+        EXPECT_EQ(data[static_cast<size_t>(i)], static_cast<float>(n * (n + 1) / 2) + 0.5f * i * n) << "i " << i;
+    }
+    // Values whose float sum depends on the order: every rank must agree bitwise.
+    std::vector<float> noisy(257);
+    for (size_t i = 0; i < noisy.size(); ++i) noisy[i] = std::sin(1.0f + r * 7.0f + i) * 1e-3f + 1.0f / (r + 3);
+    c.all_reduce_sum(noisy.data(), static_cast<int64_t>(noisy.size()));
+    results[static_cast<size_t>(r)] = noisy;
+
+    std::vector<double> d = {0.25 * r, 1.0};
+    c.all_reduce_sum(d.data(), 2);
+    EXPECT_EQ(d[0], 0.25 * n * (n - 1) / 2);
+    EXPECT_EQ(d[1], n);
+    EXPECT_EQ(c.all_reduce_sum(1.5 * r), 1.5 * n * (n - 1) / 2);
+    EXPECT_EQ(c.all_reduce_sum(int64_t{1} << (40 + r)), ((int64_t{1} << n) - 1) << 40);
+  }));
+  for (int r = 1; r < n; ++r)
+    EXPECT_EQ(std::memcmp(results[0].data(), results[static_cast<size_t>(r)].data(), results[0].size() * 4), 0)
+        << "rank " << r << " got a different sum than rank 0";
+}
+
+TEST_P(Comm, AllGatherConcatenatesInRankOrder) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank();
+    const int64_t len = 5;
+    std::vector<float> send(len);
+    std::vector<int32_t> send_i(len);
+    for (int64_t k = 0; k < len; ++k) send[k] = element(r, 0, k), send_i[k] = r * 10 + static_cast<int32_t>(k);
+    std::vector<float> recv(static_cast<size_t>(len * n));
+    std::vector<int32_t> recv_i(recv.size());
+    c.all_gather(send.data(), len, recv.data());
+    c.all_gather(send_i.data(), len, recv_i.data());
+    for (int p = 0; p < n; ++p)
+      for (int64_t k = 0; k < len; ++k) {
+        EXPECT_EQ(recv[p * len + k], element(p, 0, k));
+        EXPECT_EQ(recv_i[p * len + k], p * 10 + k);
+      }
+    c.all_gather(static_cast<const float*>(nullptr), 0, static_cast<float*>(nullptr));  // empty is fine
+  }));
+}
+
+TEST_P(Comm, ReduceScatterSumGivesEachRankItsBlock) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank();
+    const int64_t per = 6;
+    std::vector<float> send(static_cast<size_t>(per * n));
+    for (int64_t i = 0; i < per * n; ++i) send[i] = static_cast<float>(i) + 1000.0f * r;
+    std::vector<float> recv(per);
+    c.reduce_scatter_sum(send.data(), recv.data(), per);
+    for (int64_t k = 0; k < per; ++k)
+      EXPECT_EQ(recv[k], static_cast<float>(n * (r * per + k)) + 1000.0f * n * (n - 1) / 2) << "k " << k;
+  }));
+}
+
+TEST_P(Comm, SendRecvMatchesByPeerAndTag) {
+  const int n = GetParam();
+  if (n == 1) GTEST_SKIP() << "a single rank has no peer";
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::vector<float> a = {1.0f * r, 2.0f * r, 3.0f * r}, b = {-1.0f * r};
+    std::vector<int32_t> ids = {r, r + 100};
+    c.send(a.data(), 3, next, 1);
+    c.send(b.data(), 1, next, 2);
+    c.send(ids.data(), 2, next, 3);
+    std::vector<float> got_b(1), got_a(3);
+    std::vector<int32_t> got_ids(2);
+    c.recv(got_b.data(), 1, prev, 2);  // tags out of order: matched by tag
+    c.recv(got_a.data(), 3, prev, 1);
+    c.recv(got_ids.data(), 2, prev, 3);
+    EXPECT_EQ(got_a, (std::vector<float>{1.0f * prev, 2.0f * prev, 3.0f * prev}));
+    EXPECT_EQ(got_b, (std::vector<float>{-1.0f * prev}));
+    EXPECT_EQ(got_ids, (std::vector<int32_t>{prev, prev + 100}));
+    EXPECT_EQ(c.all_to_all_bytes_sent(), 0);  // send/recv is not all-to-all traffic
+  }));
+}
+
+TEST_P(Comm, ManyCollectivesInARowStayInStep) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    for (int it = 0; it < 300; ++it) {
+      float x = static_cast<float>(c.rank() + it);
+      c.all_reduce_sum(&x, 1);
+      ASSERT_EQ(x, static_cast<float>(n * (n - 1) / 2 + n * it)) << "iteration " << it;
+      if (it % 3 == 0) c.barrier();
+      std::vector<float> all(n);
+      c.all_gather(&x, 1, all.data());
+      for (float v : all) ASSERT_EQ(v, x);
+    }
+  }));
+}
+
+TEST(Comm, ReportsItsRankSizeAndBackend) {
+  auto comms = make_in_process_group(3, 2.5);
+  ASSERT_EQ(comms.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(comms[r]->rank(), r);
+    EXPECT_EQ(comms[r]->size(), 3);
+    EXPECT_EQ(comms[r]->timeout_s(), 2.5);
+    EXPECT_STREQ(comms[r]->backend(), "in-process");
+  }
+  EXPECT_EQ(make_in_process_group(1)[0]->timeout_s(), kDefaultCommTimeoutS);
+}
+
+// ---------------------------------------------------------------------------
+// User mistakes: one test each, checking the message.
+
+TEST(CommErrors, TimeoutMustBePositiveAndFinite) {
+  for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
+    std::string e = error_of([&] { make_in_process_group(2, bad); });
+    EXPECT_THAT(e, HasSubstr("error: communicator timeout of ")) << bad;
+    EXPECT_THAT(e, HasSubstr("must be a positive, finite number of seconds"));
+  }
+  auto comms = make_in_process_group(1, 1);
+  std::string e = error_of([&] { comms[0]->set_timeout_s(-2); });
+  EXPECT_THAT(e, HasSubstr("error: communicator timeout of -2 s on rank 0 of 1"));
+  EXPECT_EQ(comms[0]->timeout_s(), 1);
+}
+
+TEST(CommErrors, GroupNeedsARank) {
+  EXPECT_THAT(error_of([] { make_in_process_group(0, 1); }),
+              HasSubstr("error: in-process group of 0 ranks\na group needs at least 1 rank."));
+}
+
+TEST(CommErrors, NegativeCountIsRejectedBeforeSending) {
+  auto errors = run_ranks(2, 5, [](Communicator& c) {
+    std::vector<float> buf(4);
+    std::vector<int64_t> bad = {1, -3}, good = {1, 1};
+    if (c.rank() == 1) {
+      std::string e = error_of([&] { c.all_to_all_v(buf.data(), bad.data(), buf.data() + 2, good.data()); });
+      EXPECT_EQ(e, "error: all_to_all_v on rank 1 of 2: send_counts[1] is -3; counts are numbers of elements per "
+                   "rank and must be >= 0.");
+      EXPECT_THAT(error_of([&] { c.all_reduce_sum(buf.data(), -1); }),
+                  HasSubstr("all_reduce_sum on rank 1 of 2: n is -1"));
+    }
+    c.barrier();  // still usable
+  });
+  expect_no_errors(errors);
+}
+
+TEST(CommErrors, NullBufferWithElementsIsRejected) {
+  auto comms = make_in_process_group(1, 1);
+  EXPECT_EQ(error_of([&] { comms[0]->all_reduce_sum(static_cast<float*>(nullptr), 3); }),
+            "error: all_reduce_sum on rank 0 of 1: data is null but must hold 3 elements.\n"
+            "fix: pass a buffer of at least 3 elements.");
+}
+
+TEST(CommErrors, PeerMustBeAnotherRank) {
+  auto comms = make_in_process_group(4, 1);
+  float x = 0;
+  EXPECT_EQ(error_of([&] { comms[1]->send(&x, 1, 4, 0); }),
+            "error: send on rank 1 of 4: peer 4 is not a rank.\nlegal peers: 0..3 except 1 (this rank)");
+  EXPECT_THAT(error_of([&] { comms[1]->recv(&x, 1, -1, 0); }), HasSubstr("recv on rank 1 of 4: peer -1 is not a rank"));
+  EXPECT_EQ(error_of([&] { comms[2]->send(&x, 1, 2, 0); }),
+            "error: send on rank 2 of 4: peer 2 is this rank; a rank cannot send to or receive from itself.\n"
+            "fix: copy the buffer instead.");
+}
+
+TEST(CommErrors, TagMustBeInRange) {
+  auto comms = make_in_process_group(2, 1);
+  float x = 0;
+  EXPECT_EQ(error_of([&] { comms[0]->send(&x, 1, 1, 40000); }),
+            "error: send on rank 0 of 2: tag 40000 is out of range.\nlegal tags: 0..32767");
+}
+
+TEST(CommErrors, AllToAllCountsMustMatchAcrossRanks) {
+  auto errors = run_ranks(2, 5, [](Communicator& c) {
+    std::vector<float> send(8), recv(8);
+    // Rank 0 sends 3 elements to rank 1, which expects 2.
+    std::vector<int64_t> send_counts = c.rank() == 0 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{2, 2};
+    std::vector<int64_t> recv_counts = c.rank() == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 2};
+    c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(errors[r], "error: all_to_all_v on rank " + std::to_string(r) +
+                             " of 2: rank 0 sends 3 elements to rank 1 (its send_counts[1]) but rank 1 expects 2 "
+                             "from rank 0 (its recv_counts[0]).\nrecv_counts[p] on rank q must equal send_counts[q] "
+                             "on rank p.");
+}
+
+TEST(CommErrors, RanksMustCallTheSameCollective) {
+  auto errors = run_ranks(2, 5, [](Communicator& c) {
+    float x = 1, all[2];
+    if (c.rank() == 0)
+      c.all_gather(&x, 1, all);
+    else
+      c.barrier();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], HasSubstr("the ranks called different collectives at the same point:\n"
+                                     "  rank 0: all_gather\n  rank 1: barrier\n"));
+    EXPECT_THAT(errors[r], HasSubstr("every rank must call the same collectives in the same order."));
+  }
+}
+
+TEST(CommErrors, RanksMustPassTheSameSize) {
+  auto errors = run_ranks(2, 5, [](Communicator& c) {
+    std::vector<float> data(4);
+    c.all_reduce_sum(data.data(), c.rank() == 0 ? 4 : 3);
+  });
+  EXPECT_THAT(errors[1], HasSubstr("error: all_reduce_sum on rank 1 of 2: the ranks passed different sizes:\n"
+                                   "  rank 0: 4 elements\n  rank 1: 3 elements\n"));
+}
+
+TEST(CommErrors, RecvSizeMustMatchSend) {
+  auto errors = run_ranks(2, 5, [](Communicator& c) {
+    std::vector<float> data(4);
+    if (c.rank() == 0) c.send(data.data(), 4, 1, 9);
+    if (c.rank() == 1) c.recv(data.data(), 3, 0, 9);
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "error: recv on rank 1 of 2: rank 0 sent 4 f32 with tag 9 but this rank expected 3 f32.\n"
+                       "the element count and type must agree on both sides of a send/recv pair.");
+}
+
+// ---------------------------------------------------------------------------
+// Faults: a rank that never arrives.
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+TEST(CommFaults, MissingRankMakesTheOthersThrowNamingIt) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<double> elapsed(4);
+  auto errors = run_ranks(4, 0.5, [&](Communicator& c) {
+    std::vector<float> send(8), recv(8);
+    std::vector<int64_t> counts(4, 2);
+    if (c.rank() != 2) {  // rank 2 is stuck elsewhere
+      try {
+        c.all_to_all_v(send.data(), counts.data(), recv.data(), counts.data());
+      } catch (...) {
+        elapsed[c.rank()] = seconds_since(start);
+        throw;
+      }
+    }
+  });
+  EXPECT_EQ(errors[2], "");
+  int timed_out = 0;
+  for (int r : {0, 1, 3}) {
+    // The first to time out says so; the ones it wakes say they gave up.
+    EXPECT_THAT(errors[r], HasSubstr("error: all_to_all_v on rank " + std::to_string(r) + " of 4 "));
+    EXPECT_THAT(errors[r], HasSubstr("waiting for rank 2 (dead or stuck?)"));
+    if (errors[r].find("timed out after 0.5 s waiting for rank 2 (dead or stuck?)\n") != std::string::npos) {
+      ++timed_out;
+      EXPECT_THAT(errors[r], HasSubstr("raise the timeout with Communicator::set_timeout_s"));
+    }
+    EXPECT_GE(elapsed[r], 0.45) << "rank " << r;
+    EXPECT_LT(elapsed[r], 3.0) << "rank " << r;
+  }
+  EXPECT_GE(timed_out, 1);
+}
+
+TEST(CommFaults, MessageNamesEveryMissingRank) {
+  auto errors = run_ranks(4, 0.5, [&](Communicator& c) {
+    float x = 1;
+    if (c.rank() == 0 || c.rank() == 2) c.all_reduce_sum(&x, 1);
+  });
+  for (int r : {0, 2}) EXPECT_THAT(errors[r], HasSubstr("waiting for ranks 1, 3 (dead or stuck?)"));
+  EXPECT_EQ(errors[1], "");
+  EXPECT_EQ(errors[3], "");
+}
+
+TEST(CommFaults, LateRankFindsTheGroupBroken) {
+  auto errors = run_ranks(2, 0.3, [&](Communicator& c) {
+    if (c.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    c.barrier();
+  });
+  EXPECT_THAT(errors[0], HasSubstr("error: barrier on rank 0 of 2 timed out after 0.3 s waiting for rank 1"));
+  EXPECT_THAT(errors[1], HasSubstr("error: barrier on rank 1 of 2: the communicator is broken by an earlier "
+                                   "failure:\n  barrier on rank 0 of 2 timed out after 0.3 s waiting for rank 1\n"));
+}
+
+TEST(CommFaults, RecvTimesOutNamingThePeer) {
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = run_ranks(2, 0.5, [&](Communicator& c) {
+    float x[4];
+    if (c.rank() == 1) c.recv(x, 4, 0, 7);  // rank 0 never sends
+  });
+  EXPECT_LT(seconds_since(start), 3.0);
+  EXPECT_THAT(errors[1], HasSubstr("error: recv on rank 1 of 2 timed out after 0.5 s waiting for rank 0 (dead or "
+                                   "stuck?)\nno message with tag 7 (4 f32) came from rank 0."));
+}
+
+}  // namespace
+}  // namespace halyard::runtime
