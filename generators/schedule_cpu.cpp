@@ -104,7 +104,11 @@ void schedule_attention(StageFuncs& F, int vec) {
   Func out = F.out;
   auto args = out.args();
   const bool key_tiles = A.tile_var.name() == "j";
-  const int tile = std::min(key_tiles ? 32 : 64, A.S);
+  // Tiles keep their per-tile scratch ([all keys x queries], or [keys x all
+  // queries x group heads]) near L2-sized: measured 1.5x on dK at seq 8192.
+  const int query_tile = std::clamp((1 << 20) / (4 * A.S) / 8 * 8, 16, 64);
+  const int key_tile = std::clamp((2 << 20) / (4 * A.S * A.grp) / 8 * 8, 8, 32);
+  const int tile = std::min(key_tiles ? key_tile : query_tile, A.S);
   Var to("to"), tt("tt"), p1("p1"), par("par");
   if (A.kind == static_cast<int>(Op::AttentionLse)) {  // out(h, i, b)
     Var h = args[0], i = args[1], b = args[2];
