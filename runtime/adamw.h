@@ -5,6 +5,7 @@
 // of the state comes with the distributed runtime.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -19,6 +20,14 @@ class AdamW {
   AdamW(const std::vector<int64_t>& sizes, const std::vector<bool>& decay, AdamWConfig cfg = {});
   // One update with learning rate lr; call with step = 1, 2, ...
   void step(int64_t step, double lr, float* const* params, const float* const* grads);
+
+  // The moments of parameter i (numel floats each), for checkpoints
+  // (runtime/checkpoint.h). Callers may overwrite values, not resize.
+  size_t num_params() const { return m_.size(); }
+  std::vector<float>& m(size_t i) { return m_.at(i); }
+  std::vector<float>& v(size_t i) { return v_.at(i); }
+  const std::vector<float>& m(size_t i) const { return m_.at(i); }
+  const std::vector<float>& v(size_t i) const { return v_.at(i); }
 
  private:
   AdamWConfig cfg_;

@@ -34,6 +34,7 @@ class Model {
   const ParamSpec& param_spec(int i) const { return spec_.params[i]; }
   int param_index(const std::string& name) const;  // throws listing names
   float* param(int i) { return reinterpret_cast<float*>(params_.get() + offsets_[static_cast<size_t>(i)]); }
+  const float* param(int i) const { return reinterpret_cast<const float*>(params_.get() + offsets_[static_cast<size_t>(i)]); }
   const float* grad(int i) const { return reinterpret_cast<const float*>(grads_.get() + offsets_[static_cast<size_t>(i)]); }
 
   // Hugging Face's init: N(0, 0.02) for matrices and embeddings, 1 for norms.
