@@ -3,37 +3,49 @@
 // by halyard_add_model -> a plain C++ loop). Single rank for now; sequence
 // parallel training over MPI ranks builds on this.
 //
-//   llama_train [--steps N] [--lr X] [--warmup N] [--seed S] [--threads T] [--data F]
-//               [--save DIR] [--save-every N] [--resume DIR]
+//   llama_train [--steps N] [--lr X] [--warmup N] [--seed S] [--threads T]
+//               [--data TEXT | --tokens FILE --token-width 16|32]
+//               [--save DIR] [--save-every N] [--resume DIR] [--step-check OUT]
 //
+// Data (runtime/data.h): --data reads a text file one byte per token (the
+// default is the bundled corpus); --tokens reads a headerless little-endian
+// uint16 or uint32 token file (nanoGPT's train.bin is --token-width 16).
 // --save writes a checkpoint (runtime/checkpoint.h) every --save-every steps
 // and after the last step; --resume continues from a checkpoint's step + 1 up
 // to --steps. The batch of a step is a pure function of (seed, step), so a
 // resumed run with the same flags reproduces the uninterrupted run exactly.
+//
+// --step-check OUT.safetensors (needs --resume DIR: a checkpoint or an HF
+// folder with model.safetensors + config.json) runs ONE train_step on the
+// batch of step 1 and writes OUT with `loss` (F64 []), `input_ids`, `labels`,
+// `position_ids` (I32 [batch, seq]) and `grad/<HF name>` of every parameter
+// (F32, HF shape), then exits without updating the parameters: the numbers to
+// compare against another framework's step on the same weights and batch.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
-#include <iterator>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "runtime/adamw.h"
 #include "runtime/checkpoint.h"
+#include "runtime/data.h"
 #include "runtime/error.h"
 #include "runtime/model.h"
+#include "runtime/safetensors.h"
 #include "tiny_llama.h"
 
 using namespace halyard;
 
 int main(int argc, char** argv) {
   int steps = 30, warmup = 5, threads = 0, save_every = 0;
-  std::string save_dir, resume_dir;
+  std::string save_dir, resume_dir, tokens, step_check;
+  int token_width = 0;
   double lr = 3e-3;
   unsigned seed = 0;
   std::string data = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
+  bool data_given = false;
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
     if (i + 1 >= argc) {
@@ -46,12 +58,16 @@ int main(int argc, char** argv) {
     else if (k == "--warmup") warmup = std::stoi(v);
     else if (k == "--seed") seed = static_cast<unsigned>(std::stoul(v));
     else if (k == "--threads") threads = std::stoi(v);
-    else if (k == "--data") data = v;
+    else if (k == "--data") data = v, data_given = true;
     else if (k == "--save") save_dir = v;
     else if (k == "--save-every") save_every = std::stoi(v);
     else if (k == "--resume") resume_dir = v;
+    else if (k == "--tokens") tokens = v;
+    else if (k == "--token-width") token_width = std::stoi(v);
+    else if (k == "--step-check") step_check = v;
     else {
-      std::cerr << "error: unknown option \"" << k << "\".\nlegal: --steps --lr --warmup --seed --threads --data --save --save-every --resume\n";
+      std::cerr << "error: unknown option \"" << k << "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
+                   "--token-width --save --save-every --resume --step-check\n";
       return 2;
     }
   }
@@ -59,18 +75,60 @@ int main(int argc, char** argv) {
     std::cerr << "error: --save-every " << save_every << " needs --save DIR and a count >= 1 (0 saves only at the end).\n";
     return 2;
   }
+  if (!tokens.empty() && data_given) {
+    std::cerr << "error: --data \"" << data << "\" and --tokens \"" << tokens
+              << "\" both name the training data.\nfix: pass --data for a text file or --tokens for a token file, not both.\n";
+    return 2;
+  }
+  if (tokens.empty() != (token_width == 0) || (token_width != 0 && token_width != 16 && token_width != 32)) {
+    std::cerr << "error: --tokens needs --token-width and --token-width needs --tokens (got --tokens \"" << tokens
+              << "\", --token-width " << token_width << ").\nlegal widths: 16 (uint16 ids), 32 (uint32 ids)\n";
+    return 2;
+  }
+  if (!step_check.empty() && resume_dir.empty()) {
+    std::cerr << "error: --step-check \"" << step_check
+              << "\" needs --resume DIR: the weights must be ones another framework can load.\n"
+                 "fix: pass a checkpoint directory or an HF folder (model.safetensors + config.json).\n";
+    return 2;
+  }
   try {
     if (threads > 0) runtime::Model::set_num_threads(threads);
     runtime::Model m(halyard_models::tiny_llama());
     m.init_params(seed);
-    std::ifstream in(data, std::ios::binary);
-    if (!in) throw runtime::Error("error: cannot open data file \"" + data + "\".");
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     const int64_t seq = m.spec().seq, batch = m.spec().batch;
-    if (static_cast<int64_t>(text.size()) < seq + 1)
-      throw runtime::Error("error: data file \"" + data + "\" has " + std::to_string(text.size()) +
-                           " bytes; the model was built for seq " + std::to_string(seq) + " and needs at least " +
-                           std::to_string(seq + 1) + ".");
+    const runtime::TokenFile file =
+        tokens.empty() ? runtime::TokenFile::from_text(data)
+                       : runtime::TokenFile::open(tokens, token_width == 16 ? runtime::TokenWidth::U16 : runtime::TokenWidth::U32);
+    // The batch of a step depends on (seed, step) alone, so resuming sees the same data.
+    const runtime::Batcher batcher(file, batch, seq, m.spec().vocab, seed);
+    std::vector<int32_t> ids(static_cast<size_t>(batch * seq)), labels(ids.size()), pos(ids.size());
+    if (!step_check.empty()) {
+      const int64_t loaded = runtime::load_checkpoint(resume_dir, m, nullptr);
+      batcher.fill(1, ids.data(), labels.data(), pos.data());
+      const double loss = m.train_step(ids.data(), labels.data(), pos.data());
+      runtime::Safetensors out;
+      out.put_f64("loss", {}, {loss});
+      out.put_i32("input_ids", {batch, seq}, ids);
+      out.put_i32("labels", {batch, seq}, labels);
+      out.put_i32("position_ids", {batch, seq}, pos);
+      for (int i = 0; i < m.num_params(); ++i) {
+        const runtime::ParamSpec& p = m.param_spec(i);
+        out.put_f32(std::string("grad/") + p.name, {p.hf_shape, p.hf_shape + p.hf_rank},
+                    std::vector<float>(m.grad(i), m.grad(i) + p.numel));
+      }
+      out.metadata["weights"] = resume_dir;
+      out.metadata["weights_step"] = std::to_string(loaded);
+      out.metadata["data"] = file.path();
+      out.metadata["seed"] = std::to_string(seed);
+      out.metadata["step"] = "1";
+      out.write(step_check);
+      std::printf("step-check: weights \"%s\" (step %lld), batch of step 1 (seed %u, %lld x %lld tokens of \"%s\")\n",
+                  resume_dir.c_str(), static_cast<long long>(loaded), seed, static_cast<long long>(batch),
+                  static_cast<long long>(seq), file.path().c_str());
+      std::printf("step-check: loss %.9g; wrote %zu tensors to \"%s\"; parameters not updated\n", loss, out.size(),
+                  step_check.c_str());
+      return 0;
+    }
     std::vector<int64_t> sizes;
     std::vector<bool> decay;
     std::vector<float*> params;
@@ -92,21 +150,9 @@ int main(int argc, char** argv) {
       std::printf("resumed from \"%s\" at step %lld; continuing with step %d of %d\n", resume_dir.c_str(),
                   static_cast<long long>(loaded), first, steps);
     }
-    std::uniform_int_distribution<size_t> start(0, text.size() - static_cast<size_t>(seq) - 1);
-    std::vector<int32_t> ids(static_cast<size_t>(batch * seq)), labels(ids.size()), pos(ids.size());
     const auto t0 = std::chrono::steady_clock::now();
     for (int step = first; step <= steps; ++step) {
-      // The batch depends on (seed, step) alone, so resuming sees the same data.
-      std::mt19937_64 rng(static_cast<uint64_t>(seed) * 1000003u + static_cast<uint64_t>(step));
-      for (int64_t b = 0; b < batch; ++b) {  // a random window; labels are the next bytes
-        const size_t s0 = start(rng);
-        for (int64_t t = 0; t < seq; ++t) {
-          const size_t k = static_cast<size_t>(b * seq + t);
-          ids[k] = static_cast<unsigned char>(text[s0 + static_cast<size_t>(t)]);
-          labels[k] = static_cast<unsigned char>(text[s0 + static_cast<size_t>(t) + 1]);
-          pos[k] = static_cast<int32_t>(t);
-        }
-      }
+      batcher.fill(step, ids.data(), labels.data(), pos.data());
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
       // warmup then cosine decay to 10%
       const double frac = step <= warmup ? static_cast<double>(step) / warmup

@@ -1,0 +1,189 @@
+// Token files (mmap, read-only) and the Batcher. Contract in runtime/data.h.
+#include "runtime/data.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "runtime/error.h"
+
+namespace halyard::runtime {
+
+namespace {
+
+std::string quote(const std::string& s) { return "\"" + s + "\""; }
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string kind(int width) {
+  return width == 1 ? "text file" : width == 2 ? "uint16 token file" : "uint32 token file";
+}
+
+// The divisors of n (all of them up to 64 entries, then "...").
+std::string divisors(int64_t n) {
+  std::string out;
+  int listed = 0;
+  for (int64_t d = 1; d <= n; ++d) {
+    if (n % d) continue;
+    if (listed == 64) return out + ", ...";
+    out += (listed++ ? ", " : "") + num(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+struct TokenFile::Mapping {
+  std::string path;
+  int width = 2;  // bytes per token; 1 for text
+  const uint8_t* data = nullptr;
+  int64_t bytes = 0;
+  ~Mapping() {
+    if (data) ::munmap(const_cast<uint8_t*>(data), static_cast<size_t>(bytes));
+  }
+};
+
+TokenFile TokenFile::map(const std::string& path, int w) {
+  auto m = std::make_shared<Mapping>();
+  m->path = path;
+  m->width = w;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    throw Error("error: " + kind(w) + " " + quote(path) + " cannot be opened: " + std::strerror(errno) +
+                ".\nfix: pass the path of an existing, readable file.");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw Error("error: " + kind(w) + " " + quote(path) + " is not a regular file.\nfix: pass the path of a file.");
+  }
+  m->bytes = static_cast<int64_t>(st.st_size);
+  if (m->bytes == 0) {
+    ::close(fd);
+    throw Error("error: " + kind(w) + " " + quote(path) +
+                " is empty (0 bytes): it holds no tokens.\nfix: pass a file with at least seq + 1 tokens.");
+  }
+  if (m->bytes % w != 0) {
+    ::close(fd);
+    throw Error("error: " + kind(w) + " " + quote(path) + " has " + num(m->bytes) + " bytes, not a multiple of " +
+                num(w) + " (bytes per token id): " + num(m->bytes) + " % " + num(w) + " = " + num(m->bytes % w) +
+                ".\nfix: check the token width (" +
+                (w == 2 ? "--token-width 32 reads 4-byte ids" : "--token-width 16 reads 2-byte ids") +
+                ") or whether the file was truncated.");
+  }
+  void* p = ::mmap(nullptr, static_cast<size_t>(m->bytes), PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED)
+    throw Error("error: " + kind(w) + " " + quote(path) + " (" + num(m->bytes) + " bytes) cannot be mapped: " +
+                std::strerror(err) + ".\nfix: check that the file is readable and fits the address space.");
+  m->data = static_cast<const uint8_t*>(p);
+  return TokenFile(std::move(m));
+}
+
+TokenFile TokenFile::open(const std::string& path, TokenWidth width) {
+  return map(path, width == TokenWidth::U16 ? 2 : 4);
+}
+
+TokenFile TokenFile::from_text(const std::string& path) { return map(path, 1); }
+
+const std::string& TokenFile::path() const { return m_->path; }
+int TokenFile::bytes_per_token() const { return m_->width; }
+bool TokenFile::is_text() const { return m_->width == 1; }
+int64_t TokenFile::size() const { return m_->bytes / m_->width; }
+
+void TokenFile::read(int64_t start, int64_t n, int32_t* out) const {
+  const int64_t size = this->size();
+  if (start < 0 || n < 0 || start > size || n > size - start)
+    throw Error("error: " + kind(m_->width) + " " + quote(m_->path) + " holds " + num(size) +
+                " tokens; read(start " + num(start) + ", n " + num(n) + ") asks for tokens [" + num(start) + ", " +
+                num(start + n) + ").\nfix: read a range inside [0, " + num(size) + ").");
+  const uint8_t* p = m_->data + start * m_->width;
+  switch (m_->width) {
+    case 1:
+      for (int64_t i = 0; i < n; ++i) out[i] = p[i];
+      break;
+    case 2:
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(p[2 * i] | (p[2 * i + 1] << 8));
+      break;
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* q = p + 4 * i;
+        const uint32_t v = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
+                           (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
+        if (v > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()))
+          throw Error("error: uint32 token file " + quote(m_->path) + " byte offset " + num((start + i) * 4) +
+                      " (token " + num(start + i) + "): id " + std::to_string(v) +
+                      " does not fit int32 (max 2147483647).\nfix: check the token width and the file's tokenizer.");
+        out[i] = static_cast<int32_t>(v);
+      }
+  }
+}
+
+Batcher::Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard)
+    : file_(file), batch_(batch), seq_(seq), vocab_(vocab), seed_(seed), shard_(shard) {
+  const std::string what = "error: batches of " + kind(file.bytes_per_token()) + " " + quote(file.path());
+  if (batch < 1 || seq < 1 || vocab < 1)
+    throw Error(what + ": batch " + num(batch) + ", seq " + num(seq) + ", vocab " + num(vocab) +
+                " must all be >= 1.\nfix: pass the sizes the model was built for.");
+  if (shard.ranks < 1 || shard.rank < 0 || shard.rank >= shard.ranks)
+    throw Error(what + ": shard rank " + num(shard.rank) + " of " + num(shard.ranks) +
+                " ranks is not a rank: need ranks >= 1 and 0 <= rank < ranks.\nfix: pass this process's rank and the "
+                "size of the sp axis.");
+  if (seq % shard.ranks != 0)
+    throw Error(what + ": the sequence (seq=" + num(seq) + ") splits over sp (" + num(shard.ranks) + " ranks): " +
+                num(shard.ranks) + " does not divide " + num(seq) + ".\nlegal sp sizes: " + divisors(seq));
+  if (file.size() < seq + 1)
+    throw Error(what + " holds " + num(file.size()) + " tokens; a row of seq " + num(seq) + " needs seq + 1 = " +
+                num(seq + 1) + " (ids plus the next token as label).\nfix: use a larger file or a shorter seq.");
+}
+
+std::vector<int64_t> Batcher::window_starts(int64_t step) const {
+  // The same stream the trainer has always used, so old runs resume exactly.
+  std::mt19937_64 rng(seed_ * 1000003u + static_cast<uint64_t>(step));
+  std::uniform_int_distribution<uint64_t> start(0, static_cast<uint64_t>(file_.size() - seq_ - 1));
+  std::vector<int64_t> out(static_cast<size_t>(batch_));
+  for (auto& s : out) s = static_cast<int64_t>(start(rng));
+  return out;
+}
+
+void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* position_ids) const {
+  const int64_t local = local_seq(), first = shard_.rank * local;
+  const std::vector<int64_t> starts = window_starts(step);
+  std::vector<int32_t> row(static_cast<size_t>(local + 1));
+  for (int64_t b = 0; b < batch_; ++b) {
+    // This rank's slice of the window, plus one token: the label of its last position.
+    const int64_t at = starts[static_cast<size_t>(b)] + first;
+    file_.read(at, local + 1, row.data());
+    for (int64_t t = 0; t <= local; ++t) {
+      const int32_t id = row[static_cast<size_t>(t)];
+      if (id >= vocab_)
+        throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
+                    num((at + t) * file_.bytes_per_token()) + " (token " + num(at + t) + "): id " + num(id) +
+                    " is not below the model's vocab " + num(vocab_) + " (legal ids 0.." + num(vocab_ - 1) +
+                    ").\nfix: tokenize with the model's tokenizer, or check the token width.");
+    }
+    const int64_t k = b * local;
+    for (int64_t t = 0; t < local; ++t) {
+      input_ids[k + t] = row[static_cast<size_t>(t)];
+      labels[k + t] = row[static_cast<size_t>(t + 1)];
+      position_ids[k + t] = static_cast<int32_t>(first + t);
+    }
+  }
+}
+
+Batcher::Batch Batcher::get(int64_t step) const {
+  Batch out;
+  const auto n = static_cast<size_t>(local_tokens());
+  out.input_ids.resize(n);
+  out.labels.resize(n);
+  out.position_ids.resize(n);
+  fill(step, out.input_ids.data(), out.labels.data(), out.position_ids.data());
+  return out;
+}
+
+}  // namespace halyard::runtime

@@ -1,0 +1,103 @@
+// Training data: token files and the batches a step trains on.
+//
+// A token file is what common tokenizer pipelines write: a flat array of
+// little-endian uint16 or uint32 token ids with no header (nanoGPT's train.bin
+// is uint16). A plain text file loads through the same interface with a
+// byte-level tokenizer: each byte is one token, 0..255. Files are mapped
+// read-only (mmap); nothing is copied until read() asks for a range.
+//
+//   auto f = TokenFile::open("train.bin", TokenWidth::U16);
+//   Batcher b(f, /*batch=*/8, /*seq=*/1024, /*vocab=*/50304, /*seed=*/0, Shard{rank, ranks});
+//   b.fill(step, ids, labels, positions);  // each [batch, seq / ranks] int32
+//
+// The batch of a step is a pure function of (seed, step): row b is the window
+// of seq + 1 tokens starting at the b-th draw of mt19937_64(seed * 1000003 +
+// step) from [0, size - seq - 1]. Labels are the next tokens, taken BEFORE the
+// sequence is split, so the last label of a rank's slice is the first id of
+// the next rank's slice: no target is lost at a shard boundary. With P ranks
+// along the sequence, rank r gets the contiguous slice [r*seq/P, (r+1)*seq/P)
+// of every row, with global position ids, and reads only those seq/P + 1
+// tokens per row. The concatenation of the P slices equals the P=1 batch.
+//
+// Errors are runtime::Error in the house shape: the file, the rule broken with
+// its numbers, and the fix (a file whose size is not a multiple of the id
+// width, an empty file, an id >= vocab with its byte offset, a sequence the
+// ranks do not divide).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace halyard::runtime {
+
+enum class TokenWidth { U16, U32 };
+
+class TokenFile {
+ public:
+  // A headerless little-endian array of uint16 or uint32 ids.
+  static TokenFile open(const std::string& path, TokenWidth width);
+  // A plain text file, one token per byte (ids 0..255).
+  static TokenFile from_text(const std::string& path);
+
+  const std::string& path() const;
+  // Bytes per token: 2 or 4 (1 for text).
+  int bytes_per_token() const;
+  bool is_text() const;
+  // Number of tokens.
+  int64_t size() const;
+  // Copies tokens [start, start + n) to out. A range outside [0, size()), or
+  // an id that does not fit int32 (a uint32 id >= 2^31), throws naming the
+  // file and the numbers.
+  void read(int64_t start, int64_t n, int32_t* out) const;
+
+ private:
+  struct Mapping;
+  static TokenFile map(const std::string& path, int bytes_per_token);
+  explicit TokenFile(std::shared_ptr<const Mapping> m) : m_(std::move(m)) {}
+  std::shared_ptr<const Mapping> m_;  // shared: copies of a TokenFile share one mapping
+};
+
+// This rank's place along the sequence axis ("sp"): rank r of ranks P.
+struct Shard {
+  int rank = 0;
+  int ranks = 1;
+};
+
+class Batcher {
+ public:
+  // Keeps a copy of `file` (which shares its mapping). Checks that the file
+  // holds at least seq + 1 tokens, that batch, seq, vocab are positive, that
+  // 0 <= rank < ranks and that ranks divides seq.
+  Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard = {});
+
+  int64_t batch() const { return batch_; }
+  int64_t seq() const { return seq_; }  // the global sequence length
+  // Tokens per row on this rank: seq / ranks.
+  int64_t local_seq() const { return seq_ / shard_.ranks; }
+  // Elements of each output array: batch * local_seq.
+  int64_t local_tokens() const { return batch_ * local_seq(); }
+  const Shard& shard() const { return shard_; }
+
+  // Where row b's window starts in the file, for each row of `step`.
+  std::vector<int64_t> window_starts(int64_t step) const;
+
+  // Writes this rank's ids, labels and global position ids for `step`, each
+  // [batch, local_seq] row-major. Throws if a token read is >= vocab, naming
+  // the file, its byte offset, the id and the vocab.
+  void fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* position_ids) const;
+
+  struct Batch {
+    std::vector<int32_t> input_ids, labels, position_ids;  // [batch, local_seq]
+  };
+  Batch get(int64_t step) const;
+
+ private:
+  TokenFile file_;
+  int64_t batch_, seq_, vocab_;
+  uint64_t seed_;
+  Shard shard_;
+};
+
+}  // namespace halyard::runtime
