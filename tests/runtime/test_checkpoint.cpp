@@ -9,6 +9,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/temp_dir.h"
+
 #include <stdlib.h>
 
 #include <cstring>
@@ -35,21 +37,7 @@ const std::string kFixture = std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/
 
 const ModelSpec& spec() { return halyard_models::llama_micro_default(); }
 
-// A fresh directory under /tmp, removed with everything in it.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/halyard_checkpoint_XXXXXX";
-    const char* p = ::mkdtemp(tmpl);
-    if (!p) throw std::runtime_error("mkdtemp failed");
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
+using halyard::testing::TempDir;
 
 struct Tokens {
   Safetensors st;
