@@ -15,11 +15,19 @@ struct AdamWConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
 };
 
+// The L2 norm of all gradients together, accumulated in double.
+double global_grad_norm(const float* const* grads, const std::vector<int64_t>& sizes);
+// The factor that brings that norm down to max_norm (1 when it is below, or max_norm <= 0).
+inline double clip_scale(double norm, double max_norm) {
+  return max_norm > 0 && norm > max_norm ? max_norm / norm : 1.0;
+}
+
 class AdamW {
  public:
   AdamW(const std::vector<int64_t>& sizes, const std::vector<bool>& decay, AdamWConfig cfg = {});
-  // One update with learning rate lr; call with step = 1, 2, ...
-  void step(int64_t step, double lr, float* const* params, const float* const* grads);
+  // One update with learning rate lr; call with step = 1, 2, ... Gradients
+  // are multiplied by grad_scale first (global-norm clipping, see below).
+  void step(int64_t step, double lr, float* const* params, const float* const* grads, double grad_scale = 1.0);
 
   // The moments of parameter i (numel floats each), for checkpoints
   // (runtime/checkpoint.h). Callers may overwrite values, not resize.

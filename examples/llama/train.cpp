@@ -6,6 +6,7 @@
 //   llama_train [--steps N] [--lr X] [--warmup N] [--seed S] [--threads T]
 //               [--data TEXT | --tokens FILE --token-width 16|32]
 //               [--save DIR] [--save-every N] [--resume DIR] [--step-check OUT]
+//               [--clip MAX_NORM (1.0; 0 = off)] [--metrics FILE.jsonl]
 //
 // Data (runtime/data.h): --data reads a text file one byte per token (the
 // default is the bundled corpus); --tokens reads a headerless little-endian
@@ -21,7 +22,10 @@
 // `position_ids` (I32 [batch, seq]) and `grad/<HF name>` of every parameter
 // (F32, HF shape), then exits without updating the parameters: the numbers to
 // compare against another framework's step on the same weights and batch.
+#include <sys/resource.h>
+
 #include <chrono>
+#include <fstream>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -40,7 +44,8 @@ using namespace halyard;
 
 int main(int argc, char** argv) {
   int steps = 30, warmup = 5, threads = 0, save_every = 0;
-  std::string save_dir, resume_dir, tokens, step_check;
+  double clip = 1.0;
+  std::string save_dir, resume_dir, tokens, step_check, metrics_path;
   int token_width = 0;
   double lr = 3e-3;
   unsigned seed = 0;
@@ -65,9 +70,11 @@ int main(int argc, char** argv) {
     else if (k == "--tokens") tokens = v;
     else if (k == "--token-width") token_width = std::stoi(v);
     else if (k == "--step-check") step_check = v;
+    else if (k == "--clip") clip = std::stod(v);
+    else if (k == "--metrics") metrics_path = v;
     else {
       std::cerr << "error: unknown option \"" << k << "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
-                   "--token-width --save --save-every --resume --step-check\n";
+                   "--token-width --save --save-every --resume --step-check --clip --metrics\n";
       return 2;
     }
   }
@@ -150,6 +157,11 @@ int main(int argc, char** argv) {
       std::printf("resumed from \"%s\" at step %lld; continuing with step %d of %d\n", resume_dir.c_str(),
                   static_cast<long long>(loaded), first, steps);
     }
+    std::ofstream metrics;
+    if (!metrics_path.empty()) {
+      metrics.open(metrics_path, std::ios::app);
+      if (!metrics) throw runtime::Error("error: cannot open metrics file \"" + metrics_path + "\" for appending.");
+    }
     const auto t0 = std::chrono::steady_clock::now();
     for (int step = first; step <= steps; ++step) {
       batcher.fill(step, ids.data(), labels.data(), pos.data());
@@ -157,11 +169,19 @@ int main(int argc, char** argv) {
       // warmup then cosine decay to 10%
       const double frac = step <= warmup ? static_cast<double>(step) / warmup
                                          : 0.1 + 0.45 * (1 + std::cos(M_PI * (step - warmup) / std::max(1, steps - warmup)));
-      opt.step(step, lr * frac, params.data(), grads.data());
+      const double norm = runtime::global_grad_norm(grads.data(), sizes);
+      opt.step(step, lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, clip));
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int done = step - first + 1;
-      std::printf("step %4d/%d  loss %.4f  lr %.2e  %7.0f tokens/s  ETA %.0fs\n", step, steps, loss, lr * frac,
-                  static_cast<double>(done * batch * seq) / secs, secs / done * (steps - step));
+      const double tps = static_cast<double>(done * batch * seq) / secs;
+      rusage usage{};
+      getrusage(RUSAGE_SELF, &usage);
+      const double rss_mib = static_cast<double>(usage.ru_maxrss) / 1024.0;
+      std::printf("step %4d/%d  loss %.4f  |g| %.3f  lr %.2e  %7.0f tokens/s  peak %.0f MiB  ETA %.0fs\n", step, steps, loss,
+                  norm, lr * frac, tps, rss_mib, secs / done * (steps - step));
+      if (metrics.is_open())
+        metrics << "{\"step\":" << step << ",\"loss\":" << loss << ",\"grad_norm\":" << norm << ",\"lr\":" << lr * frac
+                << ",\"tokens_per_s\":" << tps << ",\"peak_rss_mib\":" << rss_mib << "}\n" << std::flush;
       if (!save_dir.empty() && ((save_every > 0 && step % save_every == 0) || step == steps)) {
         runtime::save_checkpoint(save_dir, m, opt, step);
         std::printf("saved step %d to \"%s/%s\"\n", step, save_dir.c_str(), runtime::checkpoint_step_name(step).c_str());
