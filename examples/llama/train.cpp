@@ -37,6 +37,7 @@
 #include "runtime/data.h"
 #include "runtime/error.h"
 #include "runtime/model.h"
+#include "runtime/schedule_lr.h"
 #include "runtime/safetensors.h"
 #include "tiny_llama.h"
 
@@ -99,7 +100,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (threads > 0) runtime::Model::set_num_threads(threads);
+    runtime::Model::set_num_threads(threads > 0 ? threads : runtime::default_threads_per_rank());
     runtime::Model m(halyard_models::tiny_llama());
     m.init_params(seed);
     const int64_t seq = m.spec().seq, batch = m.spec().batch;
@@ -166,9 +167,7 @@ int main(int argc, char** argv) {
     for (int step = first; step <= steps; ++step) {
       batcher.fill(step, ids.data(), labels.data(), pos.data());
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
-      // warmup then cosine decay to 10%
-      const double frac = step <= warmup ? static_cast<double>(step) / warmup
-                                         : 0.1 + 0.45 * (1 + std::cos(M_PI * (step - warmup) / std::max(1, steps - warmup)));
+      const double frac = runtime::warmup_cosine_lr(step, steps, warmup, 1.0);  // times --lr
       const double norm = runtime::global_grad_norm(grads.data(), sizes);
       opt.step(step, lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, clip));
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
