@@ -37,7 +37,7 @@
 #include "runtime/data.h"
 #include "runtime/error.h"
 #include "runtime/model.h"
-#include "runtime/schedule_lr.h"
+#include "runtime/lr_schedule.h"
 #include "runtime/safetensors.h"
 #include "tiny_llama.h"
 

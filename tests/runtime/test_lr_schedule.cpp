@@ -3,7 +3,7 @@
 
 #include <cstdlib>
 
-#include "runtime/schedule_lr.h"
+#include "runtime/lr_schedule.h"
 
 namespace halyard::runtime {
 namespace {
