@@ -33,8 +33,16 @@ const char* op_name(Op op) {
     case Op::TokenCount: return "token_count";
     case Op::CrossEntropy: return "cross_entropy";
     case Op::CrossEntropyGrad: return "cross_entropy_grad";
+    case Op::SeqToHeads: return "seq_to_heads";
+    case Op::HeadsToSeq: return "heads_to_seq";
+    case Op::GatherSeq: return "gather_seq";
+    case Op::AllReduce: return "all_reduce";
   }
   return "?";
+}
+
+bool is_collective(Op op) {
+  return op == Op::SeqToHeads || op == Op::HeadsToSeq || op == Op::GatherSeq || op == Op::AllReduce;
 }
 
 const Node& Value::node() const {
@@ -184,6 +192,10 @@ std::string print(const Graph& g) {
         os << " theta=" << n.attrs.theta << (n.attrs.inverse ? " inverse" : "");
         if (n.attrs.rope_scaling.factor > 0) os << " llama3_factor=" << n.attrs.rope_scaling.factor;
         break;
+      case Op::SeqToHeads:
+      case Op::HeadsToSeq:
+      case Op::GatherSeq:
+      case Op::AllReduce: os << " over " << n.attrs.mesh_axis << "=" << n.attrs.degree; break;
       default: break;
     }
     os << " : " << n.type.str();

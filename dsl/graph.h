@@ -39,7 +39,16 @@ enum class Op {
   TokenCount,        // (labels) -> scalar: how many labels are not ignore_index
   CrossEntropy,      // (logits, labels, count) -> sum over real tokens of -log p(label) / count
   CrossEntropyGrad,  // (logits, labels, count, dloss)
+  // Collectives over a mesh axis (attrs.mesh_axis, degree attrs.degree). The
+  // sharding pass (schedules/sharding.h) inserts them; they speak of mesh
+  // axes, never of ranks, and the runtime performs them between kernels.
+  SeqToHeads,        // (x[batch, seq@A, H, head_dim]) -> [batch, seq, H@A, head_dim]: Ulysses all-to-all
+  HeadsToSeq,        // (x[batch, seq, H@A, head_dim]) -> [batch, seq@A, H, head_dim]; sums replicated heads
+  GatherSeq,         // (x[batch, seq@A]) -> [batch, seq]: all-gather along seq
+  AllReduce,         // (x) -> x summed over the mesh axis, the same on every rank
 };
+
+bool is_collective(Op op);
 
 const char* op_name(Op op);
 
@@ -63,6 +72,8 @@ struct Attrs {
   std::vector<std::string> out_axes;  // Contract: output layout
   std::string axis;                   // RmsNormGradW: the normalized axis
   int64_t size = 0;                   // EmbeddingGrad: vocab size
+  std::string mesh_axis;              // collectives: the mesh axis they run over ("sp")
+  int64_t degree = 0;                 // collectives: ranks along that mesh axis
   bool operator==(const Attrs&) const = default;
 };
 

@@ -441,6 +441,13 @@ void Interpreter<T>::eval(const Node& n) {
       out = std::move(d[n.op == Op::AttentionGradQ ? 0 : n.op == Op::AttentionGradK ? 1 : 2]);
       return;
     }
+    case Op::SeqToHeads:
+    case Op::HeadsToSeq:
+    case Op::GatherSeq:
+    case Op::AllReduce:
+      throw UserError("error: " + describe(g_, n.id) + " is a collective over mesh axis " + n.attrs.mesh_axis +
+                      "; the reference interpreter runs one rank.\nlegal: interpret the unsharded graph, or "
+                      "run the generated step with a communicator (runtime/model.h).");
     case Op::TokenCount: {
       int64_t count = 0;
       for (int32_t l : I(0)) count += l != n.attrs.ignore_index;

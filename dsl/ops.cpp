@@ -86,6 +86,11 @@ std::string divisors(int64_t n) {
   return join(d);
 }
 
+// "16", or "64@sp" for a sharded axis: as types print it.
+std::string extent(const Axis& a) {
+  return a.sharded() ? std::to_string(a.global) + "@" + a.shard : std::to_string(a.size);
+}
+
 TensorType contract_type(const Checker& c, const Attrs& attrs) {
   const TensorType& a = c.t(0);
   const TensorType& b = c.t(1);
@@ -94,19 +99,19 @@ TensorType contract_type(const Checker& c, const Attrs& attrs) {
   c.same_dtype(0, 1);
   const auto& out = attrs.out_axes;
   for (const Axis& x : a.axes)
-    if (b.has(x.name) && b.size(x.name) != x.size)
-      c.fail("contraction over axes that do not match: axis \"" + x.name + "\" is " +
-                 std::to_string(x.size) + " in " + c.label(0) + " but " +
-                 std::to_string(b.size(x.name)) + " in " + c.label(1) + ".",
-             "axes with the same name must have the same size in both operands.");
+    if (b.has(x.name) && b.axes[static_cast<size_t>(b.index_of(x.name))] != x)
+      c.fail("contraction over axes that do not match: axis \"" + x.name + "\" is " + extent(x) + " in " +
+                 c.label(0) + " but " + extent(b.axes[static_cast<size_t>(b.index_of(x.name))]) + " in " +
+                 c.label(1) + ".",
+             "axes with the same name must have the same size (and sharding) in both operands.");
   TensorType r{a.dtype, {}};
   for (size_t i = 0; i < out.size(); ++i) {
     if (std::find(out.begin(), out.begin() + static_cast<long>(i), out[i]) != out.begin() + static_cast<long>(i))
       c.fail("output axis \"" + out[i] + "\" is listed twice.", "each axis once.");
     if (a.has(out[i]))
-      r.axes.push_back({out[i], a.size(out[i])});
+      r.axes.push_back(a.axes[static_cast<size_t>(a.index_of(out[i]))]);
     else if (b.has(out[i]))
-      r.axes.push_back({out[i], b.size(out[i])});
+      r.axes.push_back(b.axes[static_cast<size_t>(b.index_of(out[i]))]);
     else
       c.fail("output axis \"" + out[i] + "\" is in neither operand.",
              "axes of the operands: [" + join(a.axis_names()) + "] and [" + join(b.axis_names()) + "].");
@@ -153,7 +158,81 @@ TensorType attention_type(const Checker& c) {
   return c.t(0);
 }
 
+// The heads-like axis of an all-to-all operand: heads or kv_heads.
+size_t heads_axis(const Checker& c) {
+  const TensorType& x = c.t(0);
+  const std::string h = x.rank() == 4 ? x.axes[2].name : "";
+  if (x.rank() != 4 || x.axes[0].name != "batch" || x.axes[1].name != "seq" || x.axes[3].name != "head_dim" ||
+      (h != "heads" && h != "kv_heads"))
+    c.fail(std::string(op_name(c.op)) + " moves attention operands: " + c.label(0) + " is not one.",
+           "[batch, seq, heads, head_dim] or [batch, seq, kv_heads, head_dim].");
+  return 2;
+}
+
+TensorType collective_type(const Checker& c, const Attrs& attrs) {
+  const std::string& mesh = attrs.mesh_axis;
+  const int64_t p = attrs.degree;
+  if (mesh.empty() || p < 1)
+    c.fail(std::string(op_name(c.op)) + " needs a mesh axis and a degree >= 1 (got \"" + mesh + "\", " +
+               std::to_string(p) + ").",
+           "e.g. mesh axis \"sp\" of degree 4.");
+  TensorType r = c.t(0);
+  auto seq_sharded = [&](bool want) {
+    const Axis& s = r.axes[1];
+    if (s.sharded() != want || (want && s.shard != mesh))
+      c.fail("axis seq of " + c.label(0) + (want ? " must be split over " + mesh : " must be whole") + " for " +
+                 op_name(c.op) + ".",
+             want ? "a tensor whose seq is split over " + mesh + ", e.g. f32[batch, seq=N@" + mesh + ", ...]."
+                  : "a tensor with an unsplit seq axis.");
+  };
+  switch (c.op) {
+    case Op::SeqToHeads: {
+      c.is_float_operand(0);
+      Axis& h = r.axes[heads_axis(c)];
+      seq_sharded(true);
+      if (h.sharded()) c.fail(h.name + " of " + c.label(0) + " is already split.", "a tensor whose heads are whole.");
+      const int64_t per = heads_per_rank(h.size, p);
+      if (per == 0)
+        c.fail(h.name + " (" + std::to_string(h.size) + ") cannot be spread over " + std::to_string(p) +
+                   " ranks: neither divides the other.",
+               "degrees dividing " + std::to_string(h.size) + " or multiples of it.");
+      Axis& s = r.axes[1];
+      s = Axis{"seq", s.global, "", 0};
+      h = Axis{h.name, per, mesh, h.size};
+      return r;
+    }
+    case Op::HeadsToSeq: {
+      c.is_float_operand(0);
+      Axis& h = r.axes[heads_axis(c)];
+      seq_sharded(false);
+      if (h.shard != mesh) c.fail(h.name + " of " + c.label(0) + " must be split over " + mesh + ".", "");
+      Axis& s = r.axes[1];
+      if (s.size % p != 0)
+        c.fail("seq (" + std::to_string(s.size) + ") is not a multiple of the degree " + std::to_string(p) + ".",
+               "pad the sequence to a multiple of the degree.");
+      s = Axis{"seq", s.size / p, mesh, s.size};
+      h = Axis{h.name, h.global, "", 0};
+      return r;
+    }
+    case Op::GatherSeq: {
+      c.is_int_operand(0, "positions");
+      c.layout(0, {"batch", "seq"}, "positions");
+      seq_sharded(true);
+      r.axes[1] = Axis{"seq", r.axes[1].global, "", 0};
+      return r;
+    }
+    default:
+      return r;  // AllReduce
+  }
+}
+
 }  // namespace
+
+int64_t heads_per_rank(int64_t heads, int64_t degree) {
+  if (heads % degree == 0) return heads / degree;
+  if (degree % heads == 0) return 1;
+  return 0;
+}
 
 TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const Attrs& attrs) {
   Checker c{g, op, in};
@@ -226,7 +305,7 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::RmsNormGradW:
       c.arity(2);
       c.same_type(0, 1);
-      return TensorType{c.t(0).dtype, {{attrs.axis, c.t(0).size(attrs.axis)}}};
+      return TensorType{c.t(0).dtype, {c.t(0).axes[static_cast<size_t>(c.t(0).index_of(attrs.axis))]}};
     case Op::Rope: {
       c.arity(2);
       c.is_float_operand(0);
@@ -294,6 +373,12 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       }
       return TensorType{logits.dtype, {}};
     }
+    case Op::SeqToHeads:
+    case Op::HeadsToSeq:
+    case Op::GatherSeq:
+    case Op::AllReduce:
+      c.arity(1);
+      return collective_type(c, attrs);
   }
   HALYARD_CHECK(false, "unknown op");
   return {};
@@ -407,6 +492,20 @@ Value token_count(Value labels, int64_t ignore_index) {
   a.ignore_index = ignore_index;
   return labels.graph->add(Op::TokenCount, {labels}, a);
 }
+
+namespace {
+Value collective(Op op, Value x, const std::string& mesh_axis, int64_t degree) {
+  Attrs a;
+  a.mesh_axis = mesh_axis;
+  a.degree = degree;
+  return x.graph->add(op, {x}, a);
+}
+}  // namespace
+
+Value seq_to_heads(Value x, const std::string& m, int64_t p) { return collective(Op::SeqToHeads, x, m, p); }
+Value heads_to_seq(Value x, const std::string& m, int64_t p) { return collective(Op::HeadsToSeq, x, m, p); }
+Value gather_seq(Value x, const std::string& m, int64_t p) { return collective(Op::GatherSeq, x, m, p); }
+Value all_reduce(Value x, const std::string& m, int64_t p) { return collective(Op::AllReduce, x, m, p); }
 
 Value cross_entropy_grad(Value logits, Value labels, Value count, Value dloss, int64_t ignore_index) {
   Attrs a;

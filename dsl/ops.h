@@ -55,6 +55,16 @@ Value attention_lse(Value q, Value k, Value positions);
 Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse);
 Value cross_entropy_grad(Value logits, Value labels, Value count, Value dloss, int64_t ignore_index);
 
+// Collectives over mesh axis `mesh_axis` of `degree` ranks (see graph.h).
+// Heads H split over P ranks: H/P each when P divides H; when H divides P
+// (kv_heads fewer than ranks) each rank gets one head, replicated over P/H ranks.
+Value seq_to_heads(Value x, const std::string& mesh_axis, int64_t degree);
+Value heads_to_seq(Value x, const std::string& mesh_axis, int64_t degree);
+Value gather_seq(Value x, const std::string& mesh_axis, int64_t degree);
+Value all_reduce(Value x, const std::string& mesh_axis, int64_t degree);
+// Heads per rank for H heads over P ranks, or 0 when neither divides the other.
+int64_t heads_per_rank(int64_t heads, int64_t degree);
+
 // The type rule of every op: the result type of `op` on these inputs, or a
 // UserError. Graph::add and verify() both use it.
 TensorType infer_type(const Graph& g, Op op, const std::vector<int>& inputs, const Attrs& attrs);

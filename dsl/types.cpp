@@ -73,7 +73,11 @@ std::string TensorType::str() const {
   std::ostringstream os;
   os << dtype_name(dtype) << "[";
   for (size_t i = 0; i < axes.size(); ++i)
-    os << (i ? ", " : "") << axes[i].name << "=" << axes[i].size;
+  {
+    const Axis& a = axes[i];
+    os << (i ? ", " : "") << a.name << "=" << (a.sharded() ? a.global : a.size);
+    if (a.sharded()) os << "@" << a.shard;
+  }
   os << "]";
   return os.str();
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace halyard {
@@ -24,9 +25,19 @@ std::string_view dtype_name(DType t);
 // f32 and f64 are computed in; bf16 is a storage type only (planned).
 bool is_float(DType t);
 
+// An axis may be sharded over a mesh axis (schedules/sharding.h): then `size`
+// is this rank's extent (what kernels see), `shard` names the mesh axis and
+// `global` is the extent over all ranks, padding included. A tensor is
+// printed with global sizes: f32[seq=65536@sp, model=4096].
 struct Axis {
+  Axis() = default;
+  Axis(std::string n, int64_t sz, std::string sh = "", int64_t gl = 0)
+      : name(std::move(n)), size(sz), shard(std::move(sh)), global(gl) {}
   std::string name;
   int64_t size = 0;
+  std::string shard;   // "" = whole on every rank
+  int64_t global = 0;  // sharded axes: the extent over the mesh axis
+  bool sharded() const { return !shard.empty(); }
   bool operator==(const Axis&) const = default;
 };
 

@@ -61,6 +61,20 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // l = sum(lse(z) - z[label]) / count  =>  dz = (softmax(z) - onehot(label)) / count * dl
       d[0] = cross_entropy_grad(in(0), in(1), in(2), dy, n.attrs.ignore_index);
       break;
+    // The collectives' transposes. Moving a slice is undone by moving it back;
+    // heads a forward all-to-all replicated are summed on the way back.
+    case Op::SeqToHeads:
+      d[0] = heads_to_seq(dy, n.attrs.mesh_axis, n.attrs.degree);
+      break;
+    case Op::HeadsToSeq:
+      d[0] = seq_to_heads(dy, n.attrs.mesh_axis, n.attrs.degree);
+      break;
+    case Op::AllReduce:
+      // y = sum over ranks of x, held by every rank. The objective counts y
+      // once, so each rank's x has cotangent dy (not P*dy); the partial weight
+      // gradients this leaves on each rank are summed after the step.
+      d[0] = dy;
+      break;
     default:
       throw UserError(std::string("error: cannot differentiate ") + op_name(n.op) + " at " +
                       describe(g, n.id) +

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "dsl/autodiff.h"
+#include "schedules/sharding.h"
 #include "dsl/error.h"
 #include "generators/lowering.h"
 #include "generators/program.h"
@@ -19,7 +20,7 @@ namespace {
 
 struct Options {
   std::string name, config, schedule = "default", target = "host", out;
-  int64_t batch = 1, seq = 0;
+  int64_t batch = 1, seq = 0, sp = 1;
   bool runtime_only = false;
   std::string plugin_dir;
 };
@@ -39,13 +40,15 @@ Options parse(int argc, char** argv) {
     else if (k == "--out") o.out = next();
     else if (k == "--batch") o.batch = std::stoll(next());
     else if (k == "--seq") o.seq = std::stoll(next());
+    else if (k == "--sp") o.sp = std::stoll(next());
     else if (k == "--plugin-dir") o.plugin_dir = next();
     else if (k == "--runtime-only") o.runtime_only = true;
-    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --target --out --plugin-dir --runtime-only");
+    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --runtime-only");
   }
   if (o.out.empty()) throw UserError("error: --out is required.");
   if (!o.runtime_only && (o.name.empty() || o.config.empty() || o.seq <= 0 || o.batch <= 0))
     throw UserError("error: --name, --config, a positive --seq and --batch are required.");
+  if (o.sp < 1) throw UserError("error: --sp " + std::to_string(o.sp) + "\nlegal: the number of ranks the sequence is split over, >= 1.");
   return o;
 }
 
@@ -76,6 +79,16 @@ std::string label(const Graph& g, int node) {
   return s + (n.backward ? " (backward)" : "");
 }
 
+const char* call_kind(Op op) {
+  switch (op) {
+    case Op::SeqToHeads: return "CallKind::SeqToHeads";
+    case Op::HeadsToSeq: return "CallKind::HeadsToSeq";
+    case Op::GatherSeq: return "CallKind::GatherSeq";
+    case Op::AllReduce: return "CallKind::AllReduce";
+    default: return "CallKind::Kernel";
+  }
+}
+
 const char* elem(DType t) { return t == DType::f64 ? "ElemType::F64" : t == DType::i32 ? "ElemType::I32" : "ElemType::F32"; }
 
 void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Program& prog,
@@ -97,11 +110,20 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
   size_t off = 0;
   for (const PlannedCall& c : prog.calls) {
     const Stage& st = p.stages[static_cast<size_t>(c.stage)];
-    std::string fn = name + "_k" + std::to_string(st.kernel);
-    os << "  {&" << fn << "_argv, " << cpp_string(fn) << ", " << cpp_string(label(g, st.root)) << ", "
-       << c.args.size() << ", " << tag << "_args + " << off << "},\n";
+    const Op op = g.node(st.root).op;
+    if (is_collective(op)) {
+      os << "  {nullptr, " << cpp_string(op_name(op)) << ", ";
+    } else {
+      std::string fn = name + "_k" + std::to_string(st.kernel);
+      os << "  {&" << fn << "_argv, " << cpp_string(fn) << ", ";
+    }
+    os << cpp_string(label(g, st.root)) << ", " << c.args.size() << ", " << tag << "_args + " << off << ", "
+       << call_kind(op) << "},\n";
     off += c.args.size();
   }
+  if (prog.reduce_grads)
+    os << "  {nullptr, \"all_reduce_grads\", \"every parameter gradient, summed over the mesh\", 0, " << tag
+       << "_args, CallKind::AllReduceGrads},\n";
   os << "};\n";
 }
 
@@ -113,7 +135,14 @@ int run(const Options& o, const ModelBuilder& build) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   Schedule sched = Schedule::named(o.schedule);
-  BuiltModel m = build(o.config, o.batch, o.seq);
+  // The model is built at one rank's slice of the (padded) sequence, then
+  // sharded: its inputs become seq@sp and the collectives are inserted.
+  const int64_t local = local_seq(o.seq, o.sp);
+  BuiltModel m = build(o.config, o.batch, local);
+  ShardedModel sharded = shard_sequence(*m.graph, m.loss.id, sched, o.sp);
+  m.graph = std::move(sharded.graph);
+  m.loss = sharded.loss;
+  m.params = sharded.params;
   Graph& g = *m.graph;
   Gradients grads = grad(m.loss, m.params, GradOptions{sched.rematerialize()});
   verify(g);
@@ -131,12 +160,14 @@ int run(const Options& o, const ModelBuilder& build) {
   Partition fwd = partition(g, {m.loss.id}, sched);
   Program train_prog = plan_program(g, train, param_ids, grad_ids, m.loss.id);
   Program fwd_prog = plan_program(g, fwd, param_ids, {}, m.loss.id);
+  train_prog.reduce_grads = o.sp > 1;
 
   // One kernel per distinct stage signature over both programs.
   std::map<std::string, int> kernel_of;
   std::vector<const Stage*> kernels;
   for (Partition* part : {&train, &fwd})
     for (Stage& st : part->stages) {
+      if (is_collective(g.node(st.root).op)) continue;
       auto [it, fresh] = kernel_of.emplace(st.signature, static_cast<int>(kernels.size()));
       if (fresh) kernels.push_back(&st);
       st.kernel = it->second;
@@ -182,6 +213,9 @@ int run(const Options& o, const ModelBuilder& build) {
   std::ofstream h(o.out + "/" + o.name + ".h");
   h << "// " << o.name << ": generated by halyard_aot; do not edit.\n"
     << "// batch " << o.batch << ", seq " << o.seq << ", target " << target.to_string() << "\n"
+    << "// mesh sp=" << o.sp << ": " << local << " tokens per row on each rank"
+    << (padded_seq(o.seq, o.sp) != o.seq ? " (seq padded to " + std::to_string(padded_seq(o.seq, o.sp)) + ")" : std::string())
+    << "\n"
     << "// " << sched.str() << "\n"
     << "// activation arena: " << train_prog.arena_bytes << " bytes (train step), " << fwd_prog.arena_bytes
     << " bytes (forward)\n"
@@ -190,6 +224,8 @@ int run(const Options& o, const ModelBuilder& build) {
     << "const halyard::runtime::ModelSpec& " << o.name << "();\n"
     << "constexpr int64_t " << o.name << "_batch = " << o.batch << ";\n"
     << "constexpr int64_t " << o.name << "_seq = " << o.seq << ";\n"
+    << "constexpr int " << o.name << "_sp = " << o.sp << ";  // ranks the sequence is split over\n"
+    << "constexpr int64_t " << o.name << "_local_seq = " << local << ";  // tokens per row on each rank\n"
     << "constexpr int64_t " << o.name << "_arena_bytes = " << std::max(train_prog.arena_bytes, fwd_prog.arena_bytes) << ";\n"
     << "}  // namespace halyard_models\n";
 
@@ -208,8 +244,9 @@ int run(const Options& o, const ModelBuilder& build) {
   emit_program(c, g, fwd, fwd_prog, o.name, "forward");
   c << "\nconst ModelSpec spec = {\n  " << cpp_string(o.name) << ",\n  " << cpp_string(m.config_json) << ",\n  "
     << cpp_string(sched.str()) << ",\n  " << cpp_string(target.to_string()) << ",\n  " << o.batch << ", " << o.seq
-    << ", " << m.vocab << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
-    << "  {train_buffers, " << train_prog.buffers.size() << ", train_calls, " << train_prog.calls.size() << ", "
+    << ", " << m.vocab << ", " << o.sp << ", " << local << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
+    << "  {train_buffers, " << train_prog.buffers.size() << ", train_calls, "
+    << train_prog.calls.size() + (train_prog.reduce_grads ? 1 : 0) << ", "
     << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
     << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
     << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n};\n}  // namespace\n\n"

@@ -1,6 +1,10 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
 #                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
-#                   [EXCLUDE_FROM_ALL])
+#                   [SP <ranks>] [EXCLUDE_FROM_ALL])
+#
+# SP > 1 splits the sequence over that many ranks (the schedule must split it,
+# e.g. SCHEDULE ulysses); SEQ is the global length, padded when SP does not
+# divide it, and the library runs only on SP ranks.
 #
 # Runs the model's generator (an executable calling halyard::aot_main) at build
 # time and makes a static library <name> (lib<name>.a) whose header <name>.h
@@ -8,7 +12,7 @@
 # Kernels are built with no_runtime; every model of one target links a single
 # Halide runtime library (halyard_halide_runtime_<target>).
 function(halyard_add_model)
-  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET" "" ${ARGN})
+  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP" "" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
     if(NOT M_${req})
       message(FATAL_ERROR "halyard_add_model: ${req} is required")
@@ -22,6 +26,9 @@ function(halyard_add_model)
   endif()
   if(NOT M_TARGET)
     set(M_TARGET host)
+  endif()
+  if(NOT M_SP)
+    set(M_SP 1)
   endif()
 
   string(MAKE_C_IDENTIFIER "${M_TARGET}" target_id)
@@ -48,7 +55,7 @@ function(halyard_add_model)
   add_custom_command(OUTPUT ${outputs}
     COMMAND ${CMAKE_COMMAND} -E make_directory ${dir}
     COMMAND ${M_GENERATOR} --name ${M_NAME} --config ${M_CONFIG} --schedule ${M_SCHEDULE}
-            --batch ${M_BATCH} --seq ${M_SEQ} --target ${M_TARGET} --out ${dir}
+            --batch ${M_BATCH} --seq ${M_SEQ} --sp ${M_SP} --target ${M_TARGET} --out ${dir}
             --plugin-dir $<TARGET_FILE_DIR:Halide::Halide>
     DEPENDS ${deps}
     COMMENT "Halyard: AOT-compiling ${M_NAME} (${M_SCHEDULE}, ${M_TARGET})" VERBATIM)

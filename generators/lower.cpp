@@ -133,6 +133,11 @@ Func Ctx::lower(int id) {
     case Op::Input:
     case Op::Param:
       internal_error(__FILE__, __LINE__, "buffers are stage inputs, never lowered");
+    case Op::SeqToHeads:
+    case Op::HeadsToSeq:
+    case Op::GatherSeq:
+    case Op::AllReduce:
+      internal_error(__FILE__, __LINE__, "collectives are the runtime's, never lowered");
     case Op::Fill:
       f(vs) = T.is_float() ? num(T, n.attrs.value) : cast(T, static_cast<int>(n.attrs.value));
       break;

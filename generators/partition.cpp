@@ -27,7 +27,7 @@ bool is_heavy(Op op) {
     case Op::CrossEntropyGrad:
       return true;
     default:
-      return false;
+      return is_collective(op);
   }
 }
 
@@ -78,9 +78,13 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     if (needed[static_cast<size_t>(id)])
       for (int i : g.node(id).inputs) needed[static_cast<size_t>(i)] = true;
   std::vector<int> consumers(static_cast<size_t>(n), 0);
+  std::vector<bool> feeds_collective(static_cast<size_t>(n), false);  // the runtime moves buffers, not expressions
   for (int id = 0; id < n; ++id)
     if (needed[static_cast<size_t>(id)])
-      for (int i : g.node(id).inputs) ++consumers[static_cast<size_t>(i)];
+      for (int i : g.node(id).inputs) {
+        ++consumers[static_cast<size_t>(i)];
+        if (is_collective(g.node(id).op)) feeds_collective[static_cast<size_t>(i)] = true;
+      }
 
   Partition p;
   p.materialized.assign(static_cast<size_t>(n), false);
@@ -91,7 +95,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     const Node& node = g.node(id);
     bool root;
     if (node.op == Op::Input || node.op == Op::Param) root = true;
-    else if (is_output[static_cast<size_t>(id)] || is_heavy(node.op)) root = true;
+    else if (is_output[static_cast<size_t>(id)] || is_heavy(node.op) || feeds_collective[static_cast<size_t>(id)]) root = true;
     else if (node.op == Op::Fill) root = false;
     else if (consumers[static_cast<size_t>(id)] <= 1) root = false;
     else root = !s.recomputes(recompute_name(node.op));
@@ -164,6 +168,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
 
   std::map<std::string, int> kernel_of;
   for (size_t s2 = 0; s2 < p.stages.size(); ++s2) {
+    if (is_collective(g.node(p.stages[s2].root).op)) continue;  // performed by the runtime, no kernel
     auto [it, fresh] = kernel_of.emplace(p.stages[s2].signature, static_cast<int>(p.kernels.size()));
     if (fresh) p.kernels.push_back(static_cast<int>(s2));
     p.stages[s2].kernel = it->second;

@@ -8,6 +8,9 @@
 // or when the schedule recomputes that op: then the backward re-derives it
 // from saved inputs instead of reading a saved copy. Stages whose signatures
 // match share one kernel, so a 32-layer model compiles each layer's kernels once.
+// A collective (an all-to-all, a gather, an all-reduce) is a stage of its own
+// with no kernel: the runtime performs it on its input buffer, so whatever
+// feeds a collective is materialized.
 #pragma once
 
 #include <string>
@@ -23,7 +26,7 @@ struct Stage {
   std::vector<int> inputs;     // buffers read, in kernel argument order
   std::vector<int> inlined;    // nodes computed inside, topological order
   std::string signature;       // structure + types; equal => same kernel
-  int kernel = -1;             // index into Partition::kernels
+  int kernel = -1;             // index into Partition::kernels; -1 for a collective
 };
 
 struct Partition {

@@ -37,6 +37,9 @@ struct Program {
   std::vector<PlannedCall> calls;
   int64_t arena_bytes = 0;
   int loss = -1;
+  // Gradients are partial sums over the ranks of a sharded sequence: the
+  // step ends by summing them over the mesh.
+  bool reduce_grads = false;
 };
 
 // params[i] and grads[i] (grad node of param i, or -1) fix the caller's

@@ -1,8 +1,8 @@
 // AdamW (Loshchilov & Hutter): decoupled weight decay, bias-corrected moments.
 //
 // State (m, v) is f32 per parameter. Parameters flagged `decay` get weight
-// decay (matrices, embeddings); norm weights usually do not. ZeRO-1 sharding
-// of the state comes with the distributed runtime.
+// decay (matrices, embeddings); norm weights usually do not. ZeroAdamW
+// (runtime/zero.h) shards the state over ranks and applies the same update.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +21,17 @@ double global_grad_norm(const float* const* grads, const std::vector<int64_t>& s
 inline double clip_scale(double norm, double max_norm) {
   return max_norm > 0 && norm > max_norm ? max_norm / norm : 1.0;
 }
+
+// The update of one step, shared by AdamW and ZeroAdamW so that the formula
+// exists once and both give bitwise the same parameters for the same gradients.
+// The step's constants are rounded to f32 once, here, not per element.
+struct AdamWStepConstants {
+  float b1, b2, lr_over_c1, inv_c2, eps, grad_scale, decay;  // decay: 1 - lr * weight_decay
+};
+AdamWStepConstants adamw_step_constants(const AdamWConfig& cfg, int64_t step, double lr, double grad_scale);
+// n consecutive elements of one parameter, in place; `decay` whether that
+// parameter gets weight decay.
+void adamw_update(const AdamWStepConstants& k, bool decay, float* w, const float* g, float* m, float* v, int64_t n);
 
 class AdamW {
  public:

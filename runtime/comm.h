@@ -157,4 +157,28 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int n, double t
 // Each call makes an independent communicator over a duplicate of the world.
 std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultCommTimeoutS);
 
+// This process's rank of MPI_COMM_WORLD over NCCL, for GPUs (runtime/comm_nccl.cpp;
+// link halyard_comm_nccl, built only where CMake finds CUDA and NCCL). backend()
+// is "NCCL". Differences from the contract above:
+// - Buffers are DEVICE memory on this rank's GPU (cudaMalloc or managed); a host
+//   or other-GPU buffer is a user mistake and throws before anything is sent.
+//   The scalar all_reduce_sum overloads still take and return host values, and
+//   the array all_reduce_sum accepts host memory too (staged through the GPU).
+// - One GPU per rank: the device is the node-local rank (OMPI_COMM_WORLD_LOCAL_RANK,
+//   else the rank in MPI_Comm_split_type(SHARED)) modulo cudaGetDeviceCount(), so
+//   CUDA_VISIBLE_DEVICES with one GPU per rank works too. The factory makes it
+//   this thread's current device; allocate buffers after calling it. Each call
+//   switches to that device and back, and returns once its work on the GPU is done.
+// - NCCL has no tags: messages between a pair of ranks are matched in call order
+//   (the tag is only checked to be in range), and a send completes only when the
+//   peer receives it, so order the calls so that pairs meet (even ranks send
+//   first, odd ranks receive first).
+// - A timeout aborts the NCCL communicator (ncclCommAbort). NCCL cannot tell which
+//   rank is missing, so the error says "waiting for a peer".
+// Bootstrapped over MPI: initializes MPI if nobody has (as make_mpi_communicator
+// does), rank 0 makes the ncclUniqueId and broadcasts it over MPI_COMM_WORLD.
+// Every rank must call it, in the same order as its other communicators. With no
+// CUDA device it throws "error: NCCL communicator on rank r: no CUDA device ...".
+std::unique_ptr<Communicator> make_nccl_communicator(double timeout_s = kDefaultCommTimeoutS);
+
 }  // namespace halyard::runtime

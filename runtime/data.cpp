@@ -1,4 +1,5 @@
 // Token files (mmap, read-only) and the Batcher. Contract in runtime/data.h.
+#include <algorithm>
 #include "runtime/data.h"
 
 #include <fcntl.h>
@@ -134,9 +135,6 @@ Batcher::Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t voca
     throw Error(what + ": shard rank " + num(shard.rank) + " of " + num(shard.ranks) +
                 " ranks is not a rank: need ranks >= 1 and 0 <= rank < ranks.\nfix: pass this process's rank and the "
                 "size of the sp axis.");
-  if (seq % shard.ranks != 0)
-    throw Error(what + ": the sequence (seq=" + num(seq) + ") splits over sp (" + num(shard.ranks) + " ranks): " +
-                num(shard.ranks) + " does not divide " + num(seq) + ".\nlegal sp sizes: " + divisors(seq));
   if (file.size() < seq + 1)
     throw Error(what + " holds " + num(file.size()) + " tokens; a row of seq " + num(seq) + " needs seq + 1 = " +
                 num(seq + 1) + " (ids plus the next token as label).\nfix: use a larger file or a shorter seq.");
@@ -153,13 +151,15 @@ std::vector<int64_t> Batcher::window_starts(int64_t step) const {
 
 void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* position_ids) const {
   const int64_t local = local_seq(), first = shard_.rank * local;
+  // Tokens of this slice that exist; the rest (past seq) are padding.
+  const int64_t real = std::clamp<int64_t>(seq_ - first, 0, local);
   const std::vector<int64_t> starts = window_starts(step);
-  std::vector<int32_t> row(static_cast<size_t>(local + 1));
+  std::vector<int32_t> row(static_cast<size_t>(local + 1), 0);
   for (int64_t b = 0; b < batch_; ++b) {
     // This rank's slice of the window, plus one token: the label of its last position.
     const int64_t at = starts[static_cast<size_t>(b)] + first;
-    file_.read(at, local + 1, row.data());
-    for (int64_t t = 0; t <= local; ++t) {
+    if (real > 0) file_.read(at, real + 1, row.data());
+    for (int64_t t = 0; t <= std::min(real, local) && real > 0; ++t) {
       const int32_t id = row[static_cast<size_t>(t)];
       if (id >= vocab_)
         throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
@@ -169,9 +169,10 @@ void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* p
     }
     const int64_t k = b * local;
     for (int64_t t = 0; t < local; ++t) {
-      input_ids[k + t] = row[static_cast<size_t>(t)];
-      labels[k + t] = row[static_cast<size_t>(t + 1)];
-      position_ids[k + t] = static_cast<int32_t>(first + t);
+      const bool pad = t >= real;
+      input_ids[k + t] = pad ? 0 : row[static_cast<size_t>(t)];
+      labels[k + t] = pad ? static_cast<int32_t>(kIgnoreIndex) : row[static_cast<size_t>(t + 1)];
+      position_ids[k + t] = static_cast<int32_t>(first + t);  // padding continues the positions: it follows every real token
     }
   }
 }

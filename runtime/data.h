@@ -15,9 +15,13 @@
 // step) from [0, size - seq - 1]. Labels are the next tokens, taken BEFORE the
 // sequence is split, so the last label of a rank's slice is the first id of
 // the next rank's slice: no target is lost at a shard boundary. With P ranks
-// along the sequence, rank r gets the contiguous slice [r*seq/P, (r+1)*seq/P)
-// of every row, with global position ids, and reads only those seq/P + 1
-// tokens per row. The concatenation of the P slices equals the P=1 batch.
+// along the sequence, each holds L = ceil(seq/P) tokens per row: rank r gets
+// the slice [r*L, (r+1)*L) of every row, with global position ids, and reads
+// only its tokens plus one. When P does not divide seq, the slices reach past
+// seq: those tokens are padding (id 0, label kIgnoreIndex, positions that
+// continue past the last real token, so causal attention never lets a real
+// token see one). The concatenation of the P slices, padding dropped, equals
+// the P=1 batch.
 //
 // Errors are runtime::Error in the house shape: the file, the rule broken with
 // its numbers, and the fix (a file whose size is not a multiple of the id
@@ -33,6 +37,9 @@
 namespace halyard::runtime {
 
 enum class TokenWidth { U16, U32 };
+
+// The label of a token that has no target (padding); the models' ignore_index.
+inline constexpr int64_t kIgnoreIndex = -100;
 
 class TokenFile {
  public:
@@ -69,13 +76,13 @@ class Batcher {
  public:
   // Keeps a copy of `file` (which shares its mapping). Checks that the file
   // holds at least seq + 1 tokens, that batch, seq, vocab are positive, that
-  // 0 <= rank < ranks and that ranks divides seq.
+  // 0 <= rank < ranks.
   Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard = {});
 
   int64_t batch() const { return batch_; }
   int64_t seq() const { return seq_; }  // the global sequence length
   // Tokens per row on this rank: seq / ranks.
-  int64_t local_seq() const { return seq_ / shard_.ranks; }
+  int64_t local_seq() const { return (seq_ + shard_.ranks - 1) / shard_.ranks; }
   // Elements of each output array: batch * local_seq.
   int64_t local_tokens() const { return batch_ * local_seq(); }
   const Shard& shard() const { return shard_; }

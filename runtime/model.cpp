@@ -10,6 +10,7 @@
 #include <random>
 #include <sstream>
 
+#include "runtime/collectives.h"
 #include "runtime/error.h"
 
 namespace halyard::runtime {
@@ -28,7 +29,7 @@ halide_type_t halide_type_of(ElemType t) {
 }
 
 std::string where(const ModelSpec& s, int64_t flat) {
-  return "[batch=" + std::to_string(flat / s.seq) + ", seq=" + std::to_string(flat % s.seq) + "]";
+  return "[batch=" + std::to_string(flat / s.local_seq) + ", seq=" + std::to_string(flat % s.local_seq) + "]";
 }
 
 }  // namespace
@@ -40,13 +41,23 @@ Model::Block Model::allocate(int64_t bytes) {
   return Block(static_cast<uint8_t*>(p));
 }
 
-Model::Model(const ModelSpec& spec) : spec_(spec) {
+Model::Model(const ModelSpec& spec, Communicator* comm) : spec_(spec), comm_(comm) {
+  const int ranks = comm ? comm->size() : 1;
+  if (ranks != spec.sp)
+    throw Error("error: model \"" + std::string(spec.name) + "\" was generated for sp=" + std::to_string(spec.sp) +
+                " (the sequence split over " + std::to_string(spec.sp) + " rank" + (spec.sp > 1 ? "s" : "") +
+                "), but it runs on " + std::to_string(ranks) + " rank" + (ranks > 1 ? "s" : "") +
+                (comm ? std::string(" (") + comm->backend() + ")" : std::string(" (no communicator)")) +
+                ".\nfix: launch " + std::to_string(spec.sp) + " ranks (mpirun -np " + std::to_string(spec.sp) +
+                "), or build the model for this many with halyard_add_model(... SP " + std::to_string(ranks) + ").");
+  if (spec.sp == 1) comm_ = nullptr;
   keep_freed_memory();
   int64_t total = 0;
   for (int i = 0; i < spec.num_params; ++i) {
     offsets_.push_back(total);
     total += round_up(spec.params[i].numel * static_cast<int64_t>(sizeof(float)));
   }
+  flat_size_ = total / static_cast<int64_t>(sizeof(float));
   params_ = allocate(total);
   grads_ = allocate(total);
   tokens_ = allocate(3 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
@@ -90,7 +101,7 @@ void Model::validate(const int32_t* ids, const int32_t* labels, const int32_t* p
     if (positions[t] < 0)
       throw Error("error: position " + std::to_string(positions[t]) + " at position_ids" + where(spec_, t) +
                   " is negative.\nlegal: positions >= 0 (each token's global position).");
-    if (t % spec_.seq != 0 && positions[t] <= positions[t - 1])
+    if (t % spec_.local_seq != 0 && positions[t] <= positions[t - 1])
       throw Error("error: position_ids" + where(spec_, t) + " is " + std::to_string(positions[t]) + " after " +
                   std::to_string(positions[t - 1]) + "; generated attention kernels skip keys after each query,\n"
                   "so positions must increase strictly along seq in every batch row.\n"
@@ -108,6 +119,16 @@ double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int3
   validate(ids, labels, positions);
   const int32_t* inputs[3] = {ids, positions, labels};
   return run(spec_.forward, inputs);
+}
+
+void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
+  if (!comm_) throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
+  halide_buffer_t& in = bufs[call.args[0]];
+  halide_buffer_t& out = bufs[call.args[1]];
+  // Kernels of a GPU target leave results on the device; collectives move host memory.
+  if (in.device && (in.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &in);
+  run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *comm_, scratch_);
+  if (out.device) out.flags |= halide_buffer_flag_host_dirty;
 }
 
 double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
@@ -144,8 +165,21 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
   std::ostringstream prof;
   std::vector<void*> argv;
+  bool sum_grads = false;
   for (int c = 0; c < p.num_calls; ++c) {
     const CallSpec& call = p.calls[c];
+    if (call.kind == CallKind::AllReduceGrads) {
+      sum_grads = reduce_grads_;  // after the gradients are home (below)
+      continue;
+    }
+    if (call.kind != CallKind::Kernel) {
+      const auto t0 = std::chrono::steady_clock::now();
+      collective(call, p, bufs.data());
+      if (profile)
+        prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
+             << " ms  " << call.kernel << "  " << call.label << "\n";
+      continue;
+    }
     argv.clear();
     for (int a = 0; a < call.num_args; ++a) argv.push_back(&bufs[static_cast<size_t>(call.args[a])]);
     const auto t0 = std::chrono::steady_clock::now();
@@ -156,13 +190,20 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
       prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
            << " ms  " << call.kernel << "  " << call.label << "\n";
   }
-  profile_ = prof.str();
   // GPU kernels leave results on the device: bring outputs home, free the rest.
   for (halide_buffer_t& hb : bufs) {
     if (!hb.device) continue;
     if (hb.flags & halide_buffer_flag_device_dirty) halide_copy_to_host(nullptr, &hb);
     halide_device_free(nullptr, &hb);
   }
+  if (sum_grads) {
+    const auto t0 = std::chrono::steady_clock::now();
+    comm_->all_reduce_sum(grads_flat(), flat_size_);
+    if (profile)
+      prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
+           << " ms  all_reduce_grads  " << flat_size_ << " floats\n";
+  }
+  profile_ = prof.str();
   const BufferSpec& loss = p.buffers[p.loss];
   return loss.type == ElemType::F64 ? *reinterpret_cast<const double*>(bufs[static_cast<size_t>(p.loss)].host)
                                     : *reinterpret_cast<const float*>(bufs[static_cast<size_t>(p.loss)].host);

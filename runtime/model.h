@@ -5,8 +5,11 @@
 //   m.init_params(0);
 //   double loss = m.train_step(ids, labels, positions);  // fills m.grad(i)
 //
-// Tokens are [batch, seq] int32 arrays of the sizes the library was built
-// for. Bad input (an id outside the vocabulary, a label that is neither a
+// Tokens are [batch, local_seq] int32 arrays of the sizes the library was
+// built for: the whole sequence on one rank, or this rank's slice of it when
+// the library splits the sequence over sp ranks (then pass the communicator
+// of those ranks; the step performs the collectives between its kernels,
+// returns the global loss, and leaves every rank the summed gradients). Bad input (an id outside the vocabulary, a label that is neither a
 // token nor the ignore index, a negative position) throws runtime::Error
 // naming the position; a failing kernel throws naming the kernel and node.
 #pragma once
@@ -17,7 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "runtime/comm.h"
 #include "runtime/step_program.h"
+
+struct halide_buffer_t;
 
 namespace halyard::runtime {
 
@@ -27,7 +33,9 @@ void keep_freed_memory();
 
 class Model {
  public:
-  explicit Model(const ModelSpec& spec);
+  // `comm` (not owned) must outlive the model; it is required, with exactly
+  // spec.sp ranks, when the library splits the sequence (spec.sp > 1).
+  explicit Model(const ModelSpec& spec, Communicator* comm = nullptr);
 
   const ModelSpec& spec() const { return spec_; }
   int num_params() const { return spec_.num_params; }
@@ -45,7 +53,20 @@ class Model {
   // Forward only (a smaller arena): returns the loss.
   double forward_loss(const int32_t* input_ids, const int32_t* labels, const int32_t* position_ids);
 
-  int64_t tokens() const { return spec_.batch * spec_.seq; }
+  // Tokens of one step's arrays on this rank: batch * local_seq.
+  int64_t tokens() const { return spec_.batch * spec_.local_seq; }
+  int sp() const { return spec_.sp; }
+  Communicator* comm() const { return comm_; }
+
+  // Whether a train step ends by summing gradients over the mesh (the
+  // default). ZeRO-1 turns it off and reduce-scatters them itself.
+  void set_reduce_grads(bool on) { reduce_grads_ = on; }
+  // All parameters (and gradients) as one flat array of flat_size() floats:
+  // parameter i starts at flat_offset(i); the gaps between them are zeros.
+  float* params_flat() { return reinterpret_cast<float*>(params_.get()); }
+  float* grads_flat() { return reinterpret_cast<float*>(grads_.get()); }
+  int64_t flat_size() const { return flat_size_; }
+  int64_t flat_offset(int i) const { return offsets_[static_cast<size_t>(i)] / static_cast<int64_t>(sizeof(float)); }
   int64_t arena_bytes() const { return arena_bytes_; }
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
@@ -55,6 +76,7 @@ class Model {
 
  private:
   double run(const ProgramSpec& p, const int32_t* const inputs[3]);
+  void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void validate(const int32_t* ids, const int32_t* labels, const int32_t* positions) const;
 
   // Halide's kernels may use aligned vector loads: every buffer they see
@@ -69,6 +91,10 @@ class Model {
   std::vector<int64_t> offsets_;  // of each parameter in params_ and grads_
   Block params_, grads_, tokens_, arena_;
   int64_t arena_bytes_ = 0;
+  int64_t flat_size_ = 0;
+  Communicator* comm_ = nullptr;
+  bool reduce_grads_ = true;
+  std::vector<float> scratch_;  // staging of collectives
   std::string profile_;
 };
 

@@ -30,12 +30,24 @@ struct BufferSpec {
 
 using KernelFn = int (*)(void**);
 
+// What a call does: run a generated kernel, or a collective over the mesh
+// (runtime/collectives.h) on its input and output buffers.
+enum class CallKind : uint8_t {
+  Kernel,
+  SeqToHeads,      // [batch, seq@sp, H, d] -> [batch, seq, H@sp, d] (Ulysses all-to-all)
+  HeadsToSeq,      // [batch, seq, H@sp, d] -> [batch, seq@sp, H, d], replicated heads summed
+  GatherSeq,       // i32 [batch, seq@sp] -> [batch, seq]
+  AllReduce,       // sum over the mesh, same type
+  AllReduceGrads,  // no args: sums every parameter gradient over the mesh (last call of a train step)
+};
+
 struct CallSpec {
-  KernelFn fn;
-  const char* kernel;  // kernel function name
+  KernelFn fn;         // Kernel only
+  const char* kernel;  // kernel function name, or the collective's
   const char* label;   // op and the node it computes
   int num_args;
   const int* args;     // buffer indices: inputs in order, then the output
+  CallKind kind;
 };
 
 struct ProgramSpec {
@@ -61,7 +73,12 @@ struct ModelSpec {
   const char* config_json;
   const char* schedule;  // Schedule::str()
   const char* target;    // Halide target string
+  // seq: the global sequence the library was built for. Under sequence
+  // parallelism over sp ranks, each rank holds local_seq = ceil(seq / sp)
+  // tokens per row; the last rank's tail beyond seq is padding.
   int64_t batch, seq, vocab;
+  int sp;
+  int64_t local_seq;
   int64_t ignore_index;
   const ParamSpec* params;
   int num_params;

@@ -20,6 +20,8 @@ const std::set<std::string>& recomputable() {
 
 std::string Schedule::to_json() const {
   nlohmann::json j = {{"name", name}, {"recompute", recompute}, {"autoscheduler", autoscheduler}, {"checkpoint", checkpoint}};
+  if (!split_sequence.empty()) j["split_sequence"] = split_sequence;
+  if (!redistribute_heads.empty()) j["redistribute_heads"] = redistribute_heads;
   return j.dump(2);
 }
 
@@ -32,6 +34,11 @@ std::function<bool(const Node&)> Schedule::rematerialize() const {
       case Op::Attention:   // expensive, and its output is what the backward reads
       case Op::TokenCount:
         return false;
+      case Op::SeqToHeads:  // collectives are saved: redoing one costs a network round
+      case Op::HeadsToSeq:
+      case Op::GatherSeq:
+      case Op::AllReduce:
+        return false;
       default:
         return true;
     }
@@ -43,6 +50,7 @@ std::string Schedule::str() const {
                   join(std::vector<std::string>(recompute.begin(), recompute.end())) + "}";
   if (checkpoint) s += ", checkpointed (backward recomputes all but residuals and attention)";
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
+  if (!split_sequence.empty()) s += ", split_sequence(" + split_sequence + "), redistribute_heads(" + redistribute_heads + ")";
   return s;
 }
 
@@ -70,6 +78,19 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       }
     } else if (key == "checkpoint" && it->is_boolean()) {
       s.checkpoint = it->get<bool>();
+    } else if (key == "split_sequence" && it->is_string()) {
+      s.split_sequence = it->get<std::string>();
+      if (!s.split_sequence.empty() && s.split_sequence != "sp")
+        throw UserError("error: schedule \"" + what + "\": split_sequence(\"" + s.split_sequence +
+                        "\")\nthe sequence is split over the mesh axis sp.\nlegal: \"sp\", or \"\" for no split.");
+    } else if (key == "redistribute_heads" && it->is_string()) {
+      s.redistribute_heads = it->get<std::string>();
+      if (s.redistribute_heads == "ring" || s.redistribute_heads == "hybrid")
+        throw UserError("error: schedule \"" + what + "\": redistribute_heads(" + s.redistribute_heads +
+                        ") is not implemented yet.\nlegal: \"ulysses\" (all-to-all of heads).");
+      if (!s.redistribute_heads.empty() && s.redistribute_heads != "ulysses")
+        throw UserError("error: schedule \"" + what + "\": redistribute_heads(\"" + s.redistribute_heads +
+                        "\") is not a strategy.\nlegal: \"ulysses\".");
     } else if (key == "autoscheduler" && it->is_string()) {
       s.autoscheduler = it->get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
@@ -78,9 +99,15 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     } else {
       throw UserError("error: schedule \"" + what + "\": unknown or ill-typed key \"" + key + "\" (" +
                       it->dump() + ").\nlegal keys: name (string), recompute (array of op names), "
-                      "checkpoint (bool), autoscheduler (string).");
+                      "checkpoint (bool), autoscheduler (string), split_sequence (\"sp\"), "
+                      "redistribute_heads (\"ulysses\").");
     }
   }
+  if (s.split_sequence.empty() != s.redistribute_heads.empty())
+    throw UserError("error: schedule \"" + what + "\": split_sequence(\"" + s.split_sequence +
+                    "\") with redistribute_heads(\"" + s.redistribute_heads +
+                    "\")\nattention needs every key: a split sequence needs a head redistribution, and "
+                    "redistributing heads needs a split sequence.\nlegal: both (\"sp\", \"ulysses\") or neither.");
   return s;
 }
 
@@ -101,10 +128,20 @@ Schedule Schedule::named(const std::string& n) {
     s.autoscheduler = "Adams2019";
     return s;
   }
+  if (n == "ulysses" || n == "ulysses_checkpoint") {
+    s.split_sequence = "sp";
+    s.redistribute_heads = "ulysses";
+    if (n == "ulysses_checkpoint") {
+      s.recompute = recomputable();
+      s.checkpoint = true;
+    }
+    return s;
+  }
   std::ifstream in(n);
   if (!in)
     throw UserError("error: schedule \"" + n + "\" is neither a preset nor a readable file.\n"
-                    "legal: default, recompute, checkpoint, autoscheduled, or a path to a schedule .json.");
+                    "legal: default, recompute, checkpoint, autoscheduled, ulysses, ulysses_checkpoint,\n"
+                    "or a path to a schedule .json.");
   std::stringstream ss;
   ss << in.rdbuf();
   return parse(ss.str(), n);

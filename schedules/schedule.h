@@ -4,7 +4,8 @@
 // diffs; directives only edit it. This single-rank vocabulary says which cheap
 // forward values the backward recomputes instead of reading saved copies, and
 // whether kernels get Halyard's hand-written loop schedules or Halide's
-// Adams2019 autoscheduler. Sharding over ranks and sequence tiling extend it.
+// Adams2019 autoscheduler; and how the sequence is split over ranks
+// (schedules/sharding.h). Sequence tiling extends it.
 #pragma once
 
 #include <functional>
@@ -26,6 +27,13 @@ struct Schedule {
   // except the residual stream (adds, the embedding) and attention outputs,
   // AutoSP's policy at long sequence (matmuls are recomputed, attention is not).
   bool checkpoint = false;
+  // split_sequence(sp): activations are split on seq over this mesh axis
+  // ("" = one rank holds the whole sequence).
+  std::string split_sequence;
+  // redistribute_heads(<every attention>, strategy): how attention sees the
+  // whole sequence when it is split. "ulysses": all-to-all from seq@sp to
+  // heads@sp before attention and back after it. (ring and hybrid come later.)
+  std::string redistribute_heads;
 
   // The predicate grad() uses for checkpointing (empty when it is off).
   std::function<bool(const Node&)> rematerialize() const;
@@ -36,7 +44,8 @@ struct Schedule {
   std::string to_json() const;
   std::string str() const;  // one line, for plan reports and generated headers
 
-  // default | recompute | checkpoint | autoscheduled, or a path to a schedule .json file.
+  // default | recompute | checkpoint | autoscheduled | ulysses | ulysses_checkpoint,
+  // or a path to a schedule .json file.
   static Schedule named(const std::string& name_or_path);
   static Schedule parse(const std::string& json_text, const std::string& what);
 };

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The README's main command: installs what is missing, AOT-compiles the tiny
-# Llama (examples/llama/configs/tiny.json, seq 512, schedule "recompute") into
-# a static library with Halide, and trains it on the bundled corpus with AdamW,
-# printing one progress line per step. Extra arguments go to llama_train
-# (--steps N --lr X --threads T --data FILE).
+# Llama (examples/llama/configs/tiny.json, global seq 1024) into one library
+# per sp degree with Halide (schedule examples/llama/schedules/
+# ulysses_recompute.json: sequence split over the ranks, Ulysses all-to-alls
+# around attention), and trains it with sequence parallelism on 4 MPI ranks
+# of this machine on the bundled corpus, printing one progress line per step.
+# HALYARD_RANKS=1|2|4 picks another rank count; extra arguments go to
+# llama_train (--steps N --lr X --zero 1 --save DIR --metrics FILE ...).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/configure.sh"
 source "$root/.venv/halyard.env"
 "$HALYARD_CMAKE" --build "$root/build" -j "$(nproc 2>/dev/null || echo 2)" --target llama_train
-"$root/build/examples/llama/llama_train" --steps 200 "$@"
+# Root needs OpenMPI's consent; 4 ranks on 2 cores need --oversubscribe.
+exec mpirun --allow-run-as-root --oversubscribe -np "${HALYARD_RANKS:-4}" \
+  "$root/build/examples/llama/llama_train" --steps 200 "$@"

@@ -1,12 +1,26 @@
 // Trains the tiny Llama with its AOT-generated library on the bundled corpus:
 // the path a user takes (model in the DSL -> schedule -> Halide kernels built
-// by halyard_add_model -> a plain C++ loop). Single rank for now; sequence
-// parallel training over MPI ranks builds on this.
+// by halyard_add_model -> a plain C++ loop), on one rank or with sequence
+// parallelism over MPI ranks:
 //
+//   mpirun -np 4 llama_train [--config tiny.json] [--seq 1024] [--steps N] ...
 //   llama_train [--steps N] [--lr X] [--warmup N] [--seed S] [--threads T]
 //               [--data TEXT | --tokens FILE --token-width 16|32]
 //               [--save DIR] [--save-every N] [--resume DIR] [--step-check OUT]
 //               [--clip MAX_NORM (1.0; 0 = off)] [--metrics FILE.jsonl]
+//               [--zero 0|1] [--comm-timeout SECONDS (60)]
+//
+// The binary links one library per sp degree (1, 2, 4; all built for the
+// same config and global seq) and runs the one built for the number of ranks
+// it is launched on: each rank holds seq/sp tokens of every row, attention
+// redistributes heads with Ulysses all-to-alls, the loss and gradients are
+// summed over ranks inside the generated step. --config and --seq, when
+// given, must match what the libraries were built for (they are checked, not
+// applied: the sizes are compiled in). --zero 1 shards the AdamW state over
+// the ranks (ZeRO-1: gradients reduce-scattered, parameters all-gathered).
+// Rank 0 prints the progress line and writes metrics and checkpoints; a rank
+// that dies or hangs makes the others fail within --comm-timeout seconds with
+// an error naming it.
 //
 // Data (runtime/data.h): --data reads a text file one byte per token (the
 // default is the bundled corpus); --tokens reads a headerless little-endian
@@ -25,171 +39,313 @@
 #include <sys/resource.h>
 
 #include <chrono>
-#include <fstream>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "examples/llama/llama_config.h"
 #include "runtime/adamw.h"
 #include "runtime/checkpoint.h"
+#include "runtime/comm.h"
 #include "runtime/data.h"
 #include "runtime/error.h"
-#include "runtime/model.h"
 #include "runtime/lr_schedule.h"
+#include "runtime/model.h"
 #include "runtime/safetensors.h"
+#include "runtime/zero.h"
 #include "tiny_llama.h"
+#include "tiny_llama_sp2.h"
+#include "tiny_llama_sp4.h"
 
 using namespace halyard;
 
-int main(int argc, char** argv) {
-  int steps = 30, warmup = 5, threads = 0, save_every = 0;
-  double clip = 1.0;
-  std::string save_dir, resume_dir, tokens, step_check, metrics_path;
-  int token_width = 0;
-  double lr = 3e-3;
+namespace {
+
+struct Options {
+  int steps = 30, warmup = 5, threads = 0, save_every = 0, token_width = 0;
+  double clip = 1.0, lr = 3e-3, comm_timeout = runtime::kDefaultCommTimeoutS;
   unsigned seed = 0;
+  bool zero = false, data_given = false;
+  int64_t seq = 0;
+  std::string save_dir, resume_dir, tokens, step_check, metrics_path, config;
   std::string data = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
-  bool data_given = false;
+};
+
+// Returns an error message, or "" when the options are usable.
+std::string parse(int argc, char** argv, Options& o) {
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
-    if (i + 1 >= argc) {
-      std::cerr << "error: " << k << " needs a value.\n";
-      return 2;
-    }
+    if (i + 1 >= argc) return "error: " + k + " needs a value.";
     std::string v = argv[++i];
-    if (k == "--steps") steps = std::stoi(v);
-    else if (k == "--lr") lr = std::stod(v);
-    else if (k == "--warmup") warmup = std::stoi(v);
-    else if (k == "--seed") seed = static_cast<unsigned>(std::stoul(v));
-    else if (k == "--threads") threads = std::stoi(v);
-    else if (k == "--data") data = v, data_given = true;
-    else if (k == "--save") save_dir = v;
-    else if (k == "--save-every") save_every = std::stoi(v);
-    else if (k == "--resume") resume_dir = v;
-    else if (k == "--tokens") tokens = v;
-    else if (k == "--token-width") token_width = std::stoi(v);
-    else if (k == "--step-check") step_check = v;
-    else if (k == "--clip") clip = std::stod(v);
-    else if (k == "--metrics") metrics_path = v;
-    else {
-      std::cerr << "error: unknown option \"" << k << "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
-                   "--token-width --save --save-every --resume --step-check --clip --metrics\n";
-      return 2;
+    try {
+      if (k == "--steps") o.steps = std::stoi(v);
+      else if (k == "--lr") o.lr = std::stod(v);
+      else if (k == "--warmup") o.warmup = std::stoi(v);
+      else if (k == "--seed") o.seed = static_cast<unsigned>(std::stoul(v));
+      else if (k == "--threads") o.threads = std::stoi(v);
+      else if (k == "--data") o.data = v, o.data_given = true;
+      else if (k == "--save") o.save_dir = v;
+      else if (k == "--save-every") o.save_every = std::stoi(v);
+      else if (k == "--resume") o.resume_dir = v;
+      else if (k == "--tokens") o.tokens = v;
+      else if (k == "--token-width") o.token_width = std::stoi(v);
+      else if (k == "--step-check") o.step_check = v;
+      else if (k == "--clip") o.clip = std::stod(v);
+      else if (k == "--metrics") o.metrics_path = v;
+      else if (k == "--config") o.config = v;
+      else if (k == "--seq") o.seq = std::stoll(v);
+      else if (k == "--zero") o.zero = std::stoi(v) != 0;
+      else if (k == "--comm-timeout") o.comm_timeout = std::stod(v);
+      else
+        return "error: unknown option \"" + k + "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
+               "--token-width --save --save-every --resume --step-check --clip --metrics --config --seq --zero "
+               "--comm-timeout";
+    } catch (const std::exception&) {
+      return "error: " + k + " \"" + v + "\" is not a number.";
     }
   }
-  if (save_every < 0 || (save_every > 0 && save_dir.empty())) {
-    std::cerr << "error: --save-every " << save_every << " needs --save DIR and a count >= 1 (0 saves only at the end).\n";
-    return 2;
+  if (o.save_every < 0 || (o.save_every > 0 && o.save_dir.empty()))
+    return "error: --save-every " + std::to_string(o.save_every) +
+           " needs --save DIR and a count >= 1 (0 saves only at the end).";
+  if (!o.tokens.empty() && o.data_given)
+    return "error: --data \"" + o.data + "\" and --tokens \"" + o.tokens +
+           "\" both name the training data.\nfix: pass --data for a text file or --tokens for a token file, not both.";
+  if (o.tokens.empty() != (o.token_width == 0) || (o.token_width != 0 && o.token_width != 16 && o.token_width != 32))
+    return "error: --tokens needs --token-width and --token-width needs --tokens (got --tokens \"" + o.tokens +
+           "\", --token-width " + std::to_string(o.token_width) + ").\nlegal widths: 16 (uint16 ids), 32 (uint32 ids)";
+  if (!o.step_check.empty() && o.resume_dir.empty())
+    return "error: --step-check \"" + o.step_check +
+           "\" needs --resume DIR: the weights must be ones another framework can load.\n"
+           "fix: pass a checkpoint directory or an HF folder (model.safetensors + config.json).";
+  if (!(o.comm_timeout > 0)) return "error: --comm-timeout " + std::to_string(o.comm_timeout) + "\nlegal: seconds > 0.";
+  return "";
+}
+
+// The library built for this many ranks.
+const runtime::ModelSpec& model_for(int ranks) {
+  const runtime::ModelSpec* built[] = {&halyard_models::tiny_llama(), &halyard_models::tiny_llama_sp2(),
+                                       &halyard_models::tiny_llama_sp4()};
+  std::string degrees;
+  for (const auto* s : built) {
+    if (s->sp == ranks) return *s;
+    degrees += (degrees.empty() ? "" : ", ") + std::to_string(s->sp);
   }
-  if (!tokens.empty() && data_given) {
-    std::cerr << "error: --data \"" << data << "\" and --tokens \"" << tokens
-              << "\" both name the training data.\nfix: pass --data for a text file or --tokens for a token file, not both.\n";
-    return 2;
-  }
-  if (tokens.empty() != (token_width == 0) || (token_width != 0 && token_width != 16 && token_width != 32)) {
-    std::cerr << "error: --tokens needs --token-width and --token-width needs --tokens (got --tokens \"" << tokens
-              << "\", --token-width " << token_width << ").\nlegal widths: 16 (uint16 ids), 32 (uint32 ids)\n";
-    return 2;
-  }
-  if (!step_check.empty() && resume_dir.empty()) {
-    std::cerr << "error: --step-check \"" << step_check
-              << "\" needs --resume DIR: the weights must be ones another framework can load.\n"
-                 "fix: pass a checkpoint directory or an HF folder (model.safetensors + config.json).\n";
-    return 2;
-  }
+  throw runtime::Error("error: llama_train runs on " + std::to_string(ranks) +
+                       " ranks, but it links libraries for sp = " + degrees +
+                       " only.\nfix: mpirun -np 1, 2 or 4, or add halyard_add_model(... SP " + std::to_string(ranks) +
+                       ") to examples/llama/CMakeLists.txt and link it here.");
+}
+
+// --config and --seq are compiled into the library: check, never apply.
+void check_matches_library(const Options& o, const runtime::ModelSpec& spec) {
+  if (o.seq != 0 && o.seq != spec.seq)
+    throw runtime::Error("error: --seq " + std::to_string(o.seq) + " but the model library \"" + spec.name +
+                         "\" was built for seq " + std::to_string(spec.seq) +
+                         ".\nfix: pass --seq " + std::to_string(spec.seq) +
+                         ", or rebuild with halyard_add_model(... SEQ " + std::to_string(o.seq) + ").");
+  if (o.config.empty()) return;
+  const auto given = nlohmann::json::parse(llama::LlamaConfig::load(o.config).to_json());
+  const auto built = nlohmann::json::parse(spec.config_json);
+  for (auto it = built.begin(); it != built.end(); ++it)
+    if (!given.contains(it.key()) || given[it.key()] != *it)
+      throw runtime::Error("error: --config \"" + o.config + "\" does not match the model library \"" + spec.name +
+                           "\": " + it.key() + " is " + (given.contains(it.key()) ? given[it.key()].dump() : "absent") +
+                           " there but " + it->dump() + " in the library.\nfix: pass the config the library was "
+                           "built from (examples/llama/configs/tiny.json), or rebuild the library from this one.");
+}
+
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+// Every rank's peak RSS, "41/43/41/42 MiB" (collective when there are ranks).
+std::string peaks(runtime::Communicator* comm) {
+  float mine = static_cast<float>(peak_rss_mib());
+  std::vector<float> all(comm ? static_cast<size_t>(comm->size()) : 1, mine);
+  if (comm) comm->all_gather(&mine, 1, all.data());
+  std::string s;
+  for (float f : all) s += (s.empty() ? "" : "/") + std::to_string(static_cast<int>(std::lround(f)));
+  return s + " MiB";
+}
+
+int train(const Options& o) {
+  // mpirun sets OMPI_COMM_WORLD_SIZE; a plain launch is one rank without MPI.
+  std::unique_ptr<runtime::Communicator> comm;
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) comm = runtime::make_mpi_communicator(o.comm_timeout);
+  const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+  const bool lead = rank == 0;
   try {
-    runtime::Model::set_num_threads(threads > 0 ? threads : runtime::default_threads_per_rank());
-    runtime::Model m(halyard_models::tiny_llama());
-    m.init_params(seed);
-    const int64_t seq = m.spec().seq, batch = m.spec().batch;
+    runtime::Model::set_num_threads(o.threads > 0 ? o.threads : runtime::default_threads_per_rank());
+    const runtime::ModelSpec& spec = model_for(ranks);
+    check_matches_library(o, spec);
+    runtime::Model m(spec, comm.get());
+    m.init_params(o.seed);
+    const int64_t seq = spec.seq, batch = spec.batch;
     const runtime::TokenFile file =
-        tokens.empty() ? runtime::TokenFile::from_text(data)
-                       : runtime::TokenFile::open(tokens, token_width == 16 ? runtime::TokenWidth::U16 : runtime::TokenWidth::U32);
-    // The batch of a step depends on (seed, step) alone, so resuming sees the same data.
-    const runtime::Batcher batcher(file, batch, seq, m.spec().vocab, seed);
-    std::vector<int32_t> ids(static_cast<size_t>(batch * seq)), labels(ids.size()), pos(ids.size());
-    if (!step_check.empty()) {
-      const int64_t loaded = runtime::load_checkpoint(resume_dir, m, nullptr);
+        o.tokens.empty() ? runtime::TokenFile::from_text(o.data)
+                         : runtime::TokenFile::open(o.tokens, o.token_width == 16 ? runtime::TokenWidth::U16
+                                                                                  : runtime::TokenWidth::U32);
+    // The batch of a step depends on (seed, step) alone, so resuming sees the
+    // same data; each rank reads only its slice of every row.
+    const runtime::Batcher batcher(file, batch, seq, spec.vocab, o.seed, runtime::Shard{rank, ranks});
+    const int64_t n = batcher.local_tokens();
+    std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
+
+    if (!o.step_check.empty()) {
+      const int64_t loaded = runtime::load_checkpoint(o.resume_dir, m, nullptr);
       batcher.fill(1, ids.data(), labels.data(), pos.data());
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
-      runtime::Safetensors out;
-      out.put_f64("loss", {}, {loss});
-      out.put_i32("input_ids", {batch, seq}, ids);
-      out.put_i32("labels", {batch, seq}, labels);
-      out.put_i32("position_ids", {batch, seq}, pos);
-      for (int i = 0; i < m.num_params(); ++i) {
-        const runtime::ParamSpec& p = m.param_spec(i);
-        out.put_f32(std::string("grad/") + p.name, {p.hf_shape, p.hf_shape + p.hf_rank},
-                    std::vector<float>(m.grad(i), m.grad(i) + p.numel));
+      if (lead) {
+        // The whole batch, as one rank would see it.
+        const auto whole = runtime::Batcher(file, batch, seq, spec.vocab, o.seed).get(1);
+        runtime::Safetensors out;
+        out.put_f64("loss", {}, {loss});
+        out.put_i32("input_ids", {batch, seq}, whole.input_ids);
+        out.put_i32("labels", {batch, seq}, whole.labels);
+        out.put_i32("position_ids", {batch, seq}, whole.position_ids);
+        for (int i = 0; i < m.num_params(); ++i) {
+          const runtime::ParamSpec& p = m.param_spec(i);
+          out.put_f32(std::string("grad/") + p.name, {p.hf_shape, p.hf_shape + p.hf_rank},
+                      std::vector<float>(m.grad(i), m.grad(i) + p.numel));
+        }
+        out.metadata["weights"] = o.resume_dir;
+        out.metadata["weights_step"] = std::to_string(loaded);
+        out.metadata["data"] = file.path();
+        out.metadata["seed"] = std::to_string(o.seed);
+        out.metadata["step"] = "1";
+        out.metadata["sp"] = std::to_string(ranks);
+        out.write(o.step_check);
+        std::printf("step-check: weights \"%s\" (step %lld), batch of step 1 (seed %u, %lld x %lld tokens of \"%s\"), "
+                    "%d rank(s)\n",
+                    o.resume_dir.c_str(), static_cast<long long>(loaded), o.seed, static_cast<long long>(batch),
+                    static_cast<long long>(seq), file.path().c_str(), ranks);
+        std::printf("step-check: loss %.9g; wrote %zu tensors to \"%s\"; parameters not updated\n", loss, out.size(),
+                    o.step_check.c_str());
       }
-      out.metadata["weights"] = resume_dir;
-      out.metadata["weights_step"] = std::to_string(loaded);
-      out.metadata["data"] = file.path();
-      out.metadata["seed"] = std::to_string(seed);
-      out.metadata["step"] = "1";
-      out.write(step_check);
-      std::printf("step-check: weights \"%s\" (step %lld), batch of step 1 (seed %u, %lld x %lld tokens of \"%s\")\n",
-                  resume_dir.c_str(), static_cast<long long>(loaded), seed, static_cast<long long>(batch),
-                  static_cast<long long>(seq), file.path().c_str());
-      std::printf("step-check: loss %.9g; wrote %zu tensors to \"%s\"; parameters not updated\n", loss, out.size(),
-                  step_check.c_str());
       return 0;
     }
-    std::vector<int64_t> sizes;
+
+    std::vector<int64_t> sizes, offsets;
     std::vector<bool> decay;
     std::vector<float*> params;
     std::vector<const float*> grads;
     for (int i = 0; i < m.num_params(); ++i) {
       sizes.push_back(m.param_spec(i).numel);
+      offsets.push_back(m.flat_offset(i));
       decay.push_back(m.param_spec(i).rank > 1);
       params.push_back(m.param(i));
       grads.push_back(m.grad(i));
     }
-    runtime::AdamW opt(sizes, decay);
-    std::printf("tiny_llama: %s, %s; batch %lld x seq %lld, %d kernels, activation arena %.1f MiB\n", m.spec().target,
-                m.spec().schedule, static_cast<long long>(batch), static_cast<long long>(seq), m.spec().num_kernels,
-                static_cast<double>(m.arena_bytes()) / (1 << 20));
+    // Plain AdamW keeps the whole state on every rank (the summed gradients
+    // are the same everywhere, so every rank takes the same step); ZeRO-1
+    // keeps 1/ranks of it.
+    runtime::AdamW opt(o.zero ? std::vector<int64_t>(sizes.size(), 0) : sizes, decay);
+    std::unique_ptr<runtime::ZeroAdamW> zero;
+    if (o.zero) {
+      if (!comm) throw runtime::Error("error: --zero 1 shards the optimizer state over ranks, but this is one rank.\n"
+                                      "fix: launch with mpirun -np 2 or 4, or pass --zero 0.");
+      zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
+      m.set_reduce_grads(false);  // ZeRO reduce-scatters them itself
+    }
+    // Checkpoints hold the whole optimizer state: ZeRO gathers it for them.
+    auto full_state = [&]() {
+      runtime::AdamW full(sizes, decay);
+      for (size_t i = 0; i < sizes.size(); ++i) zero->gather_moments(i, full.m(i), full.v(i));
+      return full;
+    };
+    if (lead)
+      std::printf("tiny_llama: %s, %s; %d rank(s) (sp=%d%s), batch %lld x seq %lld (%lld per rank), %d kernels, "
+                  "activation arena %.1f MiB per rank%s\n",
+                  spec.target, spec.schedule, ranks, spec.sp, comm ? (std::string(", ") + comm->backend()).c_str() : "",
+                  static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
+                  spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
+                  o.zero ? ", ZeRO-1 optimizer state" : "");
     int first = 1;
-    if (!resume_dir.empty()) {
-      const int64_t loaded = runtime::load_checkpoint(resume_dir, m, &opt);
+    if (!o.resume_dir.empty()) {
+      int64_t loaded;
+      if (zero) {
+        runtime::AdamW full(sizes, decay);
+        loaded = runtime::load_checkpoint(o.resume_dir, m, &full);
+        for (size_t i = 0; i < sizes.size(); ++i) zero->set_moments(i, full.m(i), full.v(i));
+      } else {
+        loaded = runtime::load_checkpoint(o.resume_dir, m, &opt);
+      }
       first = static_cast<int>(loaded) + 1;
-      std::printf("resumed from \"%s\" at step %lld; continuing with step %d of %d\n", resume_dir.c_str(),
-                  static_cast<long long>(loaded), first, steps);
+      if (lead)
+        std::printf("resumed from \"%s\" at step %lld; continuing with step %d of %d\n", o.resume_dir.c_str(),
+                    static_cast<long long>(loaded), first, o.steps);
     }
     std::ofstream metrics;
-    if (!metrics_path.empty()) {
-      metrics.open(metrics_path, std::ios::app);
-      if (!metrics) throw runtime::Error("error: cannot open metrics file \"" + metrics_path + "\" for appending.");
+    if (lead && !o.metrics_path.empty()) {
+      metrics.open(o.metrics_path, std::ios::app);
+      if (!metrics) throw runtime::Error("error: cannot open metrics file \"" + o.metrics_path + "\" for appending.");
     }
     const auto t0 = std::chrono::steady_clock::now();
-    for (int step = first; step <= steps; ++step) {
+    for (int step = first; step <= o.steps; ++step) {
       batcher.fill(step, ids.data(), labels.data(), pos.data());
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
-      const double frac = runtime::warmup_cosine_lr(step, steps, warmup, 1.0);  // times --lr
-      const double norm = runtime::global_grad_norm(grads.data(), sizes);
-      opt.step(step, lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, clip));
+      const double frac = runtime::warmup_cosine_lr(step, o.steps, o.warmup, 1.0);  // times --lr
+      double norm;
+      if (zero) {
+        norm = zero->step(step, o.lr * frac, m.params_flat(), m.grads_flat(), o.clip);
+      } else {
+        norm = runtime::global_grad_norm(grads.data(), sizes);
+        opt.step(step, o.lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, o.clip));
+      }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int done = step - first + 1;
       const double tps = static_cast<double>(done * batch * seq) / secs;
-      rusage usage{};
-      getrusage(RUSAGE_SELF, &usage);
-      const double rss_mib = static_cast<double>(usage.ru_maxrss) / 1024.0;
-      std::printf("step %4d/%d  loss %.4f  |g| %.3f  lr %.2e  %7.0f tokens/s  peak %.0f MiB  ETA %.0fs\n", step, steps, loss,
-                  norm, lr * frac, tps, rss_mib, secs / done * (steps - step));
-      if (metrics.is_open())
-        metrics << "{\"step\":" << step << ",\"loss\":" << loss << ",\"grad_norm\":" << norm << ",\"lr\":" << lr * frac
-                << ",\"tokens_per_s\":" << tps << ",\"peak_rss_mib\":" << rss_mib << "}\n" << std::flush;
-      if (!save_dir.empty() && ((save_every > 0 && step % save_every == 0) || step == steps)) {
-        runtime::save_checkpoint(save_dir, m, opt, step);
-        std::printf("saved step %d to \"%s/%s\"\n", step, save_dir.c_str(), runtime::checkpoint_step_name(step).c_str());
+      const std::string peak = peaks(comm.get());
+      if (lead) {
+        std::printf("step %4d/%d  loss %.4f  |g| %.3f  lr %.2e  %7.0f tokens/s  peak %s  ETA %.0fs\n", step, o.steps,
+                    loss, norm, o.lr * frac, tps, peak.c_str(), secs / done * (o.steps - step));
+        if (metrics.is_open())
+          metrics << "{\"step\":" << step << ",\"loss\":" << loss << ",\"grad_norm\":" << norm << ",\"lr\":" << o.lr * frac
+                  << ",\"tokens_per_s\":" << tps << ",\"ranks\":" << ranks << ",\"peak_rss_mib\":\"" << peak << "\"}\n"
+                  << std::flush;
+      }
+      if (!o.save_dir.empty() && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {
+        if (zero) {
+          const runtime::AdamW full = full_state();  // collective
+          if (lead) runtime::save_checkpoint(o.save_dir, m, full, step);
+        } else if (lead) {
+          runtime::save_checkpoint(o.save_dir, m, opt, step);
+        }
+        if (comm) comm->barrier();  // nobody resumes from a checkpoint still being written
+        if (lead)
+          std::printf("saved step %d to \"%s/%s\"\n", step, o.save_dir.c_str(),
+                      runtime::checkpoint_step_name(step).c_str());
       }
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {
-    std::cerr << e.what() << "\n";
+    // One write per rank, so that ranks' messages do not interleave.
+    std::cerr << (ranks > 1 ? "rank " + std::to_string(rank) + ": " : std::string()) + e.what() + "\n" << std::flush;
     return 2;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (std::string err = parse(argc, argv, o); !err.empty()) {
+    std::cerr << err << "\n";
+    return 2;
+  }
+  try {
+    return train(o);
+  } catch (const std::exception& e) {  // no communicator (MPI failed to start)
+    std::cerr << e.what() << "\n";
+    return 2;
+  }
 }

@@ -222,13 +222,31 @@ void expect_shards_concatenate(int ranks) {
 TEST(Batcher, TwoRanksConcatenateToTheWholeBatch) { expect_shards_concatenate(2); }
 TEST(Batcher, FourRanksConcatenateToTheWholeBatch) { expect_shards_concatenate(4); }
 
-TEST(Batcher, RanksThatDoNotDivideSeqAreAnError) {
+TEST(Batcher, RanksThatDoNotDivideSeqPadTheLastSlices) {
   TempDir d;
   write_tokens(d.file("a.bin"), pattern(100), 2);
   const TokenFile f = TokenFile::open(d.file("a.bin"), TokenWidth::U16);
-  const std::string msg = error_of([&] { Batcher(f, 1, 12, 1000, 0, Shard{0, 5}); });
-  EXPECT_THAT(msg, HasSubstr("the sequence (seq=12) splits over sp (5 ranks): 5 does not divide 12"));
-  EXPECT_THAT(msg, HasSubstr("legal sp sizes: 1, 2, 3, 4, 6, 12"));
+  const int64_t seq = 13, ranks = 4, batch = 2, local = 4;  // 16 slots: 3 of padding
+  const Batcher whole(f, batch, seq, 1000, 3);
+  const auto full = whole.get(7);
+  for (int r = 0; r < ranks; ++r) {
+    const Batcher part(f, batch, seq, 1000, 3, Shard{r, static_cast<int>(ranks)});
+    ASSERT_EQ(part.local_seq(), local);
+    const auto s = part.get(7);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t t = 0; t < local; ++t) {
+        const int64_t g = r * local + t;
+        const size_t at = static_cast<size_t>(b * local + t);
+        EXPECT_EQ(s.position_ids[at], g);
+        if (g < seq) {
+          EXPECT_EQ(s.input_ids[at], full.input_ids[static_cast<size_t>(b * seq + g)]) << r << " " << t;
+          EXPECT_EQ(s.labels[at], full.labels[static_cast<size_t>(b * seq + g)]) << r << " " << t;
+        } else {
+          EXPECT_EQ(s.input_ids[at], 0);
+          EXPECT_EQ(s.labels[at], kIgnoreIndex);
+        }
+      }
+  }
   EXPECT_THAT(error_of([&] { Batcher(f, 1, 12, 1000, 0, Shard{4, 4}); }), HasSubstr("shard rank 4 of 4 ranks"));
 }
 

@@ -1,0 +1,97 @@
+// Sharding a model's graph over the sequence (see sharding.h).
+#include "schedules/sharding.h"
+
+#include <map>
+
+#include "dsl/error.h"
+#include "dsl/ops.h"
+
+namespace halyard {
+namespace {
+
+bool ulysses_can_split(int64_t heads, int64_t kv_heads, int64_t sp) {
+  return heads % sp == 0 && heads_per_rank(kv_heads, sp) > 0;
+}
+
+std::string degrees_string(const std::vector<int64_t>& d) {
+  std::vector<std::string> s;
+  for (int64_t x : d) s.push_back(std::to_string(x));
+  return join(s);
+}
+
+}  // namespace
+
+std::vector<int64_t> legal_sp_degrees(const Graph& g, int64_t max) {
+  std::vector<int64_t> out;
+  for (int64_t p = 1; p <= max; ++p) {
+    bool ok = true;
+    for (const Node& n : g.nodes())
+      if (n.op == Op::Attention)
+        ok = ok && ulysses_can_split(g.node(n.inputs[0]).type.size("heads"), g.node(n.inputs[1]).type.size("kv_heads"), p);
+    if (ok) out.push_back(p);
+  }
+  return out;
+}
+
+ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp) {
+  if (sp < 1) throw UserError("error: sp degree " + std::to_string(sp) + "\nlegal: sp >= 1.");
+  const bool split = !s.split_sequence.empty() && sp > 1;
+  if (sp > 1 && s.split_sequence.empty())
+    throw UserError("error: schedule \"" + s.name + "\" keeps the whole sequence on each rank, but the model is built "
+                    "for sp=" + std::to_string(sp) + " ranks.\nlegal: a schedule with split_sequence(sp) and "
+                    "redistribute_heads(ulysses) (preset \"ulysses\"), or sp=1.");
+  const std::string mesh = s.split_sequence;
+  ShardedModel out;
+  out.graph = std::make_unique<Graph>();
+  Graph& g = *out.graph;
+  std::vector<Value> map(static_cast<size_t>(src.size()));
+  std::map<int, Value> gathered;  // positions of the whole sequence, one gather per positions value
+  auto in = [&](const Node& n, size_t k) { return map[static_cast<size_t>(n.inputs[k])]; };
+
+  for (const Node& n : src.nodes()) {
+    if (n.id > loss) break;
+    Value v;
+    if (n.op == Op::Input || n.op == Op::Param || n.op == Op::Fill) {
+      TensorType t = n.type;
+      if (split && n.op == Op::Input)
+        for (Axis& a : t.axes)
+          if (a.name == "seq") a = Axis{"seq", a.size, mesh, a.size * sp};
+      v = g.add_leaf(n.op, t, n.attrs, n.name);
+    } else {
+      std::vector<Value> ins;
+      for (size_t k = 0; k < n.inputs.size(); ++k) ins.push_back(in(n, k));
+      if (split && n.op == Op::Attention) {
+        const int64_t heads = n.type.size("heads"), kv = src.node(n.inputs[1]).type.size("kv_heads");
+        if (!ulysses_can_split(heads, kv, sp))
+          throw UserError("error: schedule \"" + s.name + "\" splits " + describe(src, n.id) + " over sp=" +
+                          std::to_string(sp) + " ranks with Ulysses,\nbut it has heads=" + std::to_string(heads) +
+                          ", kv_heads=" + std::to_string(kv) + ": each rank takes heads/sp query heads, so sp must "
+                          "divide heads, and kv_heads must divide sp or be a multiple of it (fewer kv heads than "
+                          "ranks are replicated).\nlegal sp degrees for this model: " +
+                          degrees_string(legal_sp_degrees(src, heads)) + ".");
+        Value& pos = gathered[n.inputs[3]];
+        if (!pos.valid()) pos = gather_seq(ins[3], mesh, sp);
+        g.set_name_prefix(n.name);
+        Value a = attention(seq_to_heads(ins[0], mesh, sp), seq_to_heads(ins[1], mesh, sp),
+                            seq_to_heads(ins[2], mesh, sp), pos);
+        v = heads_to_seq(a, mesh, sp);
+        g.set_name_prefix("");
+      } else {
+        v = g.add(n.op, ins, n.attrs, n.name);
+        // Sums over this rank's tokens become sums over the whole sequence.
+        if (split && (n.op == Op::TokenCount || n.op == Op::CrossEntropy)) {
+          g.set_name_prefix(n.name);
+          v = all_reduce(v, mesh, sp);
+          g.set_name_prefix("");
+        }
+      }
+    }
+    map[static_cast<size_t>(n.id)] = v;
+  }
+  out.loss = map[static_cast<size_t>(loss)];
+  for (const Node& n : src.nodes())
+    if (n.op == Op::Param && n.id <= loss) out.params.push_back(map[static_cast<size_t>(n.id)]);
+  return out;
+}
+
+}  // namespace halyard

@@ -1,0 +1,51 @@
+// Sharding a model over ranks: what split_sequence and redistribute_heads mean.
+//
+// A model is built at one rank's slice of the sequence (seq / sp tokens per
+// row). shard_sequence() rebuilds its forward graph for that rank: the inputs'
+// seq axis becomes seq@sp, every value computed from them inherits the split
+// (types print it: f32[batch=1, seq=4096@sp, model=256]), and the collectives
+// the split implies are inserted where the math needs the whole sequence:
+//
+//   - each attention (Ulysses): q, k, v go through seq_to_heads (seq@sp ->
+//     heads@sp, kv heads fewer than sp replicated), positions are gathered,
+//     and the output comes back through heads_to_seq. autodiff then mirrors
+//     the four all-to-alls in the backward (they are each other's transposes);
+//   - the token count and the loss are summed over sp, so the loss is the
+//     global sum over real tokens divided by the global count of real tokens.
+//
+// Weight gradients stay partial sums on each rank; the step program sums
+// them over the mesh after the backward (generators/program.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dsl/graph.h"
+#include "schedules/schedule.h"
+
+namespace halyard {
+
+struct ShardedModel {
+  std::unique_ptr<Graph> graph;
+  Value loss;
+  std::vector<Value> params;  // the source's parameters, in the same order
+};
+
+// Rebuilds `src` (built at seq / sp tokens per row) for one rank of sp ranks
+// under schedule `s`. With sp == 1 or no split_sequence, the graph is copied
+// unchanged. Throws UserError when the model cannot be split this way (heads
+// not divisible by sp lists the legal degrees).
+ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp);
+
+// The sp degrees Ulysses can split this model's attentions over (heads
+// divisible by sp; kv_heads a multiple or a divisor of sp), up to `max`.
+std::vector<int64_t> legal_sp_degrees(const Graph& g, int64_t max = 1024);
+
+// Tokens per row on each rank, and the padded global length, for a global
+// sequence of `seq` tokens over `sp` ranks: a length sp does not divide is
+// padded at the end (the runtime masks padding out of loss and attention).
+inline int64_t local_seq(int64_t seq, int64_t sp) { return (seq + sp - 1) / sp; }
+inline int64_t padded_seq(int64_t seq, int64_t sp) { return local_seq(seq, sp) * sp; }
+
+}  // namespace halyard

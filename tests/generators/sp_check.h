@@ -1,0 +1,95 @@
+// One rank's sequence-parallel train step, and the single-rank reference it
+// must equal. Shared by the in-process test (test_sp.cpp: ranks are threads)
+// and the MPI one (sp_mpi_main.cpp: ranks are processes under mpirun).
+//
+// Every rank initializes the same parameters (seed), takes its slice of the
+// same batch of the bundled corpus (runtime::Batcher with its Shard: labels
+// shifted before the split, global positions, padding past seq), and runs
+// forward_loss and train_step. The generated step sums the loss over ranks
+// and the gradients over the mesh, so each rank's loss and gradients are
+// compared with the reference's whole.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "examples/llama/llama_config.h"
+#include "runtime/comm.h"
+#include "runtime/data.h"
+#include "runtime/model.h"
+
+namespace halyard::sp_check {
+
+inline const std::string kCorpus = std::string(HALYARD_SOURCE_DIR) + "/examples/llama/data/corpus.txt";
+
+struct StepResult {
+  double forward_loss = 0, loss = 0;
+  std::vector<std::vector<float>> grads;
+  int64_t a2a_forward_bytes = 0, a2a_train_bytes = 0;  // sent to other ranks, from the comm's counter
+};
+
+inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator* comm, int64_t step = 3,
+                           uint64_t seed = 5) {
+  runtime::Model m(spec, comm);
+  m.init_params(seed);
+  const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+  const runtime::Batcher batcher(runtime::TokenFile::from_text(kCorpus), spec.batch, spec.seq, spec.vocab, seed,
+                                 runtime::Shard{rank, ranks});
+  const auto b = batcher.get(step);
+  StepResult r;
+  if (comm) comm->reset_all_to_all_bytes_sent();
+  r.forward_loss = m.forward_loss(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+  if (comm) r.a2a_forward_bytes = comm->all_to_all_bytes_sent(), comm->reset_all_to_all_bytes_sent();
+  r.loss = m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+  if (comm) r.a2a_train_bytes = comm->all_to_all_bytes_sent();
+  for (int i = 0; i < m.num_params(); ++i) r.grads.emplace_back(m.grad(i), m.grad(i) + m.param_spec(i).numel);
+  return r;
+}
+
+// max |got - ref| / max |ref| over one tensor.
+inline double rel_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  double diff = 0, scale = 1e-30;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - ref[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return diff / scale;
+}
+
+struct Comparison {
+  double loss = 0, forward_loss = 0, worst_grad = 0;
+  std::string worst_param;
+};
+
+inline Comparison compare(const runtime::ModelSpec& spec, const StepResult& got, const StepResult& ref) {
+  Comparison c;
+  c.loss = std::abs(got.loss - ref.loss) / std::abs(ref.loss);
+  c.forward_loss = std::abs(got.forward_loss - ref.forward_loss) / std::abs(ref.forward_loss);
+  for (size_t i = 0; i < ref.grads.size(); ++i) {
+    const double e = rel_error(got.grads[i], ref.grads[i]);
+    if (e >= c.worst_grad) c.worst_grad = e, c.worst_param = spec.params[i].name;
+  }
+  return c;
+}
+
+// Ulysses' forward all-to-all volume per rank and layer, (2h + 2h_kv)·N/P
+// bytes with h = heads·head_dim·4 (q and the output) and h_kv likewise (k, v)
+// over N tokens of the whole batch; kv heads fewer than P are sent once per
+// rank that holds a replica (h_kv counts P heads). The comm's counter leaves
+// out the block a rank keeps, (P-1)/P of this leaves the rank.
+struct Volume {
+  double formula = 0, over_the_wire = 0;
+};
+inline Volume ulysses_forward_bytes(const llama::LlamaConfig& c, const runtime::ModelSpec& spec, int p) {
+  const double n = static_cast<double>(spec.batch * spec.local_seq * p);
+  const double h = static_cast<double>(c.num_attention_heads * c.head_dim * 4);
+  const double h_kv = static_cast<double>(std::max<int64_t>(c.num_key_value_heads, p) * c.head_dim * 4);
+  Volume v;
+  v.formula = (2 * h + 2 * h_kv) * n / p * static_cast<double>(c.num_hidden_layers);
+  v.over_the_wire = v.formula * (p - 1) / p;
+  return v;
+}
+
+}  // namespace halyard::sp_check

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# llama_train under mpirun, end to end (ctest: train_mpi_<case>):
+#   train_mpi_check.sh <llama_train> <mpirun> <case>
+#   resume   4 ranks: a run stopped at step 3 and resumed gives the losses of
+#            the uninterrupted run, bitwise, with plain AdamW and with ZeRO-1
+#            (whose checkpoint also resumes on 2 ranks).
+#   ranks    1 vs 4 ranks at the same global seq: the same losses within 1e-4.
+#   killed   rank 1 is SIGKILLed mid-training: the job ends non-zero within
+#            60 s, and the output names rank 1. Plain mpirun ends the job
+#            itself; with --enable-recovery the survivors' communicator times
+#            out (5 s) and reports the dead rank.
+#   errors   a rank count without a library, a config or seq that does not
+#            match the library: exit 2 with the fix.
+set -uo pipefail
+train=$1 mpirun=$2 case=$3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mpi=("$mpirun" --allow-run-as-root --oversubscribe)
+fail() { echo "FAIL: $*"; exit 1; }
+losses() { sed -n 's/.*"step":\([0-9]*\),"loss":\([^,]*\),.*/\1 \2/p' "$1"; }
+
+case $case in
+resume)
+  for zero in 0 1; do
+    d=$work/z$zero
+    "${mpi[@]}" -np 4 "$train" --steps 6 --zero $zero --metrics "$d.full.jsonl" >/dev/null || fail "uninterrupted run (zero=$zero)"
+    "${mpi[@]}" -np 4 "$train" --steps 6 --zero $zero --save "$d" --save-every 3 --metrics /dev/null >/dev/null \
+      || fail "run that saves (zero=$zero)"
+    "${mpi[@]}" -np 4 "$train" --steps 6 --zero $zero --resume "$d/step-00000003" --metrics "$d.resumed.jsonl" \
+      >/dev/null || fail "resumed run (zero=$zero)"
+    want=$(losses "$d.full.jsonl" | tail -3) got=$(losses "$d.resumed.jsonl")
+    echo "zero=$zero uninterrupted steps 4-6: $(echo $want)"
+    echo "zero=$zero resumed       steps 4-6: $(echo $got)"
+    [ -n "$got" ] && [ "$want" = "$got" ] || fail "resumed losses differ (zero=$zero)"
+  done
+  "${mpi[@]}" -np 2 "$train" --steps 6 --zero 1 --resume "$work/z1/step-00000003" --metrics "$work/two.jsonl" \
+    >/dev/null || fail "ZeRO-1 checkpoint of 4 ranks resumed on 2"
+  echo "zero=1 resumed on 2 ranks steps 4-6: $(echo $(losses "$work/two.jsonl"))"
+  ;;
+ranks)
+  "$train" --steps 8 --metrics "$work/one.jsonl" >/dev/null || fail "1 rank"
+  "${mpi[@]}" -np 4 "$train" --steps 8 --metrics "$work/four.jsonl" >/dev/null || fail "4 ranks"
+  paste <(losses "$work/one.jsonl") <(losses "$work/four.jsonl") | awk '
+    { d = $2 - $4; if (d < 0) d = -d; r = d / $2; if (r > worst) worst = r; print "step " $1 ": 1 rank " $2 ", 4 ranks " $4 }
+    END { printf "worst relative difference %.2e\n", worst; exit !(NR == 8 && worst <= 1e-4) }' || fail "losses differ"
+  ;;
+killed)
+  for mode in plain recovery; do
+    extra=()
+    [ $mode = recovery ] && extra=(--enable-recovery)
+    log=$work/$mode.log
+    start=$(date +%s)
+    # The metrics path is unique to this job: it tells its ranks from those of
+    # other tests running at the same time.
+    marker=$work/$mode.jsonl
+    "${mpi[@]}" "${extra[@]}" -np 2 "$train" --steps 3000 --warmup 1 --comm-timeout 5 --metrics "$marker" >"$log" 2>&1 &
+    job=$!
+    for _ in $(seq 600); do grep -q "^step    3/" "$log" && break; sleep 0.1; done
+    grep -q "^step    3/" "$log" || fail "$mode: training never reached step 3: $(cat "$log")"
+    victim=
+    for p in $(pgrep -f -- "--metrics $marker"); do
+      tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1 && victim=$p
+    done
+    [ -n "$victim" ] || fail "$mode: no process of rank 1"
+    kill -9 "$victim"
+    for _ in $(seq 600); do kill -0 $job 2>/dev/null || break; sleep 0.1; done
+    if kill -0 $job 2>/dev/null; then
+      kill $job; sleep 2; pkill -9 -f -- "--metrics $marker"; kill -9 $job 2>/dev/null
+      fail "$mode: still running 60 s after rank 1 died"
+    fi
+    wait $job; rc=$?
+    secs=$(( $(date +%s) - start ))
+    echo "--- $mode mpirun: exit $rc, ended within ${secs}s of start; its report:"
+    grep -v "^step" "$log" | head -20
+    if [ $mode = plain ]; then
+      [ $rc -ne 0 ] || fail "plain: mpirun exited 0"
+      grep -Eq "rank 1" "$log" || fail "plain: no message names rank 1"
+    else
+      grep -q "waiting for rank 1" "$log" || fail "recovery: the survivor did not name rank 1"
+    fi
+  done
+  ;;
+errors)
+  out=$("${mpi[@]}" -np 3 "$train" --steps 1 2>&1) && fail "3 ranks ran"
+  grep -q "links libraries for sp = 1, 2, 4" <<<"$out" || fail "3 ranks: $out"
+  out=$("$train" --steps 1 --seq 333 2>&1); [ $? -eq 2 ] || fail "--seq 333 ran"
+  grep -q "was built for seq" <<<"$out" || fail "--seq: $out"
+  out=$("$train" --steps 1 --config "$(dirname "$0")/../fixtures/llama_micro.json" 2>&1); [ $? -eq 2 ] || fail "--config ran"
+  grep -q "does not match the model library" <<<"$out" || fail "--config: $out"
+  out=$("$train" --steps 1 --zero 1 2>&1); [ $? -eq 2 ] || fail "--zero on one rank ran"
+  grep -q "this is one rank" <<<"$out" || fail "--zero: $out"
+  echo "errors: all four reported with exit 2"
+  ;;
+*) fail "unknown case $case" ;;
+esac
+echo PASS
