@@ -155,7 +155,10 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int n, double t
 // halyard_comm_mpi). Initializes MPI if nobody has (and finalizes it at exit,
 // unless a communicator failed: finalizing then could wait on a dead peer).
 // Each call makes an independent communicator over a duplicate of the world.
-std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultCommTimeoutS);
+// With color >= 0, the communicator spans only the world ranks that pass the
+// same color (ranked in world order): e.g. the sp group of a dp x sp mesh,
+// color = world_rank / sp. Its ranks (also in error messages) are group ranks.
+std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultCommTimeoutS, int color = -1);
 
 // This process's rank of MPI_COMM_WORLD over NCCL, for GPUs (runtime/comm_nccl.cpp;
 // link halyard_comm_nccl, built only where CMake finds CUDA and NCCL). backend()

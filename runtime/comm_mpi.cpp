@@ -423,7 +423,7 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s) {
+std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s, int color) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -461,6 +461,20 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s) {
     if (rc != MPI_SUCCESS)
       throw Error("error: make_mpi_communicator: MPI_Comm_idup failed: " + mpi_error_string(rc));
     MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  }
+  if (color >= 0) {
+    // Every rank has just answered the duplication, so the blocking split
+    // (MPI has no non-blocking one) waits on live peers only.
+    for (MPI_Comm& c : comms) {
+      MPI_Comm sub = MPI_COMM_NULL;
+      int rc = MPI_Comm_split(c, color, rank, &sub);
+      if (rc != MPI_SUCCESS) throw Error("error: make_mpi_communicator: MPI_Comm_split failed: " + mpi_error_string(rc));
+      MPI_Comm_free(&c);
+      c = sub;
+      MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    }
+    MPI_Comm_rank(comms[0], &rank);
+    MPI_Comm_size(comms[0], &size);
   }
   return std::make_unique<MpiCommunicator>(rank, size, comms[0], comms[1], timeout_s);
 }

@@ -135,6 +135,10 @@ Batcher::Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t voca
     throw Error(what + ": shard rank " + num(shard.rank) + " of " + num(shard.ranks) +
                 " ranks is not a rank: need ranks >= 1 and 0 <= rank < ranks.\nfix: pass this process's rank and the "
                 "size of the sp axis.");
+  if (shard.replicas < 1 || shard.replica < 0 || shard.replica >= shard.replicas)
+    throw Error(what + ": replica " + num(shard.replica) + " of " + num(shard.replicas) +
+                " is not a replica: need replicas >= 1 and 0 <= replica < replicas.\nfix: pass this rank's index "
+                "along dp and the size of the dp axis.");
   if (file.size() < seq + 1)
     throw Error(what + " holds " + num(file.size()) + " tokens; a row of seq " + num(seq) + " needs seq + 1 = " +
                 num(seq + 1) + " (ids plus the next token as label).\nfix: use a larger file or a shorter seq.");
@@ -144,7 +148,7 @@ std::vector<int64_t> Batcher::window_starts(int64_t step) const {
   // The same stream the trainer has always used, so old runs resume exactly.
   std::mt19937_64 rng(seed_ * 1000003u + static_cast<uint64_t>(step));
   std::uniform_int_distribution<uint64_t> start(0, static_cast<uint64_t>(file_.size() - seq_ - 1));
-  std::vector<int64_t> out(static_cast<size_t>(batch_));
+  std::vector<int64_t> out(static_cast<size_t>(batch_ * shard_.replicas));
   for (auto& s : out) s = static_cast<int64_t>(start(rng));
   return out;
 }
@@ -157,7 +161,7 @@ void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* p
   std::vector<int32_t> row(static_cast<size_t>(local + 1), 0);
   for (int64_t b = 0; b < batch_; ++b) {
     // This rank's slice of the window, plus one token: the label of its last position.
-    const int64_t at = starts[static_cast<size_t>(b)] + first;
+    const int64_t at = starts[static_cast<size_t>(shard_.replica * batch_ + b)] + first;
     if (real > 0) file_.read(at, real + 1, row.data());
     for (int64_t t = 0; t <= std::min(real, local) && real > 0; ++t) {
       const int32_t id = row[static_cast<size_t>(t)];

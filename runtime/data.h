@@ -66,10 +66,15 @@ class TokenFile {
   std::shared_ptr<const Mapping> m_;  // shared: copies of a TokenFile share one mapping
 };
 
-// This rank's place along the sequence axis ("sp"): rank r of ranks P.
+// This rank's place in a dp x sp mesh: rank r of the P ranks along the
+// sequence ("sp"), in data-parallel replica d of D ("dp"). Replica d trains
+// on its own rows: the batch of a step is D * batch windows, replica d takes
+// rows [d * batch, (d + 1) * batch).
 struct Shard {
   int rank = 0;
   int ranks = 1;
+  int replica = 0;
+  int replicas = 1;
 };
 
 class Batcher {
@@ -87,7 +92,8 @@ class Batcher {
   int64_t local_tokens() const { return batch_ * local_seq(); }
   const Shard& shard() const { return shard_; }
 
-  // Where row b's window starts in the file, for each row of `step`.
+  // Where row b's window starts in the file, for each row of `step` (all
+  // replicas' rows: batch * replicas).
   std::vector<int64_t> window_starts(int64_t step) const;
 
   // Writes this rank's ids, labels and global position ids for `step`, each

@@ -41,7 +41,7 @@ Model::Block Model::allocate(int64_t bytes) {
   return Block(static_cast<uint8_t*>(p));
 }
 
-Model::Model(const ModelSpec& spec, Communicator* comm) : spec_(spec), comm_(comm) {
+Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : spec_(spec), comm_(comm), mesh_(mesh) {
   const int ranks = comm ? comm->size() : 1;
   if (ranks != spec.sp)
     throw Error("error: model \"" + std::string(spec.name) + "\" was generated for sp=" + std::to_string(spec.sp) +
@@ -50,6 +50,12 @@ Model::Model(const ModelSpec& spec, Communicator* comm) : spec_(spec), comm_(com
                 (comm ? std::string(" (") + comm->backend() + ")" : std::string(" (no communicator)")) +
                 ".\nfix: launch " + std::to_string(spec.sp) + " ranks (mpirun -np " + std::to_string(spec.sp) +
                 "), or build the model for this many with halyard_add_model(... SP " + std::to_string(ranks) + ").");
+  if (!mesh_) mesh_ = comm;
+  if (mesh_ && mesh_->size() % spec.sp != 0)
+    throw Error("error: model \"" + std::string(spec.name) + "\" splits the sequence over sp=" + std::to_string(spec.sp) +
+                " ranks, but the mesh has " + std::to_string(mesh_->size()) +
+                " ranks, not a multiple of it (dp x sp).\nfix: launch dp * " + std::to_string(spec.sp) + " ranks.");
+  if (mesh_ && mesh_->size() == 1) mesh_ = nullptr;
   if (spec.sp == 1) comm_ = nullptr;
   keep_freed_memory();
   int64_t total = 0;
@@ -122,12 +128,21 @@ double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int3
 }
 
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
-  if (!comm_) throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[call.args[1]];
   // Kernels of a GPU target leave results on the device; collectives move host memory.
   if (in.device && (in.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &in);
-  run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *comm_, scratch_);
+  Communicator* over = call.kind == CallKind::AllReduce ? mesh_ : comm_;
+  if (!over && call.kind == CallKind::AllReduce) {  // one rank: the sum is the value
+    const BufferSpec& s = p.buffers[call.args[0]];
+    int64_t n = s.type == ElemType::F64 ? 8 : 4;
+    for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
+    std::memcpy(out.host, in.host, static_cast<size_t>(n));
+  } else if (!over) {
+    throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
+  } else {
+    run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *over, scratch_);
+  }
   if (out.device) out.flags |= halide_buffer_flag_host_dirty;
 }
 
@@ -169,7 +184,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
   for (int c = 0; c < p.num_calls; ++c) {
     const CallSpec& call = p.calls[c];
     if (call.kind == CallKind::AllReduceGrads) {
-      sum_grads = reduce_grads_;  // after the gradients are home (below)
+      sum_grads = reduce_grads_ && mesh_;  // after the gradients are home (below)
       continue;
     }
     if (call.kind != CallKind::Kernel) {
@@ -198,7 +213,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
   }
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();
-    comm_->all_reduce_sum(grads_flat(), flat_size_);
+    mesh_->all_reduce_sum(grads_flat(), flat_size_);
     if (profile)
       prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
            << " ms  all_reduce_grads  " << flat_size_ << " floats\n";

@@ -33,9 +33,13 @@ void keep_freed_memory();
 
 class Model {
  public:
-  // `comm` (not owned) must outlive the model; it is required, with exactly
-  // spec.sp ranks, when the library splits the sequence (spec.sp > 1).
-  explicit Model(const ModelSpec& spec, Communicator* comm = nullptr);
+  // `sp` (not owned) must outlive the model: the ranks of one sequence, used
+  // for the all-to-alls; required, with exactly spec.sp ranks, when the
+  // library splits the sequence (spec.sp > 1). `mesh` is every rank of a
+  // dp x sp mesh (data-parallel replicas of that sequence group, each with
+  // its own rows): the loss and gradients are summed over it. It defaults to
+  // `sp` (dp = 1); its size must be a multiple of spec.sp.
+  explicit Model(const ModelSpec& spec, Communicator* sp = nullptr, Communicator* mesh = nullptr);
 
   const ModelSpec& spec() const { return spec_; }
   int num_params() const { return spec_.num_params; }
@@ -57,6 +61,8 @@ class Model {
   int64_t tokens() const { return spec_.batch * spec_.local_seq; }
   int sp() const { return spec_.sp; }
   Communicator* comm() const { return comm_; }
+  Communicator* mesh() const { return mesh_; }
+  int dp() const { return mesh_ ? mesh_->size() / spec_.sp : 1; }
 
   // Whether a train step ends by summing gradients over the mesh (the
   // default). ZeRO-1 turns it off and reduce-scatters them itself.
@@ -92,7 +98,8 @@ class Model {
   Block params_, grads_, tokens_, arena_;
   int64_t arena_bytes_ = 0;
   int64_t flat_size_ = 0;
-  Communicator* comm_ = nullptr;
+  Communicator* comm_ = nullptr;  // sp group
+  Communicator* mesh_ = nullptr;  // dp x sp
   bool reduce_grads_ = true;
   std::vector<float> scratch_;  // staging of collectives
   std::string profile_;

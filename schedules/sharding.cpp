@@ -78,10 +78,12 @@ ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64
         g.set_name_prefix("");
       } else {
         v = g.add(n.op, ins, n.attrs, n.name);
-        // Sums over this rank's tokens become sums over the whole sequence.
-        if (split && (n.op == Op::TokenCount || n.op == Op::CrossEntropy)) {
+        // Sums over this rank's tokens become sums over every token of the
+        // mesh: its whole sequence (sp) and every data-parallel replica's
+        // rows (dp, decided at launch; on one rank this is a copy).
+        if (n.op == Op::TokenCount || n.op == Op::CrossEntropy) {
           g.set_name_prefix(n.name);
-          v = all_reduce(v, mesh, sp);
+          v = all_reduce(v, kWholeMesh, sp);
           g.set_name_prefix("");
         }
       }

@@ -10,8 +10,10 @@
 //     heads@sp, kv heads fewer than sp replicated), positions are gathered,
 //     and the output comes back through heads_to_seq. autodiff then mirrors
 //     the four all-to-alls in the backward (they are each other's transposes);
-//   - the token count and the loss are summed over sp, so the loss is the
-//     global sum over real tokens divided by the global count of real tokens.
+//   - the token count and the loss are summed over the whole mesh (dp x sp),
+//     so the loss is the global sum over real tokens divided by the global
+//     count of real tokens. This happens at every degree: the data-parallel
+//     degree is chosen at launch, not at build time.
 //
 // Weight gradients stay partial sums on each rank; the step program sums
 // them over the mesh after the backward (generators/program.h).
@@ -26,6 +28,9 @@
 
 namespace halyard {
 
+// The mesh axis name of collectives over every rank (data and sequence parallel).
+inline constexpr const char* kWholeMesh = "dp,sp";
+
 struct ShardedModel {
   std::unique_ptr<Graph> graph;
   Value loss;
@@ -33,8 +38,8 @@ struct ShardedModel {
 };
 
 // Rebuilds `src` (built at seq / sp tokens per row) for one rank of sp ranks
-// under schedule `s`. With sp == 1 or no split_sequence, the graph is copied
-// unchanged. Throws UserError when the model cannot be split this way (heads
+// under schedule `s`. With sp == 1 or no split_sequence, only the loss's
+// all-reduces are added. Throws UserError when the model cannot be split this way (heads
 // not divisible by sp lists the legal degrees).
 ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp);
 

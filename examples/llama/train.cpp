@@ -8,13 +8,16 @@
 //               [--data TEXT | --tokens FILE --token-width 16|32]
 //               [--save DIR] [--save-every N] [--resume DIR] [--step-check OUT]
 //               [--clip MAX_NORM (1.0; 0 = off)] [--metrics FILE.jsonl]
-//               [--zero 0|1] [--comm-timeout SECONDS (60)]
+//               [--sp N] [--zero 0|1] [--comm-timeout SECONDS (60)]
 //
 // The binary links one library per sp degree (1, 2, 4; all built for the
 // same config and global seq) and runs the one built for the number of ranks
 // it is launched on: each rank holds seq/sp tokens of every row, attention
 // redistributes heads with Ulysses all-to-alls, the loss and gradients are
-// summed over ranks inside the generated step. --config and --seq, when
+// summed over ranks inside the generated step. --sp N (default: all ranks)
+// makes groups of N consecutive ranks split each sequence, and the groups
+// data-parallel replicas on different rows (dp = ranks / N; gradients and the
+// loss are summed over all of them). --config and --seq, when
 // given, must match what the libraries were built for (they are checked, not
 // applied: the sizes are compiled in). --zero 1 shards the AdamW state over
 // the ranks (ZeRO-1: gradients reduce-scattered, parameters all-gathered).
@@ -73,6 +76,7 @@ struct Options {
   unsigned seed = 0;
   bool zero = false, data_given = false;
   int64_t seq = 0;
+  int sp = 0;  // 0: every rank along the sequence
   std::string save_dir, resume_dir, tokens, step_check, metrics_path, config;
   std::string data = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
 };
@@ -101,10 +105,11 @@ std::string parse(int argc, char** argv, Options& o) {
       else if (k == "--config") o.config = v;
       else if (k == "--seq") o.seq = std::stoll(v);
       else if (k == "--zero") o.zero = std::stoi(v) != 0;
+      else if (k == "--sp") o.sp = std::stoi(v);
       else if (k == "--comm-timeout") o.comm_timeout = std::stod(v);
       else
         return "error: unknown option \"" + k + "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
-               "--token-width --save --save-every --resume --step-check --clip --metrics --config --seq --zero "
+               "--token-width --save --save-every --resume --step-check --clip --metrics --config --seq --sp --zero "
                "--comm-timeout";
     } catch (const std::exception&) {
       return "error: " + k + " \"" + v + "\" is not a number.";
@@ -127,7 +132,7 @@ std::string parse(int argc, char** argv, Options& o) {
   return "";
 }
 
-// The library built for this many ranks.
+// The library built for this sp degree.
 const runtime::ModelSpec& model_for(int ranks) {
   const runtime::ModelSpec* built[] = {&halyard_models::tiny_llama(), &halyard_models::tiny_llama_sp2(),
                                        &halyard_models::tiny_llama_sp4()};
@@ -136,9 +141,10 @@ const runtime::ModelSpec& model_for(int ranks) {
     if (s->sp == ranks) return *s;
     degrees += (degrees.empty() ? "" : ", ") + std::to_string(s->sp);
   }
-  throw runtime::Error("error: llama_train runs on " + std::to_string(ranks) +
+  throw runtime::Error("error: llama_train splits the sequence over sp = " + std::to_string(ranks) +
                        " ranks, but it links libraries for sp = " + degrees +
-                       " only.\nfix: mpirun -np 1, 2 or 4, or add halyard_add_model(... SP " + std::to_string(ranks) +
+                       " only.\nfix: pass --sp 1, 2 or 4 (the ranks beyond it become data-parallel replicas), or add "
+                       "halyard_add_model(... SP " + std::to_string(ranks) +
                        ") to examples/llama/CMakeLists.txt and link it here.");
 }
 
@@ -178,15 +184,25 @@ std::string peaks(runtime::Communicator* comm) {
 
 int train(const Options& o) {
   // mpirun sets OMPI_COMM_WORLD_SIZE; a plain launch is one rank without MPI.
-  std::unique_ptr<runtime::Communicator> comm;
+  // Ranks form a dp x sp mesh: groups of sp consecutive ranks split each
+  // sequence; the dp groups train on different rows.
+  std::unique_ptr<runtime::Communicator> comm, group;
   if (std::getenv("OMPI_COMM_WORLD_SIZE")) comm = runtime::make_mpi_communicator(o.comm_timeout);
   const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+  const int sp = o.sp > 0 ? o.sp : ranks;
   const bool lead = rank == 0;
   try {
+    if (ranks % sp != 0)
+      throw runtime::Error("error: --sp " + std::to_string(sp) + " does not divide the " + std::to_string(ranks) +
+                           " ranks (the mesh is dp x sp).\nfix: pass an --sp that divides the rank count, or launch "
+                           "a multiple of it.");
+    const int dp = ranks / sp;
+    if (comm && sp > 1) group = sp == ranks ? nullptr : runtime::make_mpi_communicator(o.comm_timeout, rank / sp);
+    runtime::Communicator* sp_comm = sp == 1 ? nullptr : group ? group.get() : comm.get();
     runtime::Model::set_num_threads(o.threads > 0 ? o.threads : runtime::default_threads_per_rank());
-    const runtime::ModelSpec& spec = model_for(ranks);
+    const runtime::ModelSpec& spec = model_for(sp);
     check_matches_library(o, spec);
-    runtime::Model m(spec, comm.get());
+    runtime::Model m(spec, sp_comm, comm.get());
     m.init_params(o.seed);
     const int64_t seq = spec.seq, batch = spec.batch;
     const runtime::TokenFile file =
@@ -195,7 +211,7 @@ int train(const Options& o) {
                                                                                   : runtime::TokenWidth::U32);
     // The batch of a step depends on (seed, step) alone, so resuming sees the
     // same data; each rank reads only its slice of every row.
-    const runtime::Batcher batcher(file, batch, seq, spec.vocab, o.seed, runtime::Shard{rank, ranks});
+    const runtime::Batcher batcher(file, batch, seq, spec.vocab, o.seed, runtime::Shard{rank % sp, sp, rank / sp, dp});
     const int64_t n = batcher.local_tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
 
@@ -204,13 +220,14 @@ int train(const Options& o) {
       batcher.fill(1, ids.data(), labels.data(), pos.data());
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
       if (lead) {
-        // The whole batch, as one rank would see it.
-        const auto whole = runtime::Batcher(file, batch, seq, spec.vocab, o.seed).get(1);
+        // The whole batch, as one rank would see it: every replica's rows, in replica order.
+        const int64_t rows = batch * dp;
+        const auto whole = runtime::Batcher(file, rows, seq, spec.vocab, o.seed).get(1);
         runtime::Safetensors out;
         out.put_f64("loss", {}, {loss});
-        out.put_i32("input_ids", {batch, seq}, whole.input_ids);
-        out.put_i32("labels", {batch, seq}, whole.labels);
-        out.put_i32("position_ids", {batch, seq}, whole.position_ids);
+        out.put_i32("input_ids", {rows, seq}, whole.input_ids);
+        out.put_i32("labels", {rows, seq}, whole.labels);
+        out.put_i32("position_ids", {rows, seq}, whole.position_ids);
         for (int i = 0; i < m.num_params(); ++i) {
           const runtime::ParamSpec& p = m.param_spec(i);
           out.put_f32(std::string("grad/") + p.name, {p.hf_shape, p.hf_shape + p.hf_rank},
@@ -221,11 +238,12 @@ int train(const Options& o) {
         out.metadata["data"] = file.path();
         out.metadata["seed"] = std::to_string(o.seed);
         out.metadata["step"] = "1";
-        out.metadata["sp"] = std::to_string(ranks);
+        out.metadata["sp"] = std::to_string(sp);
+        out.metadata["dp"] = std::to_string(dp);
         out.write(o.step_check);
         std::printf("step-check: weights \"%s\" (step %lld), batch of step 1 (seed %u, %lld x %lld tokens of \"%s\"), "
                     "%d rank(s)\n",
-                    o.resume_dir.c_str(), static_cast<long long>(loaded), o.seed, static_cast<long long>(batch),
+                    o.resume_dir.c_str(), static_cast<long long>(loaded), o.seed, static_cast<long long>(rows),
                     static_cast<long long>(seq), file.path().c_str(), ranks);
         std::printf("step-check: loss %.9g; wrote %zu tensors to \"%s\"; parameters not updated\n", loss, out.size(),
                     o.step_check.c_str());
@@ -262,9 +280,9 @@ int train(const Options& o) {
       return full;
     };
     if (lead)
-      std::printf("tiny_llama: %s, %s; %d rank(s) (sp=%d%s), batch %lld x seq %lld (%lld per rank), %d kernels, "
-                  "activation arena %.1f MiB per rank%s\n",
-                  spec.target, spec.schedule, ranks, spec.sp, comm ? (std::string(", ") + comm->backend()).c_str() : "",
+      std::printf("tiny_llama: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
+                  "%d kernels, activation arena %.1f MiB per rank%s\n",
+                  spec.target, spec.schedule, ranks, dp, spec.sp, comm ? (std::string(", ") + comm->backend()).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
                   o.zero ? ", ZeRO-1 optimizer state" : "");
@@ -302,7 +320,7 @@ int train(const Options& o) {
       }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int done = step - first + 1;
-      const double tps = static_cast<double>(done * batch * seq) / secs;
+      const double tps = static_cast<double>(done * batch * seq * dp) / secs;
       const std::string peak = peaks(comm.get());
       if (lead) {
         std::printf("step %4d/%d  loss %.4f  |g| %.3f  lr %.2e  %7.0f tokens/s  peak %s  ETA %.0fs\n", step, o.steps,

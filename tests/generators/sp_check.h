@@ -30,22 +30,57 @@ struct StepResult {
   int64_t a2a_forward_bytes = 0, a2a_train_bytes = 0;  // sent to other ranks, from the comm's counter
 };
 
-inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator* comm, int64_t step = 3,
-                           uint64_t seed = 5) {
-  runtime::Model m(spec, comm);
+// `comm`: this rank's sp group (null on one rank); `mesh`: every rank of a
+// dp x sp mesh, this rank in data-parallel replica `replica` of `replicas`.
+inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator* comm,
+                           runtime::Communicator* mesh = nullptr, int replica = 0, int replicas = 1,
+                           int64_t step = 3, uint64_t seed = 5) {
+  runtime::Model m(spec, comm, mesh);
   m.init_params(seed);
   const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
   const runtime::Batcher batcher(runtime::TokenFile::from_text(kCorpus), spec.batch, spec.seq, spec.vocab, seed,
-                                 runtime::Shard{rank, ranks});
+                                 runtime::Shard{rank, ranks, replica, replicas});
   const auto b = batcher.get(step);
-  StepResult r;
   if (comm) comm->reset_all_to_all_bytes_sent();
+  StepResult r;
   r.forward_loss = m.forward_loss(b.input_ids.data(), b.labels.data(), b.position_ids.data());
   if (comm) r.a2a_forward_bytes = comm->all_to_all_bytes_sent(), comm->reset_all_to_all_bytes_sent();
   r.loss = m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
   if (comm) r.a2a_train_bytes = comm->all_to_all_bytes_sent();
   for (int i = 0; i < m.num_params(); ++i) r.grads.emplace_back(m.grad(i), m.grad(i) + m.param_spec(i).numel);
   return r;
+}
+
+// The single-rank reference of a dp x 1 mesh: each replica's rows stepped on
+// one rank, combined as the whole mesh's batch would be, weighted by each
+// replica's real tokens (the loss is the sum over tokens / the count).
+inline StepResult data_parallel_reference(const runtime::ModelSpec& spec, int replicas, int64_t step = 3,
+                                          uint64_t seed = 5) {
+  StepResult total;
+  double count = 0;
+  for (int d = 0; d < replicas; ++d) {
+    const StepResult r = run_step(spec, nullptr, nullptr, d, replicas, step, seed);
+    const auto labels = runtime::Batcher(runtime::TokenFile::from_text(kCorpus), spec.batch, spec.seq, spec.vocab, seed,
+                                         runtime::Shard{0, 1, d, replicas})
+                            .get(step)
+                            .labels;
+    double c = 0;
+    for (int32_t l : labels) c += l != spec.ignore_index;
+    if (d == 0) {
+      total.grads.assign(r.grads.size(), {});
+      for (size_t i = 0; i < r.grads.size(); ++i) total.grads[i].assign(r.grads[i].size(), 0.f);
+    }
+    total.loss += r.loss * c;
+    total.forward_loss += r.forward_loss * c;
+    for (size_t i = 0; i < r.grads.size(); ++i)
+      for (size_t k = 0; k < r.grads[i].size(); ++k) total.grads[i][k] += static_cast<float>(r.grads[i][k] * c);
+    count += c;
+  }
+  total.loss /= count;
+  total.forward_loss /= count;
+  for (auto& g : total.grads)
+    for (float& x : g) x = static_cast<float>(x / count);
+  return total;
 }
 
 // max |got - ref| / max |ref| over one tensor.

@@ -2,7 +2,7 @@
 // tiny Llama on 2 and 4 ranks gives the single-rank loss and gradients within
 // 1e-5 relative, also with kv_heads (2) fewer than ranks (4), with a sequence
 // the ranks do not divide (126 over 4: padded), with batch 2, and under
-// activation checkpointing. The all-to-all volume is checked against
+// activation checkpointing, and as dp 2 x sp 2. The all-to-all volume is checked against
 // Ulysses' formula, and a library run on the wrong number of ranks is a clear error.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -86,6 +86,38 @@ TEST(SequenceParallel, SequenceRanksDoNotDivideIsPaddedAndMatchesOneRank) {
   expect_equivalent(halyard_models::tiny_sp1_s126(), halyard_models::tiny_sp4_s126_ckpt(), 4);
 }
 
+// dp 2 x sp 2 on four threads: two sequence groups of two ranks, each on its
+// own rows, against each replica's rows on one rank, weighted by tokens.
+TEST(SequenceParallel, TwoReplicasOfTwoSequenceRanksMatchTheirRowsOnOneRank) {
+  const auto& spec = halyard_models::tiny_sp2_s128();
+  const sp_check::StepResult ref = sp_check::data_parallel_reference(halyard_models::tiny_sp1_s128(), 2);
+  auto mesh = runtime::make_in_process_group(4, 120);
+  std::vector<std::vector<std::unique_ptr<runtime::Communicator>>> groups;
+  for (int d = 0; d < 2; ++d) groups.push_back(runtime::make_in_process_group(2, 120));
+  std::vector<sp_check::StepResult> got(4);
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w)
+    threads.emplace_back([&, w] {
+      try {
+        got[static_cast<size_t>(w)] = sp_check::run_step(spec, groups[static_cast<size_t>(w / 2)][static_cast<size_t>(w % 2)].get(),
+                                                         mesh[static_cast<size_t>(w)].get(), w / 2, 2);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(w)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < 4; ++w) {
+    ASSERT_EQ(errors[static_cast<size_t>(w)], "") << "rank " << w;
+    const sp_check::Comparison c = sp_check::compare(spec, got[static_cast<size_t>(w)], ref);
+    std::printf("dp 2 x sp 2, rank %d (replica %d, sp rank %d): loss %.9g vs %.9g (rel %.2e), worst gradient %.2e (%s)\n",
+                w, w / 2, w % 2, got[static_cast<size_t>(w)].loss, ref.loss, c.loss, c.worst_grad, c.worst_param.c_str());
+    EXPECT_LE(c.loss, kTolerance);
+    EXPECT_LE(c.forward_loss, kTolerance);
+    EXPECT_LE(c.worst_grad, kTolerance) << c.worst_param;
+  }
+}
+
 TEST(SequenceParallel, LibraryOnTheWrongNumberOfRanksIsAnError) {
   auto comms = runtime::make_in_process_group(2);
   try {
@@ -101,6 +133,13 @@ TEST(SequenceParallel, LibraryOnTheWrongNumberOfRanksIsAnError) {
     FAIL() << "no error";
   } catch (const runtime::Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("runs on 1 rank (no communicator)"));
+  }
+  auto three = runtime::make_in_process_group(3);
+  try {
+    runtime::Model m(halyard_models::tiny_sp2_s128(), comms[0].get(), three[0].get());
+    FAIL() << "no error";
+  } catch (const runtime::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the mesh has 3 ranks, not a multiple of it (dp x sp)"));
   }
 }
 

@@ -4,7 +4,8 @@
 #   resume   4 ranks: a run stopped at step 3 and resumed gives the losses of
 #            the uninterrupted run, bitwise, with plain AdamW and with ZeRO-1
 #            (whose checkpoint also resumes on 2 ranks).
-#   ranks    1 vs 4 ranks at the same global seq: the same losses within 1e-4.
+#   ranks    1 rank vs 4 (sp 4) at the same global seq: the same losses within
+#            1e-4; and dp 2 x sp 2 vs dp 2 x sp 1 (the same rows): the same.
 #   killed   rank 1 is SIGKILLed mid-training: the job ends non-zero within
 #            60 s, and the output names rank 1. Plain mpirun ends the job
 #            itself; with --enable-recovery the survivors' communicator times
@@ -43,6 +44,11 @@ ranks)
   paste <(losses "$work/one.jsonl") <(losses "$work/four.jsonl") | awk '
     { d = $2 - $4; if (d < 0) d = -d; r = d / $2; if (r > worst) worst = r; print "step " $1 ": 1 rank " $2 ", 4 ranks " $4 }
     END { printf "worst relative difference %.2e\n", worst; exit !(NR == 8 && worst <= 1e-4) }' || fail "losses differ"
+  "${mpi[@]}" -np 2 "$train" --steps 8 --sp 1 --metrics "$work/dp2.jsonl" >/dev/null || fail "dp 2 x sp 1"
+  "${mpi[@]}" -np 4 "$train" --steps 8 --sp 2 --metrics "$work/dp2sp2.jsonl" >/dev/null || fail "dp 2 x sp 2"
+  paste <(losses "$work/dp2.jsonl") <(losses "$work/dp2sp2.jsonl") | awk '
+    { d = $2 - $4; if (d < 0) d = -d; r = d / $2; if (r > worst) worst = r; print "step " $1 ": dp 2 x sp 1 " $2 ", dp 2 x sp 2 " $4 }
+    END { printf "worst relative difference %.2e\n", worst; exit !(NR == 8 && worst <= 1e-4) }' || fail "dp losses differ"
   ;;
 killed)
   for mode in plain recovery; do
@@ -83,13 +89,15 @@ killed)
 errors)
   out=$("${mpi[@]}" -np 3 "$train" --steps 1 2>&1) && fail "3 ranks ran"
   grep -q "links libraries for sp = 1, 2, 4" <<<"$out" || fail "3 ranks: $out"
+  out=$("${mpi[@]}" -np 4 "$train" --steps 1 --sp 3 2>&1) && fail "--sp 3 on 4 ranks ran"
+  grep -q "does not divide the 4 ranks" <<<"$out" || fail "--sp 3: $out"
   out=$("$train" --steps 1 --seq 333 2>&1); [ $? -eq 2 ] || fail "--seq 333 ran"
   grep -q "was built for seq" <<<"$out" || fail "--seq: $out"
   out=$("$train" --steps 1 --config "$(dirname "$0")/../fixtures/llama_micro.json" 2>&1); [ $? -eq 2 ] || fail "--config ran"
   grep -q "does not match the model library" <<<"$out" || fail "--config: $out"
   out=$("$train" --steps 1 --zero 1 2>&1); [ $? -eq 2 ] || fail "--zero on one rank ran"
   grep -q "this is one rank" <<<"$out" || fail "--zero: $out"
-  echo "errors: all four reported with exit 2"
+  echo "errors: all five reported with exit 2"
   ;;
 *) fail "unknown case $case" ;;
 esac
