@@ -33,6 +33,9 @@ const char* op_name(Op op) {
     case Op::TokenCount: return "token_count";
     case Op::CrossEntropy: return "cross_entropy";
     case Op::CrossEntropyGrad: return "cross_entropy_grad";
+    case Op::SliceSeq: return "slice_seq";
+    case Op::PadSeq: return "pad_seq";
+    case Op::ConcatSeq: return "concat_seq";
     case Op::SeqToHeads: return "seq_to_heads";
     case Op::HeadsToSeq: return "heads_to_seq";
     case Op::GatherSeq: return "gather_seq";
@@ -44,6 +47,8 @@ const char* op_name(Op op) {
 bool is_collective(Op op) {
   return op == Op::SeqToHeads || op == Op::HeadsToSeq || op == Op::GatherSeq || op == Op::AllReduce;
 }
+
+bool is_runtime_op(Op op) { return is_collective(op) || op == Op::ConcatSeq; }
 
 const Node& Value::node() const {
   HALYARD_CHECK(valid(), "use of an empty Value");
@@ -196,6 +201,8 @@ std::string print(const Graph& g) {
       case Op::HeadsToSeq:
       case Op::GatherSeq:
       case Op::AllReduce: os << " over " << n.attrs.mesh_axis << "=" << n.attrs.degree; break;
+      case Op::SliceSeq: os << " [" << n.attrs.offset << ", " << n.attrs.offset + n.attrs.size << ")"; break;
+      case Op::PadSeq: os << " at " << n.attrs.offset << " of " << n.attrs.size; break;
       default: break;
     }
     os << " : " << n.type.str();

@@ -39,6 +39,10 @@ enum class Op {
   TokenCount,        // (labels) -> scalar: how many labels are not ignore_index
   CrossEntropy,      // (logits, labels, count) -> sum over real tokens of -log p(label) / count
   CrossEntropyGrad,  // (logits, labels, count, dloss)
+  // Sequence tiles (inserted by schedules/tiling.h for sequence tiling).
+  SliceSeq,          // (x) -> x with seq [attrs.offset, attrs.offset + attrs.size)
+  PadSeq,            // (x) -> seq of length attrs.size, x at attrs.offset, zeros elsewhere
+  ConcatSeq,         // (x0, x1, ...) -> the tiles back to back along seq
   // Collectives over a mesh axis (attrs.mesh_axis, degree attrs.degree). The
   // sharding pass (schedules/sharding.h) inserts them; they speak of mesh
   // axes, never of ranks, and the runtime performs them between kernels.
@@ -49,6 +53,8 @@ enum class Op {
 };
 
 bool is_collective(Op op);
+// Ops the runtime performs between kernels on whole buffers (collectives, concatenation).
+bool is_runtime_op(Op op);
 
 const char* op_name(Op op);
 
@@ -71,7 +77,8 @@ struct Attrs {
   int64_t ignore_index = -100;        // CrossEntropy*
   std::vector<std::string> out_axes;  // Contract: output layout
   std::string axis;                   // RmsNormGradW: the normalized axis
-  int64_t size = 0;                   // EmbeddingGrad: vocab size
+  int64_t size = 0;                   // EmbeddingGrad: vocab size; SliceSeq: tile length; PadSeq: full length
+  int64_t offset = 0;                 // SliceSeq, PadSeq: where the tile starts along seq
   std::string mesh_axis;              // collectives: the mesh axis they run over ("sp")
   int64_t degree = 0;                 // collectives: ranks along that mesh axis
   bool operator==(const Attrs&) const = default;

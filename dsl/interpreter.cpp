@@ -441,10 +441,50 @@ void Interpreter<T>::eval(const Node& n) {
       out = std::move(d[n.op == Op::AttentionGradQ ? 0 : n.op == Op::AttentionGradK ? 1 : 2]);
       return;
     }
+    case Op::SliceSeq:
+    case Op::PadSeq:
+    case Op::ConcatSeq: {
+      // Each tensor is [outer, seq, inner] row-major; tiles move whole seq rows.
+      const int s = n.type.index_of("seq");
+      int64_t outer = 1, inner = 1;
+      for (int d = 0; d < n.type.rank(); ++d)
+        if (d < s) outer *= n.type.axes[static_cast<size_t>(d)].size;
+        else if (d > s) inner *= n.type.axes[static_cast<size_t>(d)].size;
+      const int64_t len = n.type.axes[static_cast<size_t>(s)].size;
+      auto move = [&](auto& dst, const auto& src, int64_t src_len, int64_t src_at, int64_t dst_at, int64_t rows) {
+        for (int64_t o = 0; o < outer; ++o)
+          std::copy_n(src.begin() + (o * src_len + src_at) * inner, rows * inner,
+                      dst.begin() + (o * len + dst_at) * inner);
+      };
+      auto tiles = [&](auto& dst, auto&& get) {
+        if (n.op == Op::SliceSeq) {
+          move(dst, get(0), type(0).size("seq"), n.attrs.offset, 0, len);
+        } else if (n.op == Op::PadSeq) {
+          move(dst, get(0), type(0).size("seq"), 0, n.attrs.offset, type(0).size("seq"));
+        } else {
+          int64_t at = 0;
+          for (size_t k = 0; k < n.inputs.size(); ++k) {
+            move(dst, get(k), type(k).size("seq"), 0, at, type(k).size("seq"));
+            at += type(k).size("seq");
+          }
+        }
+      };
+      if (n.type.dtype == DType::i32) {
+        auto& dst = i_[static_cast<size_t>(n.id)];
+        dst.assign(numel, 0);
+        tiles(dst, I);
+      } else {
+        out.assign(numel, T(0));
+        tiles(out, F);
+      }
+      return;
+    }
+    case Op::AllReduce:  // the interpreter is one rank: the sum over ranks is the value
+      out = F(0);
+      return;
     case Op::SeqToHeads:
     case Op::HeadsToSeq:
     case Op::GatherSeq:
-    case Op::AllReduce:
       throw UserError("error: " + describe(g_, n.id) + " is a collective over mesh axis " + n.attrs.mesh_axis +
                       "; the reference interpreter runs one rank.\nlegal: interpret the unsharded graph, or "
                       "run the generated step with a communicator (runtime/model.h).");

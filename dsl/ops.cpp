@@ -226,6 +226,50 @@ TensorType collective_type(const Checker& c, const Attrs& attrs) {
   }
 }
 
+// A seq axis of `n` tokens, split like `like` (a sharded axis keeps its split).
+Axis seq_axis(const Axis& like, int64_t n) {
+  return like.sharded() ? Axis{"seq", n, like.shard, like.global / like.size * n} : Axis{"seq", n};
+}
+
+TensorType tile_type(const Checker& c, const Attrs& attrs) {
+  if (c.in.empty()) c.fail("concat_seq needs at least one tile.", "one or more tensors with a seq axis.");
+  TensorType r = c.t(0);
+  const int s = r.index_of("seq");
+  if (s < 0) c.fail(c.label(0) + " has no seq axis to tile.", "a tensor with a seq axis.");
+  const Axis seq = r.axes[static_cast<size_t>(s)];
+  switch (c.op) {
+    case Op::SliceSeq:
+      c.arity(1);
+      if (attrs.offset < 0 || attrs.size < 1 || attrs.offset + attrs.size > seq.size)
+        c.fail("tile [" + std::to_string(attrs.offset) + ", " + std::to_string(attrs.offset + attrs.size) +
+                   ") is not inside seq (" + std::to_string(seq.size) + ").",
+               "0 <= offset < offset + size <= " + std::to_string(seq.size) + ".");
+      r.axes[static_cast<size_t>(s)] = seq_axis(seq, attrs.size);
+      return r;
+    case Op::PadSeq:
+      c.arity(1);
+      if (attrs.offset < 0 || attrs.offset + seq.size > attrs.size)
+        c.fail("a tile of " + std::to_string(seq.size) + " at " + std::to_string(attrs.offset) +
+                   " does not fit a sequence of " + std::to_string(attrs.size) + ".",
+               "0 <= offset and offset + tile <= size.");
+      r.axes[static_cast<size_t>(s)] = seq_axis(seq, attrs.size);
+      return r;
+    default: {  // ConcatSeq
+      int64_t n = 0;
+      for (size_t i = 0; i < c.in.size(); ++i) {
+        TensorType a = c.t(i), b = c.t(0);
+        if (a.index_of("seq") != s) c.fail("tile " + c.label(i) + " has no seq axis where the first has.", "");
+        a.axes[static_cast<size_t>(s)] = b.axes[static_cast<size_t>(s)] = Axis{"seq", 0};
+        if (a != b) c.fail("tiles differ in more than seq: " + c.t(i).str() + " vs " + c.t(0).str() + ".",
+                           "tiles of one tensor.");
+        n += c.t(i).size("seq");
+      }
+      r.axes[static_cast<size_t>(s)] = seq_axis(seq, n);
+      return r;
+    }
+  }
+}
+
 }  // namespace
 
 int64_t heads_per_rank(int64_t heads, int64_t degree) {
@@ -379,6 +423,10 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::AllReduce:
       c.arity(1);
       return collective_type(c, attrs);
+    case Op::SliceSeq:
+    case Op::PadSeq:
+    case Op::ConcatSeq:
+      return tile_type(c, attrs);
   }
   HALYARD_CHECK(false, "unknown op");
   return {};
@@ -501,6 +549,25 @@ Value collective(Op op, Value x, const std::string& mesh_axis, int64_t degree) {
   return x.graph->add(op, {x}, a);
 }
 }  // namespace
+
+Value slice_seq(Value x, int64_t offset, int64_t size) {
+  Attrs a;
+  a.offset = offset;
+  a.size = size;
+  return x.graph->add(Op::SliceSeq, {x}, a);
+}
+
+Value pad_seq(Value x, int64_t offset, int64_t size) {
+  Attrs a;
+  a.offset = offset;
+  a.size = size;
+  return x.graph->add(Op::PadSeq, {x}, a);
+}
+
+Value concat_seq(const std::vector<Value>& tiles) {
+  HALYARD_CHECK(!tiles.empty(), "concat_seq of nothing");
+  return tiles[0].graph->add(Op::ConcatSeq, tiles);
+}
 
 Value seq_to_heads(Value x, const std::string& m, int64_t p) { return collective(Op::SeqToHeads, x, m, p); }
 Value heads_to_seq(Value x, const std::string& m, int64_t p) { return collective(Op::HeadsToSeq, x, m, p); }

@@ -55,6 +55,12 @@ Value attention_lse(Value q, Value k, Value positions);
 Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse);
 Value cross_entropy_grad(Value logits, Value labels, Value count, Value dloss, int64_t ignore_index);
 
+// Sequence tiles: seq [offset, offset + size) of x; x placed at `offset` in a
+// zero tensor of seq length `size`; tiles back to back along seq.
+Value slice_seq(Value x, int64_t offset, int64_t size);
+Value pad_seq(Value x, int64_t offset, int64_t size);
+Value concat_seq(const std::vector<Value>& tiles);
+
 // Collectives over mesh axis `mesh_axis` of `degree` ranks (see graph.h).
 // Heads H split over P ranks: H/P each when P divides H; when H divides P
 // (kv_heads fewer than ranks) each rank gets one head, replicated over P/H ranks.

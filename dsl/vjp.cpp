@@ -61,6 +61,21 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // l = sum(lse(z) - z[label]) / count  =>  dz = (softmax(z) - onehot(label)) / count * dl
       d[0] = cross_entropy_grad(in(0), in(1), in(2), dy, n.attrs.ignore_index);
       break;
+    // Tiles: a slice's transpose puts the cotangent back in place (zeros elsewhere).
+    case Op::SliceSeq:
+      d[0] = pad_seq(dy, n.attrs.offset, type(0).size("seq"));
+      break;
+    case Op::PadSeq:
+      d[0] = slice_seq(dy, n.attrs.offset, type(0).size("seq"));
+      break;
+    case Op::ConcatSeq: {
+      int64_t at = 0;
+      for (size_t k = 0; k < n.inputs.size(); ++k) {
+        if (want(k)) d[k] = slice_seq(dy, at, type(k).size("seq"));
+        at += type(k).size("seq");
+      }
+      break;
+    }
     // The collectives' transposes. Moving a slice is undone by moving it back;
     // heads a forward all-to-all replicated are summed on the way back.
     case Op::SeqToHeads:

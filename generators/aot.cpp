@@ -11,6 +11,7 @@
 
 #include "dsl/autodiff.h"
 #include "schedules/sharding.h"
+#include "schedules/tiling.h"
 #include "dsl/error.h"
 #include "generators/lowering.h"
 #include "generators/program.h"
@@ -85,6 +86,7 @@ const char* call_kind(Op op) {
     case Op::HeadsToSeq: return "CallKind::HeadsToSeq";
     case Op::GatherSeq: return "CallKind::GatherSeq";
     case Op::AllReduce: return "CallKind::AllReduce";
+    case Op::ConcatSeq: return "CallKind::ConcatSeq";
     default: return "CallKind::Kernel";
   }
 }
@@ -100,8 +102,8 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
        << ", " << elem(n.type.dtype) << ", " << n.type.rank() << ", {";
     for (int d = 0; d < n.type.rank(); ++d) os << (d ? ", " : "") << n.type.axes[static_cast<size_t>(d)].size;
     const char* kind = b.kind == BufferKind::Input ? "Input" : b.kind == BufferKind::Param ? "Param"
-                       : b.kind == BufferKind::Grad ? "Grad" : "Arena";
-    os << "}, Storage::" << kind << ", " << b.index << ", " << b.offset << "},\n";
+                       : b.kind == BufferKind::Grad ? "Grad" : b.kind == BufferKind::View ? "View" : "Arena";
+    os << "}, Storage::" << kind << ", " << b.index << ", " << b.offset << ", " << b.dim << "},\n";
   }
   os << "};\nconst int " << tag << "_args[] = {";
   for (const PlannedCall& c : prog.calls)
@@ -111,7 +113,7 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
   for (const PlannedCall& c : prog.calls) {
     const Stage& st = p.stages[static_cast<size_t>(c.stage)];
     const Op op = g.node(st.root).op;
-    if (is_collective(op)) {
+    if (is_runtime_op(op)) {
       os << "  {nullptr, " << cpp_string(op_name(op)) << ", ";
     } else {
       std::string fn = name + "_k" + std::to_string(st.kernel);
@@ -140,9 +142,10 @@ int run(const Options& o, const ModelBuilder& build) {
   const int64_t local = local_seq(o.seq, o.sp);
   BuiltModel m = build(o.config, o.batch, local);
   ShardedModel sharded = shard_sequence(*m.graph, m.loss.id, sched, o.sp);
-  m.graph = std::move(sharded.graph);
-  m.loss = sharded.loss;
-  m.params = sharded.params;
+  ShardedModel tiled = tile_sequence(*sharded.graph, sharded.loss.id, sched.seq_tile);
+  m.graph = std::move(tiled.graph);
+  m.loss = tiled.loss;
+  m.params = tiled.params;
   Graph& g = *m.graph;
   Gradients grads = grad(m.loss, m.params, GradOptions{sched.rematerialize()});
   verify(g);
@@ -167,7 +170,7 @@ int run(const Options& o, const ModelBuilder& build) {
   std::vector<const Stage*> kernels;
   for (Partition* part : {&train, &fwd})
     for (Stage& st : part->stages) {
-      if (is_collective(g.node(st.root).op)) continue;
+      if (is_runtime_op(g.node(st.root).op)) continue;
       auto [it, fresh] = kernel_of.emplace(st.signature, static_cast<int>(kernels.size()));
       if (fresh) kernels.push_back(&st);
       st.kernel = it->second;

@@ -137,7 +137,23 @@ Func Ctx::lower(int id) {
     case Op::HeadsToSeq:
     case Op::GatherSeq:
     case Op::AllReduce:
-      internal_error(__FILE__, __LINE__, "collectives are the runtime's, never lowered");
+    case Op::ConcatSeq:
+      internal_error(__FILE__, __LINE__, "collectives and concatenation are the runtime's, never lowered");
+    case Op::SliceSeq: {  // a view: seq shifted by the tile's start
+      Env es = e;
+      es["seq"] = e.at("seq") + static_cast<int>(n.attrs.offset);
+      f(vs) = at(in(0), es);
+      break;
+    }
+    case Op::PadSeq: {  // the tile in place, zeros around it (the load is clamped: never out of bounds)
+      const int off = static_cast<int>(n.attrs.offset), len = static_cast<int>(type(in(0)).size("seq"));
+      Env es = e;
+      Expr s = e.at("seq");
+      es["seq"] = clamp(s - off, 0, len - 1);
+      Expr v = at(in(0), es);
+      f(vs) = select(s >= off && s < off + len, v, Internal::make_zero(v.type()));
+      break;
+    }
     case Op::Fill:
       f(vs) = T.is_float() ? num(T, n.attrs.value) : cast(T, static_cast<int>(n.attrs.value));
       break;

@@ -27,7 +27,7 @@ bool is_heavy(Op op) {
     case Op::CrossEntropyGrad:
       return true;
     default:
-      return is_collective(op);
+      return is_runtime_op(op);
   }
 }
 
@@ -78,12 +78,12 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     if (needed[static_cast<size_t>(id)])
       for (int i : g.node(id).inputs) needed[static_cast<size_t>(i)] = true;
   std::vector<int> consumers(static_cast<size_t>(n), 0);
-  std::vector<bool> feeds_collective(static_cast<size_t>(n), false);  // the runtime moves buffers, not expressions
+  std::vector<bool> feeds_runtime(static_cast<size_t>(n), false);  // the runtime moves buffers, not expressions
   for (int id = 0; id < n; ++id)
     if (needed[static_cast<size_t>(id)])
       for (int i : g.node(id).inputs) {
         ++consumers[static_cast<size_t>(i)];
-        if (is_collective(g.node(id).op)) feeds_collective[static_cast<size_t>(i)] = true;
+        if (is_runtime_op(g.node(id).op) || g.node(id).op == Op::SliceSeq) feeds_runtime[static_cast<size_t>(i)] = true;
       }
 
   Partition p;
@@ -95,8 +95,14 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     const Node& node = g.node(id);
     bool root;
     if (node.op == Op::Input || node.op == Op::Param) root = true;
-    else if (is_output[static_cast<size_t>(id)] || is_heavy(node.op) || feeds_collective[static_cast<size_t>(id)]) root = true;
-    else if (node.op == Op::Fill) root = false;
+    else if (is_output[static_cast<size_t>(id)] || is_heavy(node.op) || feeds_runtime[static_cast<size_t>(id)]) root = true;
+    // A tile is a view of its (materialized) input: no copy, and one kernel
+    // serves every tile, whatever its offset.
+    else if (node.op == Op::SliceSeq) root = true;
+    else if (node.op == Op::Fill || node.op == Op::PadSeq) root = false;  // a constant; an index remap
+    // A weight gradient summed over sequence tiles: keep the running sum, so
+    // that the tiles' partial gradients do not all live until the last one.
+    else if (node.backward && node.op == Op::Add && !node.type.has("seq")) root = true;
     else if (consumers[static_cast<size_t>(id)] <= 1) root = false;
     else root = !s.recomputes(recompute_name(node.op));
     p.materialized[static_cast<size_t>(id)] = root;
@@ -119,7 +125,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   for (int id = 0; id < n; ++id) {
     const Node& node = g.node(id);
     if (!needed[static_cast<size_t>(id)] || !p.materialized[static_cast<size_t>(id)]) continue;
-    if (node.op == Op::Input || node.op == Op::Param) continue;
+    if (node.op == Op::Input || node.op == Op::Param || node.op == Op::SliceSeq) continue;  // buffers, not stages
     Stage st;
     st.root = id;
     // Walk the inlined producers; buffers become inputs in first-use order.
@@ -154,6 +160,9 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // order already is, except for forward attention reading later statistics).
   std::map<int, size_t> stage_of;
   for (size_t s2 = 0; s2 < p.stages.size(); ++s2) stage_of[p.stages[s2].root] = s2;
+  for (int id = 0; id < n; ++id)  // a view is ready when the buffer it shows is
+    if (needed[static_cast<size_t>(id)] && g.node(id).op == Op::SliceSeq)
+      if (auto it = stage_of.find(g.node(id).inputs[0]); it != stage_of.end()) stage_of[id] = it->second;
   std::vector<Stage> ordered;
   std::vector<bool> done(p.stages.size(), false);
   std::function<void(size_t)> emit = [&](size_t s2) {
@@ -168,7 +177,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
 
   std::map<std::string, int> kernel_of;
   for (size_t s2 = 0; s2 < p.stages.size(); ++s2) {
-    if (is_collective(g.node(p.stages[s2].root).op)) continue;  // performed by the runtime, no kernel
+    if (is_runtime_op(g.node(p.stages[s2].root).op)) continue;  // performed by the runtime, no kernel
     auto [it, fresh] = kernel_of.emplace(p.stages[s2].signature, static_cast<int>(p.kernels.size()));
     if (fresh) p.kernels.push_back(static_cast<int>(s2));
     p.stages[s2].kernel = it->second;

@@ -2,6 +2,7 @@
 #include "generators/program.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 
 #include "dsl/error.h"
@@ -25,7 +26,7 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
                      const std::vector<int>& grads, int loss) {
   Program prog;
   std::map<int, int> buffer_of;  // node -> buffer
-  auto buffer = [&](int node) -> int {
+  std::function<int(int)> buffer = [&](int node) -> int {
     if (auto it = buffer_of.find(node); it != buffer_of.end()) return it->second;
     const Node& n = g.node(node);
     PlannedBuffer b;
@@ -42,6 +43,12 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
       b.kind = BufferKind::Param;
       b.index = static_cast<int>(std::find(params.begin(), params.end(), node) - params.begin());
       HALYARD_CHECK(b.index < static_cast<int>(params.size()), "unlisted parameter " << n.name);
+    } else if (n.op == Op::SliceSeq) {
+      b.kind = BufferKind::View;
+      b.bytes = 0;
+      b.offset = n.attrs.offset;
+      b.dim = n.type.index_of("seq");
+      b.index = buffer(n.inputs[0]);
     } else if (auto it = std::find(grads.begin(), grads.end(), node); it != grads.end()) {
       b.kind = BufferKind::Grad;
       b.index = static_cast<int>(it - grads.begin());
@@ -56,11 +63,13 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     for (int in : st.inputs) c.args.push_back(buffer(in));
     c.args.push_back(buffer(st.root));
     const int call = static_cast<int>(prog.calls.size());
-    for (int a : c.args) {
-      PlannedBuffer& b = prog.buffers[static_cast<size_t>(a)];
-      if (b.first < 0) b.first = call;
-      b.last = call;
-    }
+    for (int a : c.args)
+      for (int v = a; v >= 0;) {  // a view keeps the buffer it shows alive
+        PlannedBuffer& b = prog.buffers[static_cast<size_t>(v)];
+        if (b.first < 0) b.first = call;
+        b.last = call;
+        v = b.kind == BufferKind::View ? b.index : -1;
+      }
     prog.calls.push_back(std::move(c));
   }
   prog.loss = buffer(loss);

@@ -4,7 +4,8 @@
 // activation arena. Its live range runs from the call that writes it to the
 // last call that reads it; offsets are assigned greedily (largest first, at
 // the lowest offset free during that range), so peak memory is known before
-// anything runs and equals the arena size.
+// anything runs and equals the arena size. A tile of a sequence (slice_seq)
+// is a view of its buffer, not a copy: reading it keeps that buffer alive.
 #pragma once
 
 #include <cstdint>
@@ -16,13 +17,14 @@
 
 namespace halyard {
 
-enum class BufferKind { Input, Param, Grad, Arena };
+enum class BufferKind { Input, Param, Grad, Arena, View };
 
 struct PlannedBuffer {
   int node = -1;
   BufferKind kind = BufferKind::Arena;
-  int index = -1;       // Input: 0 ids, 1 positions, 2 labels; Param/Grad: param index
-  int64_t offset = 0;   // Arena
+  int index = -1;       // Input: 0 ids, 1 positions, 2 labels; Param/Grad: param index; View: its buffer
+  int64_t offset = 0;   // Arena: bytes; View: first row of the tile
+  int dim = 0;          // View: the row-major dimension tiled (seq)
   int64_t bytes = 0;
   int first = -1, last = -1;  // live range in calls (Arena)
 };

@@ -128,6 +128,10 @@ double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int3
 }
 
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
+  if (call.kind == CallKind::ConcatSeq) {
+    concat(call, p, bufs);
+    return;
+  }
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[call.args[1]];
   // Kernels of a GPU target leave results on the device; collectives move host memory.
@@ -142,6 +146,32 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
   } else {
     run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *over, scratch_);
+  }
+  if (out.device) out.flags |= halide_buffer_flag_host_dirty;
+}
+
+// Tiles of a sequence back to back: the one axis where the output's extent
+// differs from a tile's is seq (rows before it are "outer", after "inner").
+void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
+  const int tiles = call.num_args - 1;
+  const BufferSpec& o = p.buffers[call.args[tiles]];
+  const BufferSpec& t0 = p.buffers[call.args[0]];
+  int d = 0;
+  while (d < o.rank && o.shape[d] == t0.shape[d]) ++d;
+  if (d == o.rank) d = 0;  // one tile: a copy
+  const int64_t es = o.type == ElemType::F64 ? 8 : 4;
+  int64_t outer = 1, inner = es;
+  for (int k = 0; k < d; ++k) outer *= o.shape[k];
+  for (int k = d + 1; k < o.rank; ++k) inner *= o.shape[k];
+  halide_buffer_t& out = bufs[call.args[tiles]];
+  int64_t at = 0;
+  for (int t = 0; t < tiles; ++t) {
+    halide_buffer_t& in = bufs[call.args[t]];
+    if (in.device && (in.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &in);
+    const int64_t len = p.buffers[call.args[t]].shape[d];
+    for (int64_t r = 0; r < outer; ++r)
+      std::memcpy(out.host + (r * o.shape[d] + at) * inner, in.host + r * len * inner, static_cast<size_t>(len * inner));
+    at += len;
   }
   if (out.device) out.flags |= halide_buffer_flag_host_dirty;
 }
@@ -170,11 +200,19 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
       hb.dim[d] = halide_dimension_t(0, static_cast<int32_t>(extent), stride);
       stride *= static_cast<int32_t>(extent);
     }
+    if (s.storage == Storage::View) {  // a tile: the rows of an earlier buffer, with its strides
+      const halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];
+      const int d = s.rank - 1 - s.dim;
+      for (int k = 0; k < s.rank; ++k) hb.dim[k].stride = of.dim[k].stride;
+      hb.host = of.host + s.offset * of.dim[d].stride * of.type.bytes();
+      continue;
+    }
     switch (s.storage) {
       case Storage::Input: hb.host = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(inputs[s.index])); break;
       case Storage::Param: hb.host = params_.get() + offsets_[static_cast<size_t>(s.index)]; break;
       case Storage::Grad: hb.host = grads_.get() + offsets_[static_cast<size_t>(s.index)]; break;
       case Storage::Arena: hb.host = arena_.get() + s.offset; break;
+      case Storage::View: break;
     }
   }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
@@ -196,7 +234,16 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
       continue;
     }
     argv.clear();
-    for (int a = 0; a < call.num_args; ++a) argv.push_back(&bufs[static_cast<size_t>(call.args[a])]);
+    for (int a = 0; a < call.num_args; ++a) {
+      halide_buffer_t& hb = bufs[static_cast<size_t>(call.args[a])];
+      const BufferSpec& s = p.buffers[call.args[a]];
+      if (s.storage == Storage::View) {  // a GPU kernel sees a view's rows through a fresh copy of them
+        halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];
+        if (of.device && (of.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &of);
+        if (hb.device) hb.flags |= halide_buffer_flag_host_dirty;
+      }
+      argv.push_back(&hb);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     if (int err = call.fn(argv.data()))
       throw Error("error: kernel " + std::string(call.kernel) + " (" + call.label + ") of model \"" + spec_.name +

@@ -83,6 +83,7 @@ class Model {
  private:
   double run(const ProgramSpec& p, const int32_t* const inputs[3]);
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
+  void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void validate(const int32_t* ids, const int32_t* labels, const int32_t* positions) const;
 
   // Halide's kernels may use aligned vector loads: every buffer they see

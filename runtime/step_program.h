@@ -13,8 +13,10 @@
 namespace halyard::runtime {
 
 enum class ElemType : uint8_t { F32, F64, I32 };
-// Input index: 0 input_ids, 1 position_ids, 2 labels.
-enum class Storage : uint8_t { Input, Param, Grad, Arena };
+// Input index: 0 input_ids, 1 position_ids, 2 labels. A View is a tile of
+// another buffer (sequence tiling): the rows [offset, offset + shape[dim])
+// of buffer `index` along dimension `dim`, with that buffer's strides.
+enum class Storage : uint8_t { Input, Param, Grad, Arena, View };
 
 constexpr int kMaxRank = 6;
 
@@ -24,8 +26,9 @@ struct BufferSpec {
   int rank;
   int64_t shape[kMaxRank];
   Storage storage;
-  int index;       // Input/Param/Grad: which one
-  int64_t offset;  // Arena: byte offset
+  int index;       // Input/Param/Grad: which one; View: the buffer it is a tile of
+  int64_t offset;  // Arena: byte offset; View: first row along dim
+  int dim;         // View: the tiled dimension (row-major index)
 };
 
 using KernelFn = int (*)(void**);
@@ -39,6 +42,7 @@ enum class CallKind : uint8_t {
   GatherSeq,       // i32 [batch, seq@sp] -> [batch, seq]
   AllReduce,       // sum over the mesh, same type
   AllReduceGrads,  // no args: sums every parameter gradient over the mesh (last call of a train step)
+  ConcatSeq,       // tiles (all args but the last) back to back along seq into the output (sequence tiling)
 };
 
 struct CallSpec {

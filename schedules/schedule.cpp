@@ -7,6 +7,7 @@
 
 #include "dsl/error.h"
 #include "dsl/types.h"
+#include "schedules/tiling.h"
 
 namespace halyard {
 namespace {
@@ -22,12 +23,18 @@ std::string Schedule::to_json() const {
   nlohmann::json j = {{"name", name}, {"recompute", recompute}, {"autoscheduler", autoscheduler}, {"checkpoint", checkpoint}};
   if (!split_sequence.empty()) j["split_sequence"] = split_sequence;
   if (!redistribute_heads.empty()) j["redistribute_heads"] = redistribute_heads;
+  if (seq_tile > 0) j["seq_tile"] = seq_tile;
   return j.dump(2);
 }
 
 std::function<bool(const Node&)> Schedule::rematerialize() const {
-  if (!checkpoint) return {};
-  return [](const Node& n) {
+  if (!checkpoint && seq_tile <= 0) return {};
+  const bool tiled = seq_tile > 0, all = checkpoint;
+  return [tiled, all](const Node& n) {
+    // Tiles of wide values are recomputed per tile in the backward, so that
+    // the tiles of one value never all live at once; slices cost nothing.
+    if (tiled && (is_wide(n) || n.op == Op::SliceSeq)) return true;
+    if (!all) return false;
     switch (n.op) {
       case Op::Add:         // the residual stream: each layer's input
       case Op::Embedding:
@@ -38,6 +45,7 @@ std::function<bool(const Node&)> Schedule::rematerialize() const {
       case Op::HeadsToSeq:
       case Op::GatherSeq:
       case Op::AllReduce:
+      case Op::ConcatSeq:
         return false;
       default:
         return true;
@@ -51,6 +59,7 @@ std::string Schedule::str() const {
   if (checkpoint) s += ", checkpointed (backward recomputes all but residuals and attention)";
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
   if (!split_sequence.empty()) s += ", split_sequence(" + split_sequence + "), redistribute_heads(" + redistribute_heads + ")";
+  if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
   return s;
 }
 
@@ -91,6 +100,11 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       if (!s.redistribute_heads.empty() && s.redistribute_heads != "ulysses")
         throw UserError("error: schedule \"" + what + "\": redistribute_heads(\"" + s.redistribute_heads +
                         "\") is not a strategy.\nlegal: \"ulysses\".");
+    } else if (key == "seq_tile" && it->is_number_integer()) {
+      s.seq_tile = it->get<int64_t>();
+      if (s.seq_tile < 0)
+        throw UserError("error: schedule \"" + what + "\": seq_tile " + std::to_string(s.seq_tile) +
+                        "\nlegal: tokens per tile of the MLP and loss (e.g. 1024), or 0 for none.");
     } else if (key == "autoscheduler" && it->is_string()) {
       s.autoscheduler = it->get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
@@ -100,7 +114,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       throw UserError("error: schedule \"" + what + "\": unknown or ill-typed key \"" + key + "\" (" +
                       it->dump() + ").\nlegal keys: name (string), recompute (array of op names), "
                       "checkpoint (bool), autoscheduler (string), split_sequence (\"sp\"), "
-                      "redistribute_heads (\"ulysses\").");
+                      "redistribute_heads (\"ulysses\"), seq_tile (integer).");
     }
   }
   if (s.split_sequence.empty() != s.redistribute_heads.empty())
@@ -128,6 +142,11 @@ Schedule Schedule::named(const std::string& n) {
     s.autoscheduler = "Adams2019";
     return s;
   }
+  if (n == "tiled") {
+    s.recompute = recomputable();
+    s.seq_tile = 1024;
+    return s;
+  }
   if (n == "ulysses" || n == "ulysses_checkpoint") {
     s.split_sequence = "sp";
     s.redistribute_heads = "ulysses";
@@ -140,7 +159,7 @@ Schedule Schedule::named(const std::string& n) {
   std::ifstream in(n);
   if (!in)
     throw UserError("error: schedule \"" + n + "\" is neither a preset nor a readable file.\n"
-                    "legal: default, recompute, checkpoint, autoscheduled, ulysses, ulysses_checkpoint,\n"
+                    "legal: default, recompute, checkpoint, autoscheduled, tiled, ulysses, ulysses_checkpoint,\n"
                     "or a path to a schedule .json.");
   std::stringstream ss;
   ss << in.rdbuf();

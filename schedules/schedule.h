@@ -34,6 +34,9 @@ struct Schedule {
   // whole sequence when it is split. "ulysses": all-to-all from seq@sp to
   // heads@sp before attention and back after it. (ring and hybrid come later.)
   std::string redistribute_heads;
+  // tile_sequence(T): the MLP and the LM head + loss run in tiles of T tokens
+  // (schedules/tiling.h); 0 = whole sequence.
+  int64_t seq_tile = 0;
 
   // The predicate grad() uses for checkpointing (empty when it is off).
   std::function<bool(const Node&)> rematerialize() const;
@@ -44,7 +47,7 @@ struct Schedule {
   std::string to_json() const;
   std::string str() const;  // one line, for plan reports and generated headers
 
-  // default | recompute | checkpoint | autoscheduled | ulysses | ulysses_checkpoint,
+  // default | recompute | checkpoint | autoscheduled | tiled | ulysses | ulysses_checkpoint,
   // or a path to a schedule .json file.
   static Schedule named(const std::string& name_or_path);
   static Schedule parse(const std::string& json_text, const std::string& what);

@@ -34,7 +34,7 @@ echo; echo "== causal GQA attention forward+backward, seq 4096, heads 8, kv_head
 
 echo; echo "== tiny Llama training step (forward+backward), batch 1"
 for seq in 1024 4096 8192; do
-  for sched in default recompute checkpoint; do
+  for sched in default recompute checkpoint tiled; do
     "$bin/step_bench" --model "tiny_s${seq}_${sched}" --threads "$threads" --steps 5 | tee -a "$out/step_halyard.json"
   done
   [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" step --config "$root/examples/llama/configs/tiny.json" \

@@ -13,7 +13,7 @@
 #include "tiny_sp1_s126.h"
 #include "tiny_sp1_s128.h"
 #include "tiny_sp2_s128.h"
-#include "tiny_sp4_s126_ckpt.h"
+#include "tiny_sp4_s126_tiled.h"
 #include "tiny_sp4_s128.h"
 
 using namespace halyard;
@@ -48,7 +48,7 @@ int main() {
       ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_sp2_s128(), *comm);
     } else if (comm->size() == 4) {
       ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_sp4_s128(), *comm);
-      ok = check(halyard_models::tiny_sp1_s126(), halyard_models::tiny_sp4_s126_ckpt(), *comm) && ok;
+      ok = check(halyard_models::tiny_sp1_s126(), halyard_models::tiny_sp4_s126_tiled(), *comm) && ok;
       // dp 2 x sp 2: sequence groups of world ranks {0, 1} and {2, 3}.
       const int replica = comm->rank() / 2;
       auto group = runtime::make_mpi_communicator(120, replica);

@@ -15,6 +15,8 @@
 #include "llama_micro_checkpoint.h"
 #include "llama_micro_default.h"
 #include "llama_micro_recompute.h"
+#include "llama_micro_tiled.h"
+#include "schedules/tiling.h"
 #include "runtime/error.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
@@ -79,6 +81,43 @@ TEST(Lowering, DefaultScheduleMatchesTorch) { check_against_fixture(halyard_mode
 TEST(Lowering, RecomputeScheduleMatchesTorch) { check_against_fixture(halyard_models::llama_micro_recompute()); }
 TEST(Lowering, CheckpointScheduleMatchesTorch) { check_against_fixture(halyard_models::llama_micro_checkpoint()); }
 TEST(Lowering, AutoscheduledMatchesTorch) { check_against_fixture(halyard_models::llama_micro_autoscheduled()); }
+TEST(Lowering, SequenceTiledMlpAndLossMatchTorch) { check_against_fixture(halyard_models::llama_micro_tiled()); }
+
+// The tiling transform itself, in f64 on the interpreter: tiles of 10, 10
+// and 4 tokens give the untiled loss and gradients to rounding.
+TEST(Lowering, TiledGraphEqualsUntiledInF64) {
+  Loaded f = load_fixture();
+  auto cfg = llama::LlamaConfig::parse(f.st.metadata.at("config"), "fixture");
+  auto run = [&](int64_t tile, std::vector<std::vector<double>>& grads_out) {
+    auto src = llama::build_llama(cfg, 2, 24, DType::f64);
+    ShardedModel m = tile_sequence(*src.graph, src.loss.id, tile);
+    Gradients grads = grad(m.loss, m.params);
+    Interpreter<double> in(*m.graph);
+    for (const char* name : {"input_ids", "labels", "position_ids"}) in.set_int(name, f.st.to_i32(name));
+    for (const Value& p : m.params) {
+      auto w = f.st.to_f32(p.node().name);
+      in.set(p.node().name, std::vector<double>(w.begin(), w.end()));
+    }
+    in.run();
+    for (const Value& p : m.params) grads_out.push_back(in.value(grads[p].id));
+    return in.scalar(m.loss);
+  };
+  std::vector<std::vector<double>> whole, tiled;
+  const double l_whole = run(0, whole), l_tiled = run(10, tiled);
+  EXPECT_NEAR(l_tiled, l_whole, 1e-12 * std::abs(l_whole));
+  double worst = 0;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    double scale = 1e-300, diff = 0;
+    for (size_t k = 0; k < whole[i].size(); ++k) {
+      scale = std::max(scale, std::abs(whole[i][k]));
+      diff = std::max(diff, std::abs(whole[i][k] - tiled[i][k]));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  std::printf("  tiled (10+10+4) vs untiled, f64: loss %.17g vs %.17g, worst gradient rel diff %.2e\n", l_tiled, l_whole,
+              worst);
+  EXPECT_LE(worst, 1e-12);
+}
 
 TEST(Lowering, DefaultScheduleMatchesInterpreter) {
   Loaded f = load_fixture();

@@ -11,6 +11,7 @@
 #include "examples/llama/llama_model.h"
 #include "generators/partition.h"
 #include "generators/program.h"
+#include "schedules/tiling.h"
 
 namespace halyard {
 namespace {
@@ -99,6 +100,75 @@ TEST(Partition, BadScheduleIsUserError) {
   EXPECT_THAT(msg(R"({"autoscheduler": "Li2018"})"), ::testing::HasSubstr("legal: \"\" (hand-written schedules) or \"Adams2019\""));
   EXPECT_THROW(Schedule::named("/nonexistent.json"), UserError);
   EXPECT_EQ(Schedule::parse(Schedule::named("recompute").to_json(), "round trip"), Schedule::named("recompute"));
+}
+
+// Sequence tiling: the plan of the tiled graph, as halyard_aot makes it.
+struct TiledPlan {
+  ShardedModel m;
+  Partition part;
+  Program prog;
+};
+
+TiledPlan plan_tiled(const std::string& schedule, int64_t seq, int64_t tile) {
+  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
+  auto src = llama::build_llama(cfg, 1, seq);
+  Schedule s = Schedule::named(schedule);
+  s.seq_tile = tile;
+  TiledPlan p{tile_sequence(*src.graph, src.loss.id, tile), {}, {}};
+  Gradients g = grad(p.m.loss, p.m.params, GradOptions{s.rematerialize()});
+  std::vector<int> params, grads, outs;
+  for (const Value& v : p.m.params) {
+    params.push_back(v.id);
+    grads.push_back(g[v].id);
+  }
+  outs = grads;
+  outs.push_back(p.m.loss.id);
+  p.part = partition(*p.m.graph, outs, s);
+  p.prog = plan_program(*p.m.graph, p.part, params, grads, p.m.loss.id);
+  return p;
+}
+
+// No buffer of the tiled step, forward or backward, holds [seq, ffn] or
+// [seq, vocab] whole: the widest has a tile's rows. At a sequence much
+// longer than the model is wide, that shrinks the arena.
+TEST(Tiling, WideValuesNeverExistWhole) {
+  for (const char* sched : {"default", "recompute", "checkpoint"}) {
+    const TiledPlan p = plan_tiled(sched, 1024, 128);
+    int wide = 0;
+    for (const PlannedBuffer& b : p.prog.buffers) {
+      const Node& n = p.m.graph->node(b.node);
+      if (!is_wide(n)) continue;
+      ++wide;
+      EXPECT_LE(n.type.size("seq"), 128) << sched << ": " << describe(*p.m.graph, b.node);
+    }
+    EXPECT_GT(wide, 0) << sched;
+    const Planned whole = plan(2, sched, 1024);
+    std::printf("  %s: arena %lld bytes tiled (128 of 1024 tokens) vs %lld untiled; %d wide buffers, all tiles\n", sched,
+                static_cast<long long>(p.prog.arena_bytes), static_cast<long long>(whole.prog.arena_bytes), wide);
+    EXPECT_LT(p.prog.arena_bytes, whole.prog.arena_bytes) << sched;
+  }
+}
+
+// A ragged last tile (64 = 24 + 24 + 16) and tiles that share kernels.
+TEST(Tiling, RaggedTilesShareKernels) {
+  const TiledPlan even = plan_tiled("recompute", 64, 16), ragged = plan_tiled("recompute", 64, 24);
+  std::set<std::string> sig_even, sig_ragged;
+  for (const Stage& st : even.part.stages) sig_even.insert(st.signature);
+  for (const Stage& st : ragged.part.stages) sig_ragged.insert(st.signature);
+  const size_t untiled = distinct_kernels(plan(2, "recompute", 64).part);
+  std::printf("  distinct stage signatures: %zu untiled, %zu with 4 tiles of 16, %zu with tiles 24+24+16\n", untiled,
+              sig_even.size(), sig_ragged.size());
+  EXPECT_LT(sig_even.size(), 2 * untiled);
+  EXPECT_GT(sig_ragged.size(), sig_even.size());
+}
+
+TEST(Tiling, BadTileIsAUserError) {
+  try {
+    Schedule::parse(R"({"seq_tile": -4})", "t.json");
+    FAIL() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("seq_tile -4"));
+  }
 }
 
 }  // namespace

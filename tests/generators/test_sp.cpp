@@ -1,8 +1,8 @@
 // Sequence parallelism over in-process ranks (threads): the Ulysses-sharded
 // tiny Llama on 2 and 4 ranks gives the single-rank loss and gradients within
 // 1e-5 relative, also with kv_heads (2) fewer than ranks (4), with a sequence
-// the ranks do not divide (126 over 4: padded), with batch 2, and under
-// activation checkpointing, and as dp 2 x sp 2. The all-to-all volume is checked against
+// the ranks do not divide (126 over 4: padded) together with activation
+// checkpointing and sequence tiling, with batch 2, and as dp 2 x sp 2. The all-to-all volume is checked against
 // Ulysses' formula, and a library run on the wrong number of ranks is a clear error.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 #include "tiny_sp1_s126.h"
 #include "tiny_sp1_s128.h"
 #include "tiny_sp2_s128.h"
-#include "tiny_sp4_s126_ckpt.h"
+#include "tiny_sp4_s126_tiled.h"
 #include "tiny_sp4_s128.h"
 
 namespace halyard {
@@ -81,9 +81,9 @@ TEST(SequenceParallel, FourRanksWithKvHeadsFewerThanRanksMatchOneRank) {
   expect_equivalent(halyard_models::tiny_sp1_s128(), halyard_models::tiny_sp4_s128(), 4);
 }
 
-TEST(SequenceParallel, SequenceRanksDoNotDivideIsPaddedAndMatchesOneRank) {
-  ASSERT_NE(halyard_models::tiny_sp4_s126_ckpt().seq % 4, 0);
-  expect_equivalent(halyard_models::tiny_sp1_s126(), halyard_models::tiny_sp4_s126_ckpt(), 4);
+TEST(SequenceParallel, PaddedCheckpointedAndTiledMatchesOneRank) {
+  ASSERT_NE(halyard_models::tiny_sp4_s126_tiled().seq % 4, 0);
+  expect_equivalent(halyard_models::tiny_sp1_s126(), halyard_models::tiny_sp4_s126_tiled(), 4);
 }
 
 // dp 2 x sp 2 on four threads: two sequence groups of two ranks, each on its

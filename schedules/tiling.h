@@ -1,0 +1,34 @@
+// Sequence tiling: the MLP and the LM head + loss in tiles of seq, so that the
+// wide activations [seq, ffn] and [seq, vocab] never exist whole (Arctic
+// Long Sequence Training's tiled MLP and loss, as a schedule choice).
+//
+// tile_sequence() rebuilds a forward graph: every token-local op whose output
+// is wide (has seq and ffn or vocab), and every token-local consumer of such
+// an op, is computed once per tile of `tile` tokens. A tiled value's inputs
+// are read per tile (slice_seq of a whole value: free inside the consuming
+// kernel); a whole value of a tiled op is its tiles back to back (concat_seq),
+// or, for a loss, the sum of the tiles' losses (each is a sum over its tokens
+// divided by the global token count, so their sum is the loss). Tiles are
+// built tile-major (all of tile 0's chain, then tile 1's), so the memory plan
+// reuses one tile's wide buffers for the next. The backward inherits the
+// tiles from autodiff; Schedule::rematerialize() recomputes the wide values
+// per tile there instead of saving all tiles, so the backward too holds one
+// tile's worth.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "dsl/graph.h"
+#include "schedules/sharding.h"
+
+namespace halyard {
+
+// True for a value that sequence tiling keeps from existing whole.
+bool is_wide(const Node& n);
+
+// Rebuilds `src` (forward only, up to `loss`) with the wide ops tiled.
+// tile <= 0, or tile >= the sequence, copies the graph unchanged.
+ShardedModel tile_sequence(const Graph& src, int loss, int64_t tile);
+
+}  // namespace halyard
