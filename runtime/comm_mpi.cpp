@@ -39,6 +39,7 @@
 
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "runtime/mpi_process.h"
 
 namespace halyard::runtime {
 namespace {
@@ -47,24 +48,6 @@ using Clock = std::chrono::steady_clock;
 
 Clock::time_point deadline_after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-// Set once any communicator fails: MPI_Finalize at exit could then wait
-// forever on a dead peer, so it is skipped (mpirun sees an abnormal exit and
-// stops the job, which is what a failed rank wants).
-std::atomic<bool> g_failed{false};
-
-void finalize_at_exit() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && !g_failed.load()) MPI_Finalize();
-}
-
-std::string mpi_error_string(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<size_t>(length));
 }
 
 MPI_Datatype mpi_type(CommType t) {
@@ -275,7 +258,7 @@ class MpiCommunicator final : public Communicator {
   [[noreturn]] void fail(const std::string& message, const std::string& summary) {
     failure_ = summary;
     in_collective_ = 0;
-    g_failed = true;
+    mark_mpi_failed();
     throw Error(message);
   }
 
@@ -424,18 +407,7 @@ class MpiCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s, int color) {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (finalized)
-    throw Error("error: make_mpi_communicator: MPI is already finalized in this process.\n"
-                "fix: make every communicator before MPI_Finalize.");
-  if (!initialized) {
-    int provided = 0;
-    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
-    if (rc != MPI_SUCCESS) throw Error("error: make_mpi_communicator: MPI_Init_thread failed: " + mpi_error_string(rc));
-    std::atexit(finalize_at_exit);
-  }
+  ensure_mpi("make_mpi_communicator");
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -453,7 +425,7 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s, int color)
     int rc = MPI_Comm_idup(MPI_COMM_WORLD, &c, &request);
     if (rc == MPI_SUCCESS) rc = poll(&request, &status, deadline_after(timeout_s), [] {});
     if (rc == -1) {
-      g_failed = true;
+      mark_mpi_failed();
       throw Error("error: make_mpi_communicator on rank " + std::to_string(rank) + " of " + std::to_string(size) +
                   " timed out after " + seconds + 
                   " s waiting for a peer (dead or stuck?)\nevery rank must make its communicators in the same order.");

@@ -31,6 +31,7 @@
 
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "runtime/mpi_process.h"
 
 namespace halyard::runtime {
 namespace {
@@ -56,23 +57,6 @@ bool poll_until(Clock::time_point deadline, Done&& done) {
     else
       std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-}
-
-// Set once anything failed: MPI_Finalize at exit could then wait on a dead
-// peer, so it is skipped (as in comm_mpi.cpp, whose flag is private to it).
-std::atomic<bool> g_failed{false};
-
-void finalize_at_exit() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized && !g_failed.load()) MPI_Finalize();
-}
-
-std::string mpi_error_string(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<size_t>(length));
 }
 
 ncclDataType_t nccl_type(CommType t) {
@@ -156,7 +140,7 @@ class NcclCommunicator final : public Communicator {
                             std::to_string(size());
     auto cuda = [&](cudaError_t rc, const char* call) {
       if (rc == cudaSuccess) return;
-      g_failed = true;
+      mark_mpi_failed();
       throw Error("error: " + who + ": " + call + " on CUDA device " + std::to_string(device_) +
                   " failed: " + cudaGetErrorString(rc));
     };
@@ -184,7 +168,7 @@ class NcclCommunicator final : public Communicator {
       if (!finished) {
         ncclCommAbort(comm_);
         comm_ = nullptr;
-        g_failed = true;
+        mark_mpi_failed();
         throw Error("error: " + who + " timed out after " + seconds_string(timeout_s()) +
                     " s waiting for a peer (dead or stuck?) in ncclCommInitRankConfig\n"
                     "every rank must make its communicators in the same order; NCCL_DEBUG=INFO shows how far "
@@ -195,7 +179,7 @@ class NcclCommunicator final : public Communicator {
       const std::string detail = comm_ != nullptr ? last_error() : "";
       if (comm_ != nullptr) ncclCommAbort(comm_);
       comm_ = nullptr;
-      g_failed = true;
+      mark_mpi_failed();
       throw Error("error: " + who + ": ncclCommInitRankConfig on CUDA device " + std::to_string(device_) +
                   " failed: " + ncclGetErrorString(state) + detail +
                   (state == ncclInvalidUsage ? "\nNCCL needs one GPU per rank; fix: run at most as many ranks per "
@@ -353,7 +337,7 @@ class NcclCommunicator final : public Communicator {
 
   [[noreturn]] void fail(const std::string& message, const std::string& summary) {
     failure_ = summary;
-    g_failed = true;
+    mark_mpi_failed();
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
     throw Error(message);
@@ -459,7 +443,7 @@ void wait_mpi(MPI_Request* request, double timeout_s, const std::string& who, co
     return rc != MPI_SUCCESS || flag != 0;
   });
   if (done && rc == MPI_SUCCESS) return;
-  g_failed = true;
+  mark_mpi_failed();
   if (!done)
     throw Error("error: " + who + " timed out after " + seconds_text(timeout_s) +
                 " s waiting for a peer (dead or stuck?) " + what +
@@ -488,19 +472,7 @@ int local_rank(int rank, const std::string& who) {
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator(double timeout_s) {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (finalized)
-    throw Error("error: make_nccl_communicator: MPI is already finalized in this process.\n"
-                "fix: make every communicator before MPI_Finalize.");
-  if (!initialized) {
-    int provided = 0;
-    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
-    if (rc != MPI_SUCCESS)
-      throw Error("error: make_nccl_communicator: MPI_Init_thread failed: " + mpi_error_string(rc));
-    std::atexit(finalize_at_exit);
-  }
+  ensure_mpi("make_nccl_communicator");
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);

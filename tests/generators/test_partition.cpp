@@ -11,6 +11,7 @@
 #include "examples/llama/llama_model.h"
 #include "generators/partition.h"
 #include "generators/program.h"
+#include "schedules/sharding.h"
 #include "schedules/tiling.h"
 
 namespace halyard {
@@ -22,20 +23,25 @@ struct Planned {
   Program prog;
 };
 
-Planned plan(int layers, const std::string& schedule, int64_t seq = 64) {
-  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
-  cfg.num_hidden_layers = layers;
-  Planned p{llama::build_llama(cfg, 1, seq), {}, {}};
-  Gradients g = grad(p.m.loss, p.m.params, GradOptions{Schedule::named(schedule).rematerialize()});
+// Differentiates a forward graph under schedule s and plans its train step.
+void plan_step(Value loss, const std::vector<Value>& wrt, const Schedule& s, Partition& part, Program& prog) {
+  Gradients g = grad(loss, wrt, GradOptions{s.rematerialize()});
   std::vector<int> params, grads, outs;
-  for (const Value& v : p.m.params) {
+  for (const Value& v : wrt) {
     params.push_back(v.id);
     grads.push_back(g[v].id);
   }
   outs = grads;
-  outs.push_back(p.m.loss.id);
-  p.part = partition(*p.m.graph, outs, Schedule::named(schedule));
-  p.prog = plan_program(*p.m.graph, p.part, params, grads, p.m.loss.id);
+  outs.push_back(loss.id);
+  part = partition(*loss.graph, outs, s);
+  prog = plan_program(*loss.graph, part, params, grads, loss.id);
+}
+
+Planned plan(int layers, const std::string& schedule, int64_t seq = 64) {
+  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
+  cfg.num_hidden_layers = layers;
+  Planned p{llama::build_llama(cfg, 1, seq), {}, {}};
+  plan_step(p.m.loss, p.m.params, Schedule::named(schedule), p.part, p.prog);
   return p;
 }
 
@@ -115,16 +121,7 @@ TiledPlan plan_tiled(const std::string& schedule, int64_t seq, int64_t tile) {
   Schedule s = Schedule::named(schedule);
   s.seq_tile = tile;
   TiledPlan p{tile_sequence(*src.graph, src.loss.id, tile), {}, {}};
-  Gradients g = grad(p.m.loss, p.m.params, GradOptions{s.rematerialize()});
-  std::vector<int> params, grads, outs;
-  for (const Value& v : p.m.params) {
-    params.push_back(v.id);
-    grads.push_back(g[v].id);
-  }
-  outs = grads;
-  outs.push_back(p.m.loss.id);
-  p.part = partition(*p.m.graph, outs, s);
-  p.prog = plan_program(*p.m.graph, p.part, params, grads, p.m.loss.id);
+  plan_step(p.m.loss, p.m.params, s, p.part, p.prog);
   return p;
 }
 
@@ -168,6 +165,64 @@ TEST(Tiling, BadTileIsAUserError) {
     FAIL() << "no error";
   } catch (const UserError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("seq_tile -4"));
+  }
+}
+
+// Sharding: types print their split, the all-to-alls surround attention,
+// and degrees Ulysses cannot split are user errors naming the legal ones.
+TEST(Sharding, TypesPrintTheSplitAndAttentionGetsAllToAlls) {
+  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
+  auto src = llama::build_llama(cfg, 1, 12);  // one rank's slice of 48 tokens
+  ShardedModel m = shard_sequence(*src.graph, src.loss.id, Schedule::named("ulysses"), 4);
+  const std::string text = print(*m.graph);
+  EXPECT_THAT(text, ::testing::HasSubstr("f32[batch=1, seq=48@sp, model=64]"));
+  EXPECT_THAT(text, ::testing::HasSubstr("f32[batch=1, seq=48, heads=8@sp, head_dim=8]"));
+  EXPECT_THAT(text, ::testing::HasSubstr("f32[batch=1, seq=48, kv_heads=2@sp, head_dim=8]"));  // replicated
+  int to_heads = 0, to_seq = 0, gathers = 0, reduces = 0;
+  for (const Node& n : m.graph->nodes()) {
+    to_heads += n.op == Op::SeqToHeads;
+    to_seq += n.op == Op::HeadsToSeq;
+    gathers += n.op == Op::GatherSeq;
+    reduces += n.op == Op::AllReduce;
+  }
+  EXPECT_EQ(to_heads, 3 * cfg.num_hidden_layers);  // q, k, v
+  EXPECT_EQ(to_seq, cfg.num_hidden_layers);        // the output
+  EXPECT_EQ(gathers, 1);                           // positions, shared by the layers
+  EXPECT_EQ(reduces, 2);                           // the token count and the loss
+  // The backward mirrors them: four more all-to-alls per layer.
+  Gradients g = grad(m.loss, m.params);
+  int all = 0;
+  for (const Node& n : m.graph->nodes()) all += n.op == Op::SeqToHeads || n.op == Op::HeadsToSeq;
+  EXPECT_EQ(all, 8 * cfg.num_hidden_layers);
+}
+
+TEST(Sharding, DegreeUlyssesCannotSplitIsAUserError) {
+  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
+  auto src = llama::build_llama(cfg, 1, 8);
+  try {
+    shard_sequence(*src.graph, src.loss.id, Schedule::named("ulysses"), 3);
+    FAIL() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("heads=8, kv_heads=2"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("legal sp degrees for this model: 1, 2, 4, 8."));
+  }
+  try {
+    shard_sequence(*src.graph, src.loss.id, Schedule::named("recompute"), 2);
+    FAIL() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("keeps the whole sequence on each rank"));
+  }
+  try {
+    Schedule::parse(R"({"split_sequence": "sp"})", "s.json");
+    FAIL() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("a split sequence needs a head redistribution"));
+  }
+  try {
+    Schedule::parse(R"({"split_sequence": "sp", "redistribute_heads": "ring"})", "s.json");
+    FAIL() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("redistribute_heads(ring) is not implemented yet"));
   }
 }
 

@@ -42,6 +42,7 @@
 
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "tests/mpi_gtest.h"
 
 namespace halyard::runtime {
 namespace {
@@ -165,29 +166,11 @@ TEST(CommMpi, UserMistakesThrowAndLeaveTheCommunicatorUsable) {
   c.barrier();
 }
 
-// Rank 0 prints everything; the other ranks print only failed assertions.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.message());
-  }
-
- private:
-  int rank_;
-};
-
 int run_tests(int argc, char** argv) {
   auto comm = make_mpi_communicator(20);
   g_comm = comm.get();
   ::testing::InitGoogleTest(&argc, argv);
-  if (comm->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new FailurePrinter(comm->rank()));
-  }
+  halyard::testing::print_failures_only_off_rank_zero(comm->rank());
   int failed = RUN_ALL_TESTS() != 0;
   int64_t ranks_failed = comm->all_reduce_sum(int64_t{failed});
   if (comm->rank() == 0)

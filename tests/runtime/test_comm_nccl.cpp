@@ -24,6 +24,7 @@
 
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "tests/mpi_gtest.h"
 
 namespace halyard::runtime {
 namespace {
@@ -229,20 +230,6 @@ TEST(CommNccl, HostBufferIsAUserMistakeAndLeavesTheCommunicatorUsable) {
   for (int i = 0; i < 50; ++i) c.barrier();
 }
 
-// Rank 0 prints everything; the other ranks print only failed assertions.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.message());
-  }
-
- private:
-  int rank_;
-};
-
 int run(int argc, char** argv) {
   // MPI first, and on every machine: the MPI communicator initializes it
   // (finalizing it at exit) and sums the ranks' results, with a timeout.
@@ -279,11 +266,7 @@ int run(int argc, char** argv) {
   }
   g_comm = nccl.get();
   ::testing::InitGoogleTest(&argc, argv);
-  if (mpi->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new FailurePrinter(mpi->rank()));
-  }
+  halyard::testing::print_failures_only_off_rank_zero(mpi->rank());
   if (!failed) failed = RUN_ALL_TESTS() != 0;
   g_comm = nullptr;
   nccl.reset();

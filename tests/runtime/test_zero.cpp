@@ -22,32 +22,17 @@
 #include "runtime/adamw.h"
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "tests/in_process_ranks.h"
 
 namespace halyard::runtime {
 namespace {
 
 using ::testing::HasSubstr;
 
-// Runs fn(comm) on every rank of a fresh group of n, one thread per rank.
-// Returns what each rank threw ("" when it returned normally).
+using halyard::testing::expect_no_errors;
+// Every rank's errors, with the timeout these tests use.
 std::vector<std::string> run_ranks(int n, const std::function<void(Communicator&)>& fn) {
-  auto comms = make_in_process_group(n, 10);
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(*comms[static_cast<size_t>(r)]);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
-void expect_no_errors(const std::vector<std::string>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  return halyard::testing::run_ranks(n, 10, fn);
 }
 
 template <typename F>
