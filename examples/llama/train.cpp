@@ -43,6 +43,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <deque>
+#include <numeric>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -172,14 +174,21 @@ double peak_rss_mib() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
 }
 
-// Every rank's peak RSS, "41/43/41/42 MiB" (collective when there are ranks).
-std::string peaks(runtime::Communicator* comm) {
+// Every rank's peak RSS in MiB (collective when there are ranks).
+std::vector<int> peaks(runtime::Communicator* comm) {
   float mine = static_cast<float>(peak_rss_mib());
   std::vector<float> all(comm ? static_cast<size_t>(comm->size()) : 1, mine);
   if (comm) comm->all_gather(&mine, 1, all.data());
+  std::vector<int> out;
+  for (float f : all) out.push_back(static_cast<int>(std::lround(f)));
+  return out;
+}
+
+// "41/43/41/42" (sep "/") or "41,43,41,42" (sep ",").
+std::string joined(const std::vector<int>& v, const char* sep) {
   std::string s;
-  for (float f : all) s += (s.empty() ? "" : "/") + std::to_string(static_cast<int>(std::lround(f)));
-  return s + " MiB";
+  for (int x : v) s += (s.empty() ? "" : sep) + std::to_string(x);
+  return s;
 }
 
 int train(const Options& o) {
@@ -307,6 +316,7 @@ int train(const Options& o) {
       if (!metrics) throw runtime::Error("error: cannot open metrics file \"" + o.metrics_path + "\" for appending.");
     }
     const auto t0 = std::chrono::steady_clock::now();
+    std::deque<double> recent;  // the loss of one step is noisy (random windows); its mean over 10 is the trend
     for (int step = first; step <= o.steps; ++step) {
       batcher.fill(step, ids.data(), labels.data(), pos.data());
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
@@ -321,13 +331,19 @@ int train(const Options& o) {
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int done = step - first + 1;
       const double tps = static_cast<double>(done * batch * seq * dp) / secs;
-      const std::string peak = peaks(comm.get());
+      const std::vector<int> peak = peaks(comm.get());
+      recent.push_back(loss);
+      if (recent.size() > 10) recent.pop_front();
+      const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / static_cast<double>(recent.size());
       if (lead) {
-        std::printf("step %4d/%d  loss %.4f  |g| %.3f  lr %.2e  %7.0f tokens/s  peak %s  ETA %.0fs\n", step, o.steps,
-                    loss, norm, o.lr * frac, tps, peak.c_str(), secs / done * (o.steps - step));
+        std::printf("step %4d/%d  loss %.4f (mean of %zu: %.4f)  |g| %.3f  lr %.2e  %7.0f tokens/s  peak %s MiB  "
+                    "ETA %.0fs\n",
+                    step, o.steps, loss, recent.size(), mean, norm, o.lr * frac, tps, joined(peak, "/").c_str(),
+                    secs / done * (o.steps - step));
         if (metrics.is_open())
           metrics << "{\"step\":" << step << ",\"loss\":" << loss << ",\"grad_norm\":" << norm << ",\"lr\":" << o.lr * frac
-                  << ",\"tokens_per_s\":" << tps << ",\"ranks\":" << ranks << ",\"peak_rss_mib\":\"" << peak << "\"}\n"
+                  << ",\"tokens_per_s\":" << tps << ",\"dp\":" << dp << ",\"sp\":" << sp << ",\"peak_rss_mib\":["
+                  << joined(peak, ",") << "]}\n"
                   << std::flush;
       }
       if (!o.save_dir.empty() && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {

@@ -10,6 +10,8 @@
 #            60 s, and the output names rank 1. Plain mpirun ends the job
 #            itself; with --enable-recovery the survivors' communicator times
 #            out (5 s) and reports the dead rank.
+#   stepcheck  --step-check from one checkpoint on 1 rank and on 4 ranks
+#            (sp 4): the same batch, loss and gradients within 1e-5.
 #   errors   a rank count without a library, a config or seq that does not
 #            match the library: exit 2 with the fix.
 set -uo pipefail
@@ -85,6 +87,42 @@ killed)
       grep -q "waiting for rank 1" "$log" || fail "recovery: the survivor did not name rank 1"
     fi
   done
+  ;;
+stepcheck)
+  "$train" --steps 2 --save "$work/ck" >/dev/null || fail "training for the checkpoint"
+  "$train" --resume "$work/ck" --step-check "$work/one.safetensors" || fail "step-check on 1 rank"
+  "${mpi[@]}" -np 4 "$train" --resume "$work/ck" --step-check "$work/four.safetensors" || fail "step-check on 4 ranks"
+  python3 - "$work/one.safetensors" "$work/four.safetensors" <<'PY' || fail "step-checks differ"
+import json, struct, sys
+def read(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in head.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        fmt = {"F32": "f", "F64": "d", "I32": "i"}[t["dtype"]]
+        out[name] = struct.unpack("<%d%s" % ((b - a) // struct.calcsize(fmt), fmt), data[a:b])
+    return out
+one, four = read(sys.argv[1]), read(sys.argv[2])
+assert one.keys() == four.keys(), "different tensors"
+for k in ("input_ids", "labels", "position_ids"):
+    assert one[k] == four[k], k + " differs"
+worst, which = 0.0, ""
+for k in one:
+    if k in ("input_ids", "labels", "position_ids"):
+        continue
+    scale = max(max(abs(x) for x in one[k]), 1e-30)
+    err = max(abs(x - y) for x, y in zip(one[k], four[k])) / scale
+    if err > worst:
+        worst, which = err, k
+print("step-check 1 rank vs 4 ranks: same batch; loss %.9g vs %.9g; worst relative difference %.2e (%s)"
+      % (one["loss"][0], four["loss"][0], worst, which))
+sys.exit(0 if worst <= 1e-5 else 1)
+PY
   ;;
 errors)
   out=$("${mpi[@]}" -np 3 "$train" --steps 1 2>&1) && fail "3 ranks ran"
