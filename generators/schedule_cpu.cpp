@@ -105,9 +105,12 @@ void schedule_attention(StageFuncs& F, int vec) {
   auto args = out.args();
   const bool key_tiles = A.tile_var.name() == "j";
   // Tiles keep their per-tile scratch ([all keys x queries], or [keys x all
-  // queries x group heads]) near L2-sized: measured 1.5x on dK at seq 8192.
-  const int query_tile = std::clamp((1 << 20) / (4 * A.S) / 8 * 8, 16, 64);
-  const int key_tile = std::clamp((2 << 20) / (4 * A.S * A.grp) / 8 * 8, 8, 32);
+  // queries x group heads]) within L2. Measured on Zen 5 (attention_bench,
+  // 2 threads): 16 keys beat 8, 24, 32 and 64 at seq 1024, 4096 and 8192 (dK
+  // 66 vs 78 ms at 4096 with 32); queries: half a MiB of scores per tile, 16
+  // to 32 rows (dQ 233 vs 253 ms at 8192 with 32).
+  const int query_tile = std::clamp((1 << 19) / (4 * A.S) / 8 * 8, 16, 32);
+  const int key_tile = 16;
   const int tile = std::min(key_tiles ? key_tile : query_tile, A.S);
   Var to("to"), tt("tt"), p1("p1"), par("par");
   if (A.kind == static_cast<int>(Op::AttentionLse)) {  // out(h, i, b)
