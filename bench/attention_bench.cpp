@@ -1,7 +1,7 @@
 // Causal grouped-query attention, forward + backward, as Halyard generates it.
 //
 // Builds attention in the DSL, differentiates it, and JIT-compiles the five
-// attention kernels of the joint graph (forward, row statistics, dQ, dK, dV)
+// attention kernels of the joint graph (forward, row statistics, dQ, dK with dV)
 // with the same lowering and CPU schedule an AOT build uses. Prints one JSON
 // line: median seconds of forward and of forward+backward, and peak RSS (the
 // kernels never hold a [seq, seq] matrix). scripts/bench.sh prints it next to
@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
     std::string name;
     LoweredStage ls;
     int root;
+    std::vector<int> extra;
   };
   std::vector<Kernel> kernels;
   Halide::Target t = Halide::get_host_target();
@@ -74,12 +75,15 @@ int main(int argc, char** argv) {
     schedule_cpu(ls, g, st, t);
     for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(buffer(st.inputs[i]));
     ls.pipeline.compile_jit(t);
-    kernels.push_back({op_name(op), std::move(ls), st.root});
+    kernels.push_back({std::string(op_name(op)) + (st.extra_outputs.empty() ? "" : "+v"), std::move(ls), st.root,
+                       st.extra_outputs});
   }
   double fwd = 0, total = 0;
   for (Kernel& kern : kernels) {
     Halide::Buffer<>& dst = buffer(kern.root);
-    const double s = bench::median_seconds([&] { kern.ls.pipeline.realize(Halide::Realization({dst})); }, o["--reps"]);
+    std::vector<Halide::Buffer<>> outs = {dst};
+    for (int x : kern.extra) outs.push_back(buffer(x));  // dV with dK
+    const double s = bench::median_seconds([&] { kern.ls.pipeline.realize(Halide::Realization(outs)); }, o["--reps"]);
     total += s;
     if (kern.name == "attention") fwd = s;
     std::fprintf(stderr, "  %-18s %8.1f ms\n", kern.name.c_str(), s * 1e3);

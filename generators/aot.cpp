@@ -73,9 +73,10 @@ std::string cpp_string(const std::string& s) {
   return out + "\"";
 }
 
-std::string label(const Graph& g, int node) {
+std::string label(const Graph& g, int node, const std::vector<int>& also = {}) {
   const Node& n = g.node(node);
   std::string s = std::string(op_name(n.op)) + " %" + std::to_string(node);
+  for (int x : also) s += " + " + std::string(op_name(g.node(x).op)) + " %" + std::to_string(x);
   if (!n.name.empty()) s += " " + n.name;
   return s + (n.backward ? " (backward)" : "");
 }
@@ -119,7 +120,7 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
       std::string fn = name + "_k" + std::to_string(st.kernel);
       os << "  {&" << fn << "_argv, " << cpp_string(fn) << ", ";
     }
-    os << cpp_string(label(g, st.root)) << ", " << c.args.size() << ", " << tag << "_args + " << off << ", "
+    os << cpp_string(label(g, st.root, st.extra_outputs)) << ", " << c.args.size() << ", " << tag << "_args + " << off << ", "
        << call_kind(op) << "},\n";
     off += c.args.size();
   }
@@ -205,7 +206,7 @@ int run(const Options& o, const ModelBuilder& build) {
     const std::string fn = o.name + "_k" + std::to_string(k);
     modules.push_back(ls.pipeline.compile_to_module(ls.args, fn, target));
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - k0).count();
-    std::printf("  %-16s %5.2fs  %s\n", fn.c_str(), secs, label(g, st.root).c_str());
+    std::printf("  %-16s %5.2fs  %s\n", fn.c_str(), secs, label(g, st.root, st.extra_outputs).c_str());
     if (std::getenv("HALYARD_AOT_VERBOSE")) std::printf("      %s\n", st.signature.c_str());
   }
   Halide::link_modules(o.name + "_kernels", modules)

@@ -544,11 +544,19 @@ void Ctx::attention(int id, Func out) {
     RDom ri(0, grp, 0, S, "ri");
     ri.where(ri.y >= j);  // queries before the key never see it
     Expr hh = gk * grp + ri.x;
-    Func src = n.op == Op::AttentionGradK ? ds : p;
-    Func other = n.op == Op::AttentionGradK ? q : dO;
-    acc(d, gk, j, b) = cast(T, 0);
-    acc(d, gk, j, b) += src(j, ri.y, hh, b) * other(d, hh, ri.y, b);
-    out(d, gk, j, b) = acc(d, gk, j, b);
+    if (n.op == Op::AttentionGradK && !st.extra_outputs.empty()) {
+      // dK and dV together (the stage's second output): p is computed once per tile.
+      acc(d, gk, j, b) = Tuple(cast(T, 0), cast(T, 0));
+      acc(d, gk, j, b) = Tuple(acc(d, gk, j, b)[0] + ds(j, ri.y, hh, b) * q(d, hh, ri.y, b),
+                               acc(d, gk, j, b)[1] + p(j, ri.y, hh, b) * dO(d, hh, ri.y, b));
+      out(d, gk, j, b) = Tuple(acc(d, gk, j, b)[0], acc(d, gk, j, b)[1]);
+    } else {
+      Func src = n.op == Op::AttentionGradK ? ds : p;
+      Func other = n.op == Op::AttentionGradK ? q : dO;
+      acc(d, gk, j, b) = cast(T, 0);
+      acc(d, gk, j, b) += src(j, ri.y, hh, b) * other(d, hh, ri.y, b);
+      out(d, gk, j, b) = acc(d, gk, j, b);
+    }
     A.tile_var = j;
   }
   A.out_acc = acc;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "dsl/error.h"
@@ -122,10 +123,27 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     }
   }
 
+  // dK and dV of one attention recompute the same probabilities over the
+  // same key tiles: one kernel writes both.
+  std::map<int, int> dv_of;  // dK node -> dV node
+  std::set<int> fused;
+  for (int id = 0; id < n; ++id) {
+    const Node& x = g.node(id);
+    if (!needed[static_cast<size_t>(id)] || x.op != Op::AttentionGradK) continue;
+    for (int y = 0; y < n; ++y)
+      if (needed[static_cast<size_t>(y)] && g.node(y).op == Op::AttentionGradV && g.node(y).inputs == x.inputs &&
+          !fused.count(y)) {
+        dv_of[id] = y;
+        fused.insert(y);
+        break;
+      }
+  }
+
   for (int id = 0; id < n; ++id) {
     const Node& node = g.node(id);
     if (!needed[static_cast<size_t>(id)] || !p.materialized[static_cast<size_t>(id)]) continue;
     if (node.op == Op::Input || node.op == Op::Param || node.op == Op::SliceSeq) continue;  // buffers, not stages
+    if (fused.count(id)) continue;  // written by its dK's kernel
     Stage st;
     st.root = id;
     // Walk the inlined producers; buffers become inputs in first-use order.
@@ -148,6 +166,10 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       return memo[v] = out;
     };
     st.signature = sig(id);
+    if (auto it = dv_of.find(id); it != dv_of.end()) {
+      st.extra_outputs.push_back(it->second);
+      st.signature += "+dv:" + g.node(it->second).type.str();
+    }
     if (auto it = lse_of.find(id); it != lse_of.end()) {
       st.signature += "+lse:in" + std::to_string(st.inputs.size()) + ":" + g.node(it->second).type.str();
       st.inputs.push_back(it->second);
@@ -159,7 +181,10 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // Execution order: each stage after the stages whose roots it reads (node
   // order already is, except for forward attention reading later statistics).
   std::map<int, size_t> stage_of;
-  for (size_t s2 = 0; s2 < p.stages.size(); ++s2) stage_of[p.stages[s2].root] = s2;
+  for (size_t s2 = 0; s2 < p.stages.size(); ++s2) {
+    stage_of[p.stages[s2].root] = s2;
+    for (int x : p.stages[s2].extra_outputs) stage_of[x] = s2;
+  }
   for (int id = 0; id < n; ++id)  // a view is ready when the buffer it shows is
     if (needed[static_cast<size_t>(id)] && g.node(id).op == Op::SliceSeq)
       if (auto it = stage_of.find(g.node(id).inputs[0]); it != stage_of.end()) stage_of[id] = it->second;

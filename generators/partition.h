@@ -27,6 +27,7 @@ struct Stage {
   std::vector<int> inlined;    // nodes computed inside, topological order
   std::string signature;       // structure + types; equal => same kernel
   int kernel = -1;             // index into Partition::kernels; -1 for a collective
+  std::vector<int> extra_outputs;  // nodes the kernel writes too (dV with dK: they share the probabilities)
 };
 
 struct Partition {

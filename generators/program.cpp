@@ -62,6 +62,7 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     c.stage = static_cast<int>(s);
     for (int in : st.inputs) c.args.push_back(buffer(in));
     c.args.push_back(buffer(st.root));
+    for (int x : st.extra_outputs) c.args.push_back(buffer(x));
     const int call = static_cast<int>(prog.calls.size());
     for (int a : c.args)
       for (int v = a; v >= 0;) {  // a view keeps the buffer it shows alive

@@ -31,7 +31,7 @@ struct PlannedBuffer {
 
 struct PlannedCall {
   int stage = -1;
-  std::vector<int> args;  // buffer indices: inputs, then the output
+  std::vector<int> args;  // buffer indices: inputs, then the output(s)
 };
 
 struct Program {
