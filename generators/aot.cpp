@@ -142,8 +142,8 @@ int run(const Options& o, const ModelBuilder& build) {
   // sharded: its inputs become seq@sp and the collectives are inserted.
   const int64_t local = local_seq(o.seq, o.sp);
   BuiltModel m = build(o.config, o.batch, local);
-  ShardedModel sharded = shard_sequence(*m.graph, m.loss.id, sched, o.sp);
-  ShardedModel tiled = tile_sequence(*sharded.graph, sharded.loss.id, sched.seq_tile);
+  RebuiltGraph sharded = shard_sequence(*m.graph, m.loss.id, sched, o.sp);
+  RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, sched.seq_tile);
   m.graph = std::move(tiled.graph);
   m.loss = tiled.loss;
   m.params = tiled.params;

@@ -33,7 +33,7 @@ std::vector<int64_t> legal_sp_degrees(const Graph& g, int64_t max) {
   return out;
 }
 
-ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp) {
+RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp) {
   if (sp < 1) throw UserError("error: sp degree " + std::to_string(sp) + "\nlegal: sp >= 1.");
   const bool split = !s.split_sequence.empty() && sp > 1;
   if (sp > 1 && s.split_sequence.empty())
@@ -41,7 +41,7 @@ ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64
                     "for sp=" + std::to_string(sp) + " ranks.\nlegal: a schedule with split_sequence(sp) and "
                     "redistribute_heads(ulysses) (preset \"ulysses\"), or sp=1.");
   const std::string mesh = s.split_sequence;
-  ShardedModel out;
+  RebuiltGraph out;
   out.graph = std::make_unique<Graph>();
   Graph& g = *out.graph;
   std::vector<Value> map(static_cast<size_t>(src.size()));

@@ -31,7 +31,8 @@ namespace halyard {
 // The mesh axis name of collectives over every rank (data and sequence parallel).
 inline constexpr const char* kWholeMesh = "dp,sp";
 
-struct ShardedModel {
+// A forward graph a schedule rebuilt (sharded here, tiled in tiling.h).
+struct RebuiltGraph {
   std::unique_ptr<Graph> graph;
   Value loss;
   std::vector<Value> params;  // the source's parameters, in the same order
@@ -41,7 +42,7 @@ struct ShardedModel {
 // under schedule `s`. With sp == 1 or no split_sequence, only the loss's
 // all-reduces are added. Throws UserError when the model cannot be split this way (heads
 // not divisible by sp lists the legal degrees).
-ShardedModel shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp);
+RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64_t sp);
 
 // The sp degrees Ulysses can split this model's attentions over (heads
 // divisible by sp; kv_heads a multiple or a divisor of sp), up to `max`.

@@ -79,8 +79,8 @@ bool is_wide(const Node& n) {
   return n.type.has("seq") && (n.type.has("ffn") || n.type.has("vocab"));
 }
 
-ShardedModel tile_sequence(const Graph& src, int loss, int64_t tile) {
-  ShardedModel out;
+RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile) {
+  RebuiltGraph out;
   out.graph = std::make_unique<Graph>();
   Graph& g = *out.graph;
   int64_t seq = 0;

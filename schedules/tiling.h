@@ -29,6 +29,6 @@ bool is_wide(const Node& n);
 
 // Rebuilds `src` (forward only, up to `loss`) with the wide ops tiled.
 // tile <= 0, or tile >= the sequence, copies the graph unchanged.
-ShardedModel tile_sequence(const Graph& src, int loss, int64_t tile);
+RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile);
 
 }  // namespace halyard

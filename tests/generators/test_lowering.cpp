@@ -90,7 +90,7 @@ TEST(Lowering, TiledGraphEqualsUntiledInF64) {
   auto cfg = llama::LlamaConfig::parse(f.st.metadata.at("config"), "fixture");
   auto run = [&](int64_t tile, std::vector<std::vector<double>>& grads_out) {
     auto src = llama::build_llama(cfg, 2, 24, DType::f64);
-    ShardedModel m = tile_sequence(*src.graph, src.loss.id, tile);
+    RebuiltGraph m = tile_sequence(*src.graph, src.loss.id, tile);
     Gradients grads = grad(m.loss, m.params);
     Interpreter<double> in(*m.graph);
     for (const char* name : {"input_ids", "labels", "position_ids"}) in.set_int(name, f.st.to_i32(name));

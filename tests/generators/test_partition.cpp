@@ -110,7 +110,7 @@ TEST(Partition, BadScheduleIsUserError) {
 
 // Sequence tiling: the plan of the tiled graph, as halyard_aot makes it.
 struct TiledPlan {
-  ShardedModel m;
+  RebuiltGraph m;
   Partition part;
   Program prog;
 };
@@ -173,7 +173,7 @@ TEST(Tiling, BadTileIsAUserError) {
 TEST(Sharding, TypesPrintTheSplitAndAttentionGetsAllToAlls) {
   auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
   auto src = llama::build_llama(cfg, 1, 12);  // one rank's slice of 48 tokens
-  ShardedModel m = shard_sequence(*src.graph, src.loss.id, Schedule::named("ulysses"), 4);
+  RebuiltGraph m = shard_sequence(*src.graph, src.loss.id, Schedule::named("ulysses"), 4);
   const std::string text = print(*m.graph);
   EXPECT_THAT(text, ::testing::HasSubstr("f32[batch=1, seq=48@sp, model=64]"));
   EXPECT_THAT(text, ::testing::HasSubstr("f32[batch=1, seq=48, heads=8@sp, head_dim=8]"));
