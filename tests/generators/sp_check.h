@@ -113,18 +113,26 @@ inline Comparison compare(const runtime::ModelSpec& spec, const StepResult& got,
 // bytes with h = heads·head_dim·4 (q and the output) and h_kv likewise (k, v)
 // over N tokens of the whole batch; kv heads fewer than P are sent once per
 // rank that holds a replica (h_kv counts P heads). The comm's counter leaves
-// out the block a rank keeps, (P-1)/P of this leaves the rank.
+// out the block a rank keeps: (P-1)/P of the formula leaves the rank.
 struct Volume {
-  double formula = 0, over_the_wire = 0;
+  int layers = 0;
+  double formula = 0, over_the_wire = 0;  // per layer and rank
 };
 inline Volume ulysses_forward_bytes(const llama::LlamaConfig& c, const runtime::ModelSpec& spec, int p) {
   const double n = static_cast<double>(spec.batch * spec.local_seq * p);
   const double h = static_cast<double>(c.num_attention_heads * c.head_dim * 4);
   const double h_kv = static_cast<double>(std::max<int64_t>(c.num_key_value_heads, p) * c.head_dim * 4);
   Volume v;
-  v.formula = (2 * h + 2 * h_kv) * n / p * static_cast<double>(c.num_hidden_layers);
+  v.layers = static_cast<int>(c.num_hidden_layers);
+  v.formula = (2 * h + 2 * h_kv) * n / p;
   v.over_the_wire = v.formula * (p - 1) / p;
   return v;
+}
+
+// The forward volume a rank measured, per layer, against the formula: within 5%.
+inline bool volume_matches(const StepResult& r, const Volume& v) {
+  const double per_layer = static_cast<double>(r.a2a_forward_bytes) / v.layers;
+  return std::abs(per_layer - v.over_the_wire) <= 0.05 * v.over_the_wire;
 }
 
 }  // namespace halyard::sp_check
