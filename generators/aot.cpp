@@ -23,6 +23,7 @@ struct Options {
   std::string name, config, schedule = "default", target = "host", out;
   int64_t batch = 1, seq = 0, sp = 1;
   bool runtime_only = false;
+  bool plan_only = false;
   std::string plugin_dir;
 };
 
@@ -44,9 +45,10 @@ Options parse(int argc, char** argv) {
     else if (k == "--sp") o.sp = std::stoll(next());
     else if (k == "--plugin-dir") o.plugin_dir = next();
     else if (k == "--runtime-only") o.runtime_only = true;
-    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --runtime-only");
+    else if (k == "--plan-only") o.plan_only = true;
+    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --runtime-only --plan-only");
   }
-  if (o.out.empty()) throw UserError("error: --out is required.");
+  if (o.out.empty() && !o.plan_only) throw UserError("error: --out is required.");
   if (!o.runtime_only && (o.name.empty() || o.config.empty() || o.seq <= 0 || o.batch <= 0))
     throw UserError("error: --name, --config, a positive --seq and --batch are required.");
   if (o.sp < 1) throw UserError("error: --sp " + std::to_string(o.sp) + "\nlegal: the number of ranks the sequence is split over, >= 1.");
@@ -180,6 +182,11 @@ int run(const Options& o, const ModelBuilder& build) {
               o.name.c_str(), sched.str().c_str(), g.size(), train.stages.size(), fwd.stages.size(), kernels.size(),
               static_cast<double>(train_prog.arena_bytes) / (1 << 20), static_cast<double>(fwd_prog.arena_bytes) / (1 << 20));
 
+  if (o.plan_only) {  // the plan is the line above: stages, kernels, the activation arena per rank
+    std::printf("halyard_aot %s: mesh sp=%lld, %lld tokens per row on each rank; plan only, nothing compiled\n",
+                o.name.c_str(), static_cast<long long>(o.sp), static_cast<long long>(local));
+    return 0;
+  }
   if (!sched.autoscheduler.empty()) {
     const std::string lib = o.plugin_dir + "/libautoschedule_" + [&] {
       std::string s = sched.autoscheduler;

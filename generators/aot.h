@@ -6,6 +6,9 @@
 //
 //   <generator> --name N --config C --schedule S --batch B --seq L --target T --out DIR
 //     writes DIR/N.h, DIR/N_program.cpp and DIR/N_kernels.o
+//   <generator> ... --plan-only
+//     prints the plan (stages, distinct kernels, the activation arena per
+//     rank) without compiling anything
 //   <generator> --runtime-only --target T --out FILE.o
 //     writes the one Halide runtime that every model of that target links
 #pragma once

@@ -32,6 +32,23 @@ echo; echo "== causal GQA attention forward+backward, seq 4096, heads 8, kv_head
 [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" attention --seq 4096 --heads 8 --kv-heads 2 \
   --head-dim 32 --threads "$threads" --reps 3 | tee "$out/attn_torch.json"
 
+echo; echo "== activation memory per rank (the generator's static plan, nothing run): 1 rank vs 4 (sp)"
+aot="$root/build/examples/llama/llama_aot"
+"$HALYARD_CMAKE" --build "$root/build" --target llama_aot >/dev/null
+sched="$root/examples/llama/schedules"
+printf '%-8s %16s %24s %16s %32s\n' seq "1: recompute" "1: checkpoint+tiled" "4: ulysses" "4: ulysses+checkpoint+tiled"
+for seq in 16384 65536 131072; do
+  row=$(printf '%-8s' "$seq")
+  for cfg in "1 recompute" "1 $sched/checkpoint_tiled.json" "4 ulysses" "4 $sched/ulysses_checkpoint_tiled.json"; do
+    set -- $cfg
+    mib=$("$aot" --name plan --config "$root/examples/llama/configs/tiny.json" --schedule "$2" --seq "$seq" --sp "$1" \
+      --plan-only | sed -n 's/.*arena \([0-9.]*\) MiB (train).*/\1/p' | head -1)
+    w=16; case $2 in *tiled.json) w=24 ;; esac; [ "$1" = 4 ] && case $2 in *tiled.json) w=32 ;; esac
+    row="$row $(printf "%${w}s" "$mib MiB")"
+  done
+  echo "$row"
+done
+
 echo; echo "== tiny Llama training step (forward+backward), batch 1"
 for seq in 1024 4096 8192; do
   for sched in default recompute checkpoint tiled; do
