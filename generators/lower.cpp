@@ -333,8 +333,8 @@ Func Ctx::lower(int id) {
       Func cs("rope_cos" + tag), sn("rope_sin" + tag);
       cs(vars(tnames)) = cast(T, cos(angle));
       sn(vars(tnames)) = cast(T, sin(angle) * Expr(n.attrs.inverse ? -1.0 : 1.0));
-      ls.funcs.small.push_back(cs);
-      ls.funcs.small.push_back(sn);
+      ls.funcs.tables.push_back(cs);
+      ls.funcs.tables.push_back(sn);
       Var d = var("head_dim");
       Env ef = e, ep = e;
       ef["head_dim"] = d % half;

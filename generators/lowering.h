@@ -42,7 +42,8 @@ struct AttentionFuncs {
 struct StageFuncs {
   Halide::Func out;                         // the root, named "out"
   std::vector<Halide::Var> out_vars;        // Halide order (innermost first)
-  std::vector<Halide::Func> small;          // per-token/row helpers (norm scales, lse, tables)
+  std::vector<Halide::Func> small;          // per-token/row helpers (norm scales, lse)
+  std::vector<Halide::Func> tables;         // per-token tables worth computing in parallel (RoPE's cos, sin)
   std::vector<Halide::Func> staged;         // operands a heavy op reads many times
   std::vector<Halide::Func> root_copies;    // transposed copies computed once per call
   AttentionFuncs attn;                      // attention kernels only (attn.kind >= 0)

@@ -39,6 +39,7 @@ void on_gpu(Func f) {
 void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
   StageFuncs& F = ls.funcs;
   std::vector<Func> all = F.small;
+  all.insert(all.end(), F.tables.begin(), F.tables.end());
   for (auto* list : {&F.staged, &F.root_copies, &F.attn.pointwise, &F.attn.row_reductions})
     all.insert(all.end(), list->begin(), list->end());
   for (const AttentionProduct& p : F.attn.products) all.insert(all.end(), {p.wrapper, p.acc});
