@@ -67,13 +67,20 @@ void Communicator::set_timeout_s(double seconds) {
 }
 
 std::string Communicator::where(CommOp op) const {
-  return std::string(comm_op_name(op)) + " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+  std::string s = std::string(comm_op_name(op)) + " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+  if (static_cast<int>(world_ranks_.size()) == size_)
+    s += " (world rank " + std::to_string(world_ranks_[static_cast<size_t>(rank_)]) + ")";
+  return s;
 }
 
-std::string Communicator::rank_list(const std::vector<int>& ranks) {
+std::string Communicator::rank_list(const std::vector<int>& ranks) const {
   if (ranks.empty()) return "a peer";
   std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    s += (i ? ", " : "") + std::to_string(ranks[i]);
+    if (static_cast<int>(world_ranks_.size()) == size_ && ranks[i] >= 0 && ranks[i] < size_)
+      s += " (world rank " + std::to_string(world_ranks_[static_cast<size_t>(ranks[i])]) + ")";
+  }
   return s;
 }
 

@@ -54,6 +54,9 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // On a group of a larger world (the sp ranks of a dp x sp mesh), the world
+  // rank of each group rank, so that errors name the process people launched.
+  void set_world_ranks(std::vector<int> world) { world_ranks_ = std::move(world); }
   // "in-process" or "MPI", for messages and reports.
   virtual const char* backend() const = 0;
 
@@ -125,8 +128,9 @@ class Communicator {
   // for rank(s) <missing> (dead or stuck?)" then `detail` (one line or more,
   // may be empty), then the fix.
   std::string timeout_message(CommOp op, const std::vector<int>& missing, const std::string& detail) const;
-  // "rank 2", "ranks 1, 3", "a peer" (empty list).
-  static std::string rank_list(const std::vector<int>& ranks);
+  // "rank 2", "ranks 1, 3", "a peer" (empty list); on a group of a larger
+  // world (see set_world_ranks), "rank 1 (world rank 3)".
+  std::string rank_list(const std::vector<int>& ranks) const;
   // "0.5", "60": seconds as people write them.
   static std::string seconds_string(double s);
 
@@ -141,6 +145,7 @@ class Communicator {
   void recv_any(void* data, int64_t n, int peer, int tag, CommType type);
 
   int rank_ = 0, size_ = 1;
+  std::vector<int> world_ranks_;  // empty: this is the world
   double timeout_s_ = kDefaultCommTimeoutS;
   int64_t all_to_all_bytes_sent_ = 0;
 };

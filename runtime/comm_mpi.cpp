@@ -445,8 +445,14 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s, int color)
       c = sub;
       MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     }
+    const int world_rank = rank;
     MPI_Comm_rank(comms[0], &rank);
     MPI_Comm_size(comms[0], &size);
+    std::vector<int> world(static_cast<size_t>(size));
+    MPI_Allgather(&world_rank, 1, MPI_INT, world.data(), 1, MPI_INT, comms[0]);  // members just answered the split
+    auto group = std::make_unique<MpiCommunicator>(rank, size, comms[0], comms[1], timeout_s);
+    group->set_world_ranks(std::move(world));
+    return group;
   }
   return std::make_unique<MpiCommunicator>(rank, size, comms[0], comms[1], timeout_s);
 }

@@ -362,7 +362,9 @@ int train(const Options& o) {
     }
   } catch (const std::exception& e) {
     // One write per rank, so that ranks' messages do not interleave.
-    std::cerr << (ranks > 1 ? "rank " + std::to_string(rank) + ": " : std::string()) + e.what() + "\n" << std::flush;
+    std::string msg = e.what();
+    if (msg.find("timed out after") != std::string::npos) msg += "\n(llama_train: --comm-timeout SECONDS)";
+    std::cerr << (ranks > 1 ? "rank " + std::to_string(rank) + ": " : std::string()) + msg + "\n" << std::flush;
     return 2;
   }
   return 0;

@@ -341,6 +341,18 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+// A group of a larger world (the sp ranks 2, 3 of a dp 2 x sp 2 mesh):
+// errors name the world ranks people launched, next to the group ranks.
+TEST(CommFaults, GroupOfAWorldNamesWorldRanks) {
+  auto errors = run_ranks(2, 0.5, [&](Communicator& c) {
+    c.set_world_ranks({2, 3});
+    if (c.rank() == 0) c.barrier();  // rank 1 (world rank 3) never arrives
+  });
+  EXPECT_THAT(errors[0], HasSubstr("barrier on rank 0 of 2 (world rank 2)"));
+  EXPECT_THAT(errors[0], HasSubstr("waiting for rank 1 (world rank 3) (dead or stuck?)"));
+  EXPECT_EQ(errors[1], "");
+}
+
 TEST(CommFaults, MissingRankMakesTheOthersThrowNamingIt) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<double> elapsed(4);
