@@ -166,7 +166,6 @@ int run(const Options& o, const ModelBuilder& build) {
   Partition fwd = partition(g, {m.loss.id}, sched);
   Program train_prog = plan_program(g, train, param_ids, grad_ids, m.loss.id);
   Program fwd_prog = plan_program(g, fwd, param_ids, {}, m.loss.id);
-  train_prog.reduce_grads = true;  // a no-op on one rank; dp and sp sum gradients
 
   // One kernel per distinct stage signature over both programs.
   std::map<std::string, int> kernel_of;

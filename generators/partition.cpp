@@ -112,14 +112,14 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // When the backward's row statistics of an attention exist, the forward
   // kernel reads them instead of recomputing them (and skips masked keys).
   std::map<int, int> lse_of;
-  for (int id = 0; id < n; ++id) {
-    const Node& x = g.node(id);
-    if (!needed[static_cast<size_t>(id)] || x.op != Op::AttentionLse) continue;
-    for (int a = 0; a < id; ++a) {
-      const Node& y = g.node(a);
-      if (y.op == Op::Attention && needed[static_cast<size_t>(a)] && y.inputs[0] == x.inputs[0] &&
-          y.inputs[1] == x.inputs[1] && y.inputs[3] == x.inputs[2])
-        lse_of[a] = id;
+  {
+    std::map<std::vector<int>, int> attention_on;  // (q, k, positions) -> the forward attention
+    for (int id = 0; id < n; ++id) {
+      const Node& x = g.node(id);
+      if (!needed[static_cast<size_t>(id)]) continue;
+      if (x.op == Op::Attention) attention_on[{x.inputs[0], x.inputs[1], x.inputs[3]}] = id;
+      if (x.op == Op::AttentionLse)
+        if (auto it = attention_on.find(x.inputs); it != attention_on.end()) lse_of[it->second] = id;
     }
   }
 
@@ -127,16 +127,19 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // same key tiles: one kernel writes both.
   std::map<int, int> dv_of;  // dK node -> dV node
   std::set<int> fused;
-  for (int id = 0; id < n; ++id) {
-    const Node& x = g.node(id);
-    if (!needed[static_cast<size_t>(id)] || x.op != Op::AttentionGradK) continue;
-    for (int y = 0; y < n; ++y)
-      if (needed[static_cast<size_t>(y)] && g.node(y).op == Op::AttentionGradV && g.node(y).inputs == x.inputs &&
-          !fused.count(y)) {
-        dv_of[id] = y;
-        fused.insert(y);
-        break;
+  {
+    std::map<std::vector<int>, int> grad_v_on;  // operands -> an unpaired dV
+    for (int id = 0; id < n; ++id)
+      if (needed[static_cast<size_t>(id)] && g.node(id).op == Op::AttentionGradV) grad_v_on.emplace(g.node(id).inputs, id);
+    for (int id = 0; id < n; ++id) {
+      const Node& x = g.node(id);
+      if (!needed[static_cast<size_t>(id)] || x.op != Op::AttentionGradK) continue;
+      if (auto it = grad_v_on.find(x.inputs); it != grad_v_on.end()) {
+        dv_of[id] = it->second;
+        fused.insert(it->second);
+        grad_v_on.erase(it);
       }
+    }
   }
 
   for (int id = 0; id < n; ++id) {

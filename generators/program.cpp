@@ -73,6 +73,7 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
       }
     prog.calls.push_back(std::move(c));
   }
+  prog.reduce_grads = !grads.empty();  // a no-op on one rank
   prog.loss = buffer(loss);
   prog.buffers[static_cast<size_t>(prog.loss)].last = static_cast<int>(prog.calls.size());  // read after the step
 

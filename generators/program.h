@@ -39,8 +39,8 @@ struct Program {
   std::vector<PlannedCall> calls;
   int64_t arena_bytes = 0;
   int loss = -1;
-  // Gradients are partial sums over the ranks of a sharded sequence: the
-  // step ends by summing them over the mesh.
+  // A train step's gradients are partial sums over the ranks of a dp x sp
+  // mesh: the step ends by summing them over the mesh.
   bool reduce_grads = false;
 };
 

@@ -163,7 +163,7 @@ void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* p
     // This rank's slice of the window, plus one token: the label of its last position.
     const int64_t at = starts[static_cast<size_t>(shard_.replica * batch_ + b)] + first;
     if (real > 0) file_.read(at, real + 1, row.data());
-    for (int64_t t = 0; t <= std::min(real, local) && real > 0; ++t) {
+    for (int64_t t = 0; real > 0 && t <= real; ++t) {  // the slice's ids and its last label
       const int32_t id = row[static_cast<size_t>(t)];
       if (id >= vocab_)
         throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +

@@ -43,6 +43,7 @@
 #include "runtime/comm.h"
 #include "runtime/error.h"
 #include "tests/mpi_gtest.h"
+#include "tests/uneven_exchange.h"
 
 namespace halyard::runtime {
 namespace {
@@ -51,21 +52,16 @@ using ::testing::HasSubstr;
 
 Communicator* g_comm = nullptr;
 
-int64_t uneven_count(int from, int to) { return (from * 3 + to * 5 + 1) % 5; }
-float element(int from, int to, int64_t k) { return static_cast<float>(from * 1000 + to * 100 + k); }
+using halyard::testing::element;
 
 TEST(CommMpi, AllToAllVPermutesUnevenBlocksAndCountsBytes) {
   Communicator& c = *g_comm;
   const int n = c.size(), r = c.rank();
-  std::vector<int64_t> send_counts(n), recv_counts(n);
-  std::vector<float> send;
-  int64_t expected_bytes = 0;
-  for (int p = 0; p < n; ++p) {
-    send_counts[p] = uneven_count(r, p);
-    recv_counts[p] = uneven_count(p, r);
-    for (int64_t k = 0; k < send_counts[p]; ++k) send.push_back(element(r, p, k));
-    if (p != r) expected_bytes += send_counts[p] * 4;
-  }
+  const halyard::testing::UnevenExchange x(r, n);
+  const auto& send_counts = x.send_counts;
+  const auto& recv_counts = x.recv_counts;
+  const auto& send = x.send;
+  const int64_t expected_bytes = x.bytes_to_others;
   std::vector<float> recv(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})));
   c.reset_all_to_all_bytes_sent();
   c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());

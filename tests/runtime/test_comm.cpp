@@ -21,6 +21,8 @@
 
 #include "runtime/error.h"
 #include "tests/in_process_ranks.h"
+#include "tests/runtime_error_of.h"
+#include "tests/uneven_exchange.h"
 
 namespace halyard::runtime {
 namespace {
@@ -30,22 +32,10 @@ using ::testing::HasSubstr;
 using halyard::testing::expect_no_errors;
 using halyard::testing::run_ranks;
 
-// What a test throws on rank r, or "" if it does not.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using halyard::testing::error_of;
 
-// Elements rank `from` sends rank `to` in the uneven tests: 0..4, zeros included.
-int64_t uneven_count(int from, int to) { return (from * 3 + to * 5 + 1) % 5; }
-
-// The k-th element rank `from` sends rank `to`: exact in f32 and i32.
-float element(int from, int to, int64_t k) { return static_cast<float>(from * 1000 + to * 100 + k); }
+using halyard::testing::element;
+using halyard::testing::UnevenExchange;
 
 class Comm : public ::testing::TestWithParam<int> {};
 
@@ -57,13 +47,10 @@ TEST_P(Comm, AllToAllVPermutesUnevenBlocksExactly) {
   const int n = GetParam();
   expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
     const int r = c.rank();
-    std::vector<int64_t> send_counts(n), recv_counts(n);
-    std::vector<float> send;
-    for (int p = 0; p < n; ++p) {
-      send_counts[p] = uneven_count(r, p);
-      recv_counts[p] = uneven_count(p, r);
-      for (int64_t k = 0; k < send_counts[p]; ++k) send.push_back(element(r, p, k));
-    }
+    const UnevenExchange x(r, n);
+    const auto& send_counts = x.send_counts;
+    const auto& recv_counts = x.recv_counts;
+    const auto& send = x.send;
     std::vector<float> recv(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0})),
                             -1.0f);
     c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
@@ -84,13 +71,10 @@ TEST_P(Comm, AllToAllBytesCounterMatchesFormula) {
   expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
     const int r = c.rank();
     // Uneven: every element to another rank counts, the block to itself does not.
-    std::vector<int64_t> send_counts(n), recv_counts(n);
-    int64_t expected = 0;
-    for (int p = 0; p < n; ++p) {
-      send_counts[p] = uneven_count(r, p);
-      recv_counts[p] = uneven_count(p, r);
-      if (p != r) expected += send_counts[p] * 4;
-    }
+    const UnevenExchange x(r, n);
+    const auto& send_counts = x.send_counts;
+    const auto& recv_counts = x.recv_counts;
+    const int64_t expected = x.bytes_to_others;
     std::vector<float> send(64), recv(64);
     EXPECT_EQ(c.all_to_all_bytes_sent(), 0);
     c.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());

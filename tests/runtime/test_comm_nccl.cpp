@@ -25,6 +25,7 @@
 #include "runtime/comm.h"
 #include "runtime/error.h"
 #include "tests/mpi_gtest.h"
+#include "tests/uneven_exchange.h"
 
 namespace halyard::runtime {
 namespace {
@@ -70,8 +71,7 @@ class DeviceBuffer {
   size_t n_;
 };
 
-int64_t uneven_count(int from, int to) { return (from * 3 + to * 5 + 1) % 5; }
-float element(int from, int to, int64_t k) { return static_cast<float>(from * 1000 + to * 100 + k); }
+using halyard::testing::element;
 
 TEST(CommNccl, NoDeviceThrowsAClearError) {
   if (g_comm != nullptr || g_skip.rfind("no CUDA device", 0) != 0) GTEST_SKIP() << "every rank has a CUDA device";
@@ -105,15 +105,11 @@ TEST(CommNccl, AllToAllVMovesUnevenBlocksAndCountsBytes) {
   HALYARD_NEED_GPU();
   Communicator& c = *g_comm;
   const int n = c.size(), r = c.rank();
-  std::vector<int64_t> send_counts(n), recv_counts(n);
-  std::vector<float> send;
-  int64_t expected_bytes = 0;
-  for (int p = 0; p < n; ++p) {
-    send_counts[p] = uneven_count(r, p);
-    recv_counts[p] = uneven_count(p, r);
-    for (int64_t k = 0; k < send_counts[p]; ++k) send.push_back(element(r, p, k));
-    if (p != r) expected_bytes += send_counts[p] * 4;
-  }
+  const halyard::testing::UnevenExchange x(r, n);
+  const auto& send_counts = x.send_counts;
+  const auto& recv_counts = x.recv_counts;
+  const auto& send = x.send;
+  const int64_t expected_bytes = x.bytes_to_others;
   const size_t recv_total = static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}));
   DeviceBuffer<float> d_send(send), d_recv(recv_total);
   c.reset_all_to_all_bytes_sent();

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "tests/runtime_error_of.h"
 
 namespace halyard::runtime {
 namespace {
@@ -41,15 +42,7 @@ void write_tokens(const std::string& path, const std::vector<uint32_t>& ids, int
   write_bytes(path, bytes);
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using halyard::testing::error_of;
 
 // Token i of the file is (i * 7 + 3) % 1000: distinct neighbours, all < 1000.
 std::vector<uint32_t> pattern(int n) {

@@ -22,6 +22,7 @@
 #include "runtime/adamw.h"
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "tests/runtime_error_of.h"
 #include "tests/in_process_ranks.h"
 
 namespace halyard::runtime {
@@ -35,15 +36,7 @@ std::vector<std::string> run_ranks(int n, const std::function<void(Communicator&
   return halyard::testing::run_ranks(n, 10, fn);
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using halyard::testing::error_of;
 
 // The flat arrays' layout: parameters and the padding around them.
 struct Layout {
