@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dsl/graph.h"
+#include "dsl/op_table.h"
 
 namespace halyard {
 
@@ -31,9 +32,6 @@ struct GradOptions {
 // d loss / d wrt for each wrt (params or float inputs). A wrt value that does
 // not influence the loss gets a zero gradient.
 Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& options = {});
-
-// How a VJP rule reads a forward value (the value itself, or its clone).
-using ForwardValue = std::function<Value(int id)>;
 
 // The VJP rule of one forward node: given the cotangent of its output, the
 // cotangents of the inputs selected by `needed` (others left empty).

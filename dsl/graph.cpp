@@ -5,50 +5,16 @@
 #include <sstream>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 #include "dsl/ops.h"
 
 namespace halyard {
 
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::Input: return "input";
-    case Op::Param: return "param";
-    case Op::Fill: return "fill";
-    case Op::Embedding: return "embedding";
-    case Op::EmbeddingGrad: return "embedding_grad";
-    case Op::Contract: return "contract";
-    case Op::Add: return "add";
-    case Op::Mul: return "mul";
-    case Op::Silu: return "silu";
-    case Op::SiluGrad: return "silu_grad";
-    case Op::RmsNorm: return "rms_norm";
-    case Op::RmsNormGradX: return "rms_norm_grad_x";
-    case Op::RmsNormGradW: return "rms_norm_grad_w";
-    case Op::Rope: return "rope";
-    case Op::Attention: return "attention";
-    case Op::AttentionLse: return "attention_lse";
-    case Op::AttentionGradQ: return "attention_grad_q";
-    case Op::AttentionGradK: return "attention_grad_k";
-    case Op::AttentionGradV: return "attention_grad_v";
-    case Op::TokenCount: return "token_count";
-    case Op::CrossEntropy: return "cross_entropy";
-    case Op::CrossEntropyGrad: return "cross_entropy_grad";
-    case Op::SliceSeq: return "slice_seq";
-    case Op::PadSeq: return "pad_seq";
-    case Op::ConcatSeq: return "concat_seq";
-    case Op::SeqToHeads: return "seq_to_heads";
-    case Op::HeadsToSeq: return "heads_to_seq";
-    case Op::GatherSeq: return "gather_seq";
-    case Op::AllReduce: return "all_reduce";
-  }
-  return "?";
-}
+const char* op_name(Op op) { return op_info(op).name.c_str(); }
 
-bool is_collective(Op op) {
-  return op == Op::SeqToHeads || op == Op::HeadsToSeq || op == Op::GatherSeq || op == Op::AllReduce;
-}
+bool is_collective(Op op) { return op_info(op).collective; }
 
-bool is_runtime_op(Op op) { return is_collective(op) || op == Op::ConcatSeq; }
+bool is_runtime_op(Op op) { return op_info(op).cls == OpClass::Runtime; }
 
 const Node& Value::node() const {
   HALYARD_CHECK(valid(), "use of an empty Value");

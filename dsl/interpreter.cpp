@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 
 namespace halyard {
 namespace {
@@ -341,6 +342,19 @@ void Interpreter<T>::eval(const Node& n) {
   auto type = [&](size_t k) -> const TensorType& { return g_.node(n.inputs[k]).type; };
   auto& out = f_[static_cast<size_t>(n.id)];
   const size_t numel = static_cast<size_t>(n.type.numel());
+  if (is_registered_op(n.op)) {
+    const OpInfo& r = op_info(n.op);
+    if (!r.pointwise)
+      throw UserError("error: " + describe(g_, n.id) + " is op \"" + r.name +
+                      "\", registered without reference semantics.\nlegal: set OpInfo::pointwise to interpret it.");
+    out.resize(numel);
+    std::vector<double> args(n.inputs.size());
+    for (size_t i = 0; i < numel; ++i) {
+      for (size_t k = 0; k < args.size(); ++k) args[k] = static_cast<double>(F(k)[i]);
+      out[i] = static_cast<T>(r.pointwise(args));
+    }
+    return;
+  }
   switch (n.op) {
     case Op::Input:
     case Op::Param:

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 
 namespace halyard {
 namespace {
@@ -282,6 +283,7 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
   Checker c{g, op, in};
   for (int id : in)
     HALYARD_CHECK(id >= 0 && id < g.size(), "operand id " << id << " out of range");
+  if (is_registered_op(op)) return op_info(op).type(g, in, attrs);
   switch (op) {
     case Op::Input:
     case Op::Param:

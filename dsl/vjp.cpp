@@ -91,6 +91,7 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       d[0] = dy;
       break;
     default:
+      if (const OpInfo& r = op_info(n.op); r.vjp) return r.vjp(g, n, dy, needed, fwd);
       throw UserError(std::string("error: cannot differentiate ") + op_name(n.op) + " at " +
                       describe(g, n.id) +
                       "\nit is a backward primitive; second derivatives are not supported.");

@@ -14,14 +14,14 @@
 #include "schedules/tiling.h"
 #include "dsl/error.h"
 #include "generators/lowering.h"
-#include "generators/program.h"
+#include "schedules/program.h"
 
 namespace halyard {
 namespace {
 
 struct Options {
-  std::string name, config, schedule = "default", target = "host", out;
-  int64_t batch = 1, seq = 0, sp = 1;
+  std::string name, config, schedule = "default", target = "host", out, cluster = "local-cpu", plan_json;
+  int64_t batch = 1, seq = 0, sp = 0;  // sp 0: as the schedule's mesh says
   bool runtime_only = false;
   bool plan_only = false;
   std::string plugin_dir;
@@ -44,14 +44,16 @@ Options parse(int argc, char** argv) {
     else if (k == "--seq") o.seq = std::stoll(next());
     else if (k == "--sp") o.sp = std::stoll(next());
     else if (k == "--plugin-dir") o.plugin_dir = next();
+    else if (k == "--cluster") o.cluster = next();
+    else if (k == "--plan-json") o.plan_json = next();
     else if (k == "--runtime-only") o.runtime_only = true;
     else if (k == "--plan-only") o.plan_only = true;
-    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --runtime-only --plan-only");
+    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --runtime-only --plan-only");
   }
   if (o.out.empty() && !o.plan_only) throw UserError("error: --out is required.");
   if (!o.runtime_only && (o.name.empty() || o.config.empty() || o.seq <= 0 || o.batch <= 0))
     throw UserError("error: --name, --config, a positive --seq and --batch are required.");
-  if (o.sp < 1) throw UserError("error: --sp " + std::to_string(o.sp) + "\nlegal: the number of ranks the sequence is split over, >= 1.");
+  if (o.sp < 0) throw UserError("error: --sp " + std::to_string(o.sp) + "\nlegal: the number of ranks the sequence is split over, >= 1.");
   return o;
 }
 
@@ -140,32 +142,28 @@ int run(const Options& o, const ModelBuilder& build) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   Schedule sched = Schedule::named(o.schedule);
-  // The model is built at one rank's slice of the (padded) sequence, then
-  // sharded: its inputs become seq@sp and the collectives are inserted.
-  const int64_t local = local_seq(o.seq, o.sp);
-  BuiltModel m = build(o.config, o.batch, local);
-  RebuiltGraph sharded = shard_sequence(*m.graph, m.loss.id, sched, o.sp);
-  RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, sched.seq_tile);
-  m.graph = std::move(tiled.graph);
-  m.loss = tiled.loss;
-  m.params = tiled.params;
-  Graph& g = *m.graph;
-  Gradients grads = grad(m.loss, m.params, GradOptions{sched.rematerialize()});
-  verify(g);
-  std::vector<int> param_ids, grad_ids;
-  for (const Value& p : m.params) {
-    if (p.type().dtype != DType::f32)
-      throw UserError("error: parameter \"" + p.node().name + "\" " + p.type().str() +
+  // The mesh is the schedule's; --sp (halyard_add_model's SP) may set it.
+  if (o.sp > 0 && sched.mesh.sp > 1 && o.sp != sched.mesh.sp)
+    throw UserError("error: --sp " + std::to_string(o.sp) + " but schedule \"" + sched.name + "\" says mesh sp=" +
+                    std::to_string(sched.mesh.sp) + ".\nfix: drop SP from halyard_add_model, or make them agree.");
+  if (o.sp > 0) sched.mesh.sp = o.sp;
+  Plan p = plan(build, {o.config, o.batch, o.seq}, sched, Cluster::named(o.cluster));
+  for (const Value& v : p.model.params)
+    if (v.type().dtype != DType::f32)
+      throw UserError("error: parameter \"" + v.node().name + "\" " + v.type().str() +
                       "\ngenerated libraries train f32 parameters.\nlegal: build the model in f32.");
-    param_ids.push_back(p.id);
-    grad_ids.push_back(grads[p].id);
+  const int64_t sp = sched.mesh.sp, local = p.local_seq;
+  BuiltModel& m = p.model;
+  Graph& g = *m.graph;
+  Partition& train = p.train;
+  Partition& fwd = p.forward;
+  const Program& train_prog = p.train_program;
+  const Program& fwd_prog = p.forward_program;
+  if (!o.plan_json.empty()) {
+    std::ofstream pj(o.plan_json);
+    pj << p.to_json() << "\n";
+    if (!pj) throw UserError("error: cannot write the plan to \"" + o.plan_json + "\".");
   }
-  std::vector<int> train_out = grad_ids;
-  train_out.push_back(m.loss.id);
-  Partition train = partition(g, train_out, sched);
-  Partition fwd = partition(g, {m.loss.id}, sched);
-  Program train_prog = plan_program(g, train, param_ids, grad_ids, m.loss.id);
-  Program fwd_prog = plan_program(g, fwd, param_ids, {}, m.loss.id);
 
   // One kernel per distinct stage signature over both programs.
   std::map<std::string, int> kernel_of;
@@ -181,9 +179,11 @@ int run(const Options& o, const ModelBuilder& build) {
               o.name.c_str(), sched.str().c_str(), g.size(), train.stages.size(), fwd.stages.size(), kernels.size(),
               static_cast<double>(train_prog.arena_bytes) / (1 << 20), static_cast<double>(fwd_prog.arena_bytes) / (1 << 20));
 
-  if (o.plan_only) {  // the plan is the line above: stages, kernels, the activation arena per rank
-    std::printf("halyard_aot %s: mesh sp=%lld, %lld tokens per row on each rank; plan only, nothing compiled\n",
-                o.name.c_str(), static_cast<long long>(o.sp), static_cast<long long>(local));
+  if (o.plan_only) {
+    std::printf("%s", p.report().c_str());
+    std::printf("halyard_aot %s: mesh sp=%lld, %lld tokens per row on each rank; plan only, nothing compiled (%.0f ms)\n",
+                o.name.c_str(), static_cast<long long>(sp), static_cast<long long>(local),
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     return 0;
   }
   if (!sched.autoscheduler.empty()) {
@@ -223,10 +223,12 @@ int run(const Options& o, const ModelBuilder& build) {
   std::ofstream h(o.out + "/" + o.name + ".h");
   h << "// " << o.name << ": generated by halyard_aot; do not edit.\n"
     << "// batch " << o.batch << ", seq " << o.seq << ", target " << target.to_string() << "\n"
-    << "// mesh sp=" << o.sp << ": " << local << " tokens per row on each rank"
-    << (padded_seq(o.seq, o.sp) != o.seq ? " (seq padded to " + std::to_string(padded_seq(o.seq, o.sp)) + ")" : std::string())
+    << "// mesh sp=" << sp << ": " << local << " tokens per row on each rank"
+    << (padded_seq(o.seq, sp) != o.seq ? " (seq padded to " + std::to_string(padded_seq(o.seq, sp)) + ")" : std::string())
     << "\n"
     << "// " << sched.str() << "\n"
+    << "// plan on " << p.cluster.name << ": predicted peak " << p.memory.total() << " bytes per rank, step "
+    << p.step_s << " s\n"
     << "// activation arena: " << train_prog.arena_bytes << " bytes (train step), " << fwd_prog.arena_bytes
     << " bytes (forward)\n"
     << "#pragma once\n#include \"runtime/model.h\"\n\nnamespace halyard_models {\n"
@@ -234,7 +236,7 @@ int run(const Options& o, const ModelBuilder& build) {
     << "const halyard::runtime::ModelSpec& " << o.name << "();\n"
     << "constexpr int64_t " << o.name << "_batch = " << o.batch << ";\n"
     << "constexpr int64_t " << o.name << "_seq = " << o.seq << ";\n"
-    << "constexpr int " << o.name << "_sp = " << o.sp << ";  // ranks the sequence is split over\n"
+    << "constexpr int " << o.name << "_sp = " << sp << ";  // ranks the sequence is split over\n"
     << "constexpr int64_t " << o.name << "_local_seq = " << local << ";  // tokens per row on each rank\n"
     << "constexpr int64_t " << o.name << "_arena_bytes = " << std::max(train_prog.arena_bytes, fwd_prog.arena_bytes) << ";\n"
     << "}  // namespace halyard_models\n";
@@ -254,12 +256,12 @@ int run(const Options& o, const ModelBuilder& build) {
   emit_program(c, g, fwd, fwd_prog, o.name, "forward");
   c << "\nconst ModelSpec spec = {\n  " << cpp_string(o.name) << ",\n  " << cpp_string(m.config_json) << ",\n  "
     << cpp_string(sched.str()) << ",\n  " << cpp_string(target.to_string()) << ",\n  " << o.batch << ", " << o.seq
-    << ", " << m.vocab << ", " << o.sp << ", " << local << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
+    << ", " << m.vocab << ", " << sp << ", " << local << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
     << "  {train_buffers, " << train_prog.buffers.size() << ", train_calls, "
     << train_prog.calls.size() + (train_prog.reduce_grads ? 1 : 0) << ", "
     << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
     << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
-    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n};\n}  // namespace\n\n"
+    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  " << cpp_string(p.summary_json()) << ",\n};\n}  // namespace\n\n"
     << "const halyard::runtime::ModelSpec& halyard_models::" << o.name << "() { return spec; }\n";
   std::printf("halyard_aot %s: done in %.1fs\n", o.name.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

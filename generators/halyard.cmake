@@ -1,10 +1,13 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
 #                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
-#                   [SP <ranks>] [EXCLUDE_FROM_ALL])
+#                   [SP <ranks>] [CLUSTER <preset or .json>] [EXCLUDE_FROM_ALL])
 #
 # SP > 1 splits the sequence over that many ranks (the schedule must split it,
-# e.g. SCHEDULE ulysses); SEQ is the global length, padded when SP does not
-# divide it, and the library runs only on SP ranks.
+# e.g. SCHEDULE ulysses; a schedule's own "mesh" may say it instead); SEQ is
+# the global length, padded when SP does not divide it, and the library runs
+# only on SP ranks. CLUSTER (local-cpu) is what the plan's predictions, stated
+# in the header and the library, are made for; the generator writes the whole
+# plan next to the library as <name>.plan.json.
 #
 # Runs the model's generator (an executable calling halyard::aot_main) at build
 # time and makes a static library <name> (lib<name>.a) whose header <name>.h
@@ -12,7 +15,7 @@
 # Kernels are built with no_runtime; every model of one target links a single
 # Halide runtime library (halyard_halide_runtime_<target>).
 function(halyard_add_model)
-  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP" "" ${ARGN})
+  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP;CLUSTER" "" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
     if(NOT M_${req})
       message(FATAL_ERROR "halyard_add_model: ${req} is required")
@@ -27,8 +30,12 @@ function(halyard_add_model)
   if(NOT M_TARGET)
     set(M_TARGET host)
   endif()
-  if(NOT M_SP)
-    set(M_SP 1)
+  set(sp_args)
+  if(M_SP)
+    set(sp_args --sp ${M_SP})
+  endif()
+  if(NOT M_CLUSTER)
+    set(M_CLUSTER local-cpu)
   endif()
 
   string(MAKE_C_IDENTIFIER "${M_TARGET}" target_id)
@@ -49,13 +56,16 @@ function(halyard_add_model)
   set(dir ${CMAKE_CURRENT_BINARY_DIR}/${M_NAME}.generated)
   set(outputs ${dir}/${M_NAME}.h ${dir}/${M_NAME}_program.cpp ${dir}/${M_NAME}_kernels.o)
   set(deps ${M_GENERATOR} ${M_CONFIG})
-  if(EXISTS ${M_SCHEDULE})
-    list(APPEND deps ${M_SCHEDULE})
-  endif()
+  foreach(file ${M_SCHEDULE} ${M_CLUSTER})
+    if(EXISTS ${file})
+      list(APPEND deps ${file})
+    endif()
+  endforeach()
   add_custom_command(OUTPUT ${outputs}
     COMMAND ${CMAKE_COMMAND} -E make_directory ${dir}
     COMMAND ${M_GENERATOR} --name ${M_NAME} --config ${M_CONFIG} --schedule ${M_SCHEDULE}
-            --batch ${M_BATCH} --seq ${M_SEQ} --sp ${M_SP} --target ${M_TARGET} --out ${dir}
+            --batch ${M_BATCH} --seq ${M_SEQ} ${sp_args} --target ${M_TARGET} --out ${dir}
+            --cluster ${M_CLUSTER} --plan-json ${dir}/${M_NAME}.plan.json
             --plugin-dir $<TARGET_FILE_DIR:Halide::Halide>
     DEPENDS ${deps}
     COMMENT "Halyard: AOT-compiling ${M_NAME} (${M_SCHEDULE}, ${M_TARGET})" VERBATIM)

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "dsl/graph.h"
-#include "generators/partition.h"
+#include "schedules/partition.h"
 #include "schedules/schedule.h"
 
 namespace halyard {

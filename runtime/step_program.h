@@ -89,6 +89,9 @@ struct ModelSpec {
   int num_kernels;
   ProgramSpec train;    // forward + backward: loss and every gradient
   ProgramSpec forward;  // forward only: loss
+  // The plan's summary as JSON (schedules/plan.h, Plan::summary_json): the
+  // predicted peak bytes per rank and its breakdown, the predicted step time.
+  const char* plan_json;
 };
 
 }  // namespace halyard::runtime

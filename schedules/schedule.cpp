@@ -1,65 +1,215 @@
-// Schedule presets, JSON form and validation (see schedule.h).
+// Schedule presets, rules, JSON form and validation (see schedule.h).
 #include "schedules/schedule.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 #include "dsl/types.h"
 #include "schedules/tiling.h"
 
 namespace halyard {
 namespace {
 
-const std::set<std::string>& recomputable() {
-  static const std::set<std::string> ops = {"rms_norm", "rope", "silu", "mul"};
-  return ops;
+// The cheap forward ops the `recompute` preset computes inside their
+// consumers: AutoSP's "cheap, memory-heavy" class.
+const char* const kInlinedByRecompute[] = {"rms_norm", "rope", "silu", "mul"};
+
+bool term_matches(const std::string& term, const Node& n) {
+  if (term == "*") return true;
+  if (term.rfind("op:", 0) == 0) return op_info(n.op).name == term.substr(3);
+  if (term.rfind("class:", 0) == 0) return op_class_name(op_info(n.op).cls) == term.substr(6);
+  if (term == "seq_tiles") return is_wide(n) || n.op == Op::SliceSeq;
+  return !n.name.empty() && glob_match(term, n.name);
+}
+
+std::vector<std::string> terms(const std::string& match) {
+  std::vector<std::string> out;
+  std::istringstream is(match);
+  for (std::string t; is >> t;) out.push_back(t);
+  return out;
+}
+
+bool matches(const std::string& match, const Node& n) {
+  const auto ts = terms(match);
+  if (ts.empty()) return false;
+  for (const std::string& t : ts)
+    if (!term_matches(t, n)) return false;
+  return true;
+}
+
+bool is_name_term(const std::string& t) {
+  return t != "*" && t != "seq_tiles" && t.rfind("op:", 0) != 0 && t.rfind("class:", 0) != 0;
+}
+
+[[noreturn]] void bad(const std::string& what, const std::string& msg) {
+  throw UserError("error: schedule \"" + what + "\": " + msg);
+}
+
+void check_term(const std::string& what, const std::string& t) {
+  if (t.rfind("op:", 0) == 0) {
+    try {
+      op_by_name(t.substr(3));
+    } catch (const UserError& e) {
+      bad(what, "rule match \"" + t + "\" names no op.\n" + std::string(e.what()).substr(7));
+    }
+  }
+  if (t.rfind("class:", 0) == 0) {
+    const std::string c = t.substr(6);
+    if (c != "cheap" && c != "heavy" && c != "runtime" && c != "view")
+      bad(what, "rule match \"" + t + "\" names no op class.\nlegal: class:cheap, class:heavy, class:runtime, class:view.");
+  }
+}
+
+std::string rules_str(const std::vector<ValueRule>& rules) {
+  std::vector<std::string> parts;
+  for (const ValueRule& r : rules) {
+    std::string s = r.match + ":";
+    if (!r.keep.empty()) s += " " + r.keep;
+    if (!r.compute.empty()) s += " " + (r.compute == "inline" ? std::string("inline") : "root");
+    parts.push_back(s);
+  }
+  return join(parts);
 }
 
 }  // namespace
 
-std::string Schedule::to_json() const {
-  nlohmann::json j = {{"name", name}, {"recompute", recompute}, {"autoscheduler", autoscheduler}, {"checkpoint", checkpoint}};
-  if (!split_sequence.empty()) j["split_sequence"] = split_sequence;
-  if (!redistribute_heads.empty()) j["redistribute_heads"] = redistribute_heads;
-  if (seq_tile > 0) j["seq_tile"] = seq_tile;
-  return j.dump(2);
+bool glob_match(const std::string& p, const std::string& s) {
+  // Iterative wildcard match with backtracking to the last '*'.
+  size_t i = 0, j = 0, star = std::string::npos, mark = 0;
+  while (j < s.size()) {
+    if (i < p.size() && p[i] == s[j]) {
+      ++i, ++j;
+    } else if (i < p.size() && p[i] == '*') {
+      star = i++, mark = j;
+    } else if (star != std::string::npos) {
+      i = star + 1, j = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (i < p.size() && p[i] == '*') ++i;
+  return i == p.size();
+}
+
+std::vector<ValueRule> inline_cheap_rules() {
+  std::vector<ValueRule> r;
+  for (const char* op : kInlinedByRecompute) r.push_back({std::string("op:") + op, "", "inline"});
+  return r;
+}
+
+std::vector<ValueRule> checkpoint_rules() {
+  std::vector<ValueRule> r = {{"*", "recompute", ""}};
+  for (const std::string& cls : {std::string("cheap"), std::string("heavy")})
+    for (const std::string& op : op_names(cls == "cheap" ? OpClass::Cheap : OpClass::Heavy))
+      if (op_info(op_by_name(op)).checkpoint_keeps) r.push_back({"op:" + op, "save", ""});
+  r.push_back({"class:runtime", "save", ""});
+  return r;
+}
+
+ValueRule recompute_seq_tiles_rule() { return {"seq_tiles", "recompute", ""}; }
+
+Keep Schedule::keep(const Node& n) const {
+  Keep k = Keep::Save;
+  if (n.op == Op::Input || n.op == Op::Param) return k;
+  for (const ValueRule& r : values)
+    if (!r.keep.empty() && matches(r.match, n)) k = r.keep == "recompute" ? Keep::Recompute : Keep::Save;
+  return k;
+}
+
+Compute Schedule::compute(const Node& n) const {
+  Compute c = Compute::Root;
+  if (op_info(n.op).cls != OpClass::Cheap) return c;
+  for (const ValueRule& r : values)
+    if (!r.compute.empty() && matches(r.match, n)) c = r.compute == "inline" ? Compute::Inline : Compute::Root;
+  return c;
+}
+
+std::string Schedule::strategy(const Node& n) const {
+  std::string s;
+  for (const AttentionRule& r : attention)
+    if (matches(r.match, n)) s = r.strategy;
+  return s;
 }
 
 std::function<bool(const Node&)> Schedule::rematerialize() const {
-  if (!checkpoint && seq_tile <= 0) return {};
-  const bool tiled = seq_tile > 0, all = checkpoint;
-  return [tiled, all](const Node& n) {
-    // Tiles of wide values are recomputed per tile in the backward, so that
-    // the tiles of one value never all live at once; slices cost nothing.
-    if (tiled && (is_wide(n) || n.op == Op::SliceSeq)) return true;
-    if (!all) return false;
-    switch (n.op) {
-      case Op::Add:         // the residual stream: each layer's input
-      case Op::Embedding:
-      case Op::Attention:   // expensive, and its output is what the backward reads
-      case Op::TokenCount:
-        return false;
-      case Op::SeqToHeads:  // collectives are saved: redoing one costs a network round
-      case Op::HeadsToSeq:
-      case Op::GatherSeq:
-      case Op::AllReduce:
-      case Op::ConcatSeq:
-        return false;
-      default:
-        return true;
-    }
+  bool any = false;
+  for (const ValueRule& r : values) any = any || r.keep == "recompute";
+  if (!any) return {};
+  return [s = *this](const Node& n) { return s.keep(n) == Keep::Recompute; };
+}
+
+void Schedule::check(const Graph& g) const {
+  auto legal_values = [&] {
+    std::vector<std::string> names;
+    for (const Node& n : g.nodes())
+      if (!n.name.empty() && n.op != Op::Param && n.op != Op::Input &&
+          std::find(names.begin(), names.end(), n.name) == names.end())
+        names.push_back(n.name);
+    if (names.size() > 6) names.resize(6), names.push_back("...");
+    return join(names);
   };
+  for (const ValueRule& r : values) {
+    bool any = false;
+    for (const Node& n : g.nodes()) {
+      if (n.backward || !matches(r.match, n)) continue;
+      any = true;
+      if (r.compute == "inline" && op_info(n.op).cls != OpClass::Cheap && !is_name_term(r.match))
+        throw UserError("error: schedule \"" + name + "\": value " + describe(g, n.id) + " (op " + op_name(n.op) +
+                        ", class " + op_class_name(op_info(n.op).cls) + ")\n  rule: {match: \"" + r.match +
+                        "\", compute: inline}\nonly cheap values can be computed inside their consumers.\nlegal: "
+                        "compute \"root\", or keep \"recompute\"; cheap ops: " + join(op_names(OpClass::Cheap)) + ".");
+    }
+    bool named = false;
+    for (const std::string& t : terms(r.match)) named = named || is_name_term(t);
+    if (!any && named)
+      throw UserError("error: schedule \"" + name + "\": rule {match: \"" + r.match +
+                      "\"} matches no value of the model.\nlegal: a pattern over value labels, e.g. " + legal_values() +
+                      " ('*' matches any run of characters), op:NAME, class:cheap|heavy|runtime, seq_tiles, or *.");
+  }
+  for (const AttentionRule& r : attention) {
+    bool any = false;
+    for (const Node& n : g.nodes()) any = any || (n.op == Op::Attention && matches(r.match, n));
+    if (!any)
+      throw UserError("error: schedule \"" + name + "\": attention rule {match: \"" + r.match +
+                      "\"} matches no attention of the model.\nlegal: a pattern over attention labels, e.g. "
+                      "model.layers.*.self_attn, or *.");
+  }
+}
+
+std::string Schedule::to_json() const {
+  nlohmann::json j = {{"name", name}, {"mesh", {{"dp", mesh.dp}, {"sp", mesh.sp}, {"zero", mesh.zero}}}};
+  if (!split_sequence.empty()) j["split_sequence"] = split_sequence;
+  if (!attention.empty()) {
+    j["attention"] = nlohmann::json::array();
+    for (const AttentionRule& r : attention) j["attention"].push_back({{"match", r.match}, {"strategy", r.strategy}});
+  }
+  j["values"] = nlohmann::json::array();
+  for (const ValueRule& r : values) {
+    nlohmann::json v = {{"match", r.match}};
+    if (!r.keep.empty()) v["keep"] = r.keep;
+    if (!r.compute.empty()) v["compute"] = r.compute;
+    j["values"].push_back(v);
+  }
+  if (seq_tile > 0) j["seq_tile"] = seq_tile;
+  if (!autoscheduler.empty()) j["autoscheduler"] = autoscheduler;
+  return j.dump(2);
 }
 
 std::string Schedule::str() const {
-  std::string s = "schedule " + name + ": recompute {" +
-                  join(std::vector<std::string>(recompute.begin(), recompute.end())) + "}";
-  if (checkpoint) s += ", checkpointed (backward recomputes all but residuals and attention)";
-  s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
-  if (!split_sequence.empty()) s += ", split_sequence(" + split_sequence + "), redistribute_heads(" + redistribute_heads + ")";
+  std::string s = "schedule " + name + ": mesh dp=" + std::to_string(mesh.dp) + " x sp=" + std::to_string(mesh.sp);
+  if (mesh.zero) s += " zero-" + std::to_string(mesh.zero);
+  if (!split_sequence.empty()) {
+    std::vector<std::string> a;
+    for (const AttentionRule& r : attention) a.push_back(r.match + ": " + r.strategy);
+    s += ", split_sequence(" + split_sequence + "), attention {" + join(a) + "}";
+  }
+  s += ", values {" + rules_str(values) + "}";
   if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
+  s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
   return s;
 }
 
@@ -72,95 +222,136 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
   }
   if (!j.is_object()) throw UserError("error: schedule \"" + what + "\" must be a JSON object.");
   Schedule s;
+  auto integer = [&](const nlohmann::json& v, const std::string& key, int64_t lo) {
+    if (!v.is_number_integer() || v.get<int64_t>() < lo)
+      bad(what, key + " is " + v.dump() + ".\nlegal: an integer >= " + std::to_string(lo) + ".");
+    return v.get<int64_t>();
+  };
+  auto strategy = [&](const std::string& st) {
+    if (st == "ring" || st == "hybrid")
+      bad(what, "redistribute_heads(" + st + ") is not implemented yet.\nlegal: \"ulysses\" (all-to-all of heads).");
+    if (st != "ulysses") bad(what, "redistribute_heads(\"" + st + "\") is not a strategy.\nlegal: \"ulysses\".");
+    return st;
+  };
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& key = it.key();
-    if (key == "name" && it->is_string()) {
-      s.name = it->get<std::string>();
-    } else if (key == "recompute" && it->is_array()) {
-      for (const auto& op : *it) {
-        std::string o = op.is_string() ? op.get<std::string>() : op.dump();
-        if (!recomputable().count(o))
-          throw UserError("error: schedule \"" + what + "\": recompute(" + o +
-                          ")\nonly cheap ops can be recomputed in the backward.\nlegal: " +
-                          join(std::vector<std::string>(recomputable().begin(), recomputable().end())) + ".");
-        s.recompute.insert(o);
+    const nlohmann::json& v = *it;
+    if (key == "name" && v.is_string()) {
+      s.name = v.get<std::string>();
+    } else if (key == "mesh" && v.is_object()) {
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (m.key() == "dp") s.mesh.dp = integer(*m, "mesh.dp", 1);
+        else if (m.key() == "sp") s.mesh.sp = integer(*m, "mesh.sp", 1);
+        else if (m.key() == "zero") {
+          s.mesh.zero = static_cast<int>(integer(*m, "mesh.zero", 0));
+          if (s.mesh.zero > 1) bad(what, "mesh.zero " + std::to_string(s.mesh.zero) + ".\nlegal: 0 or 1 (ZeRO-1).");
+        } else bad(what, "unknown mesh axis \"" + m.key() + "\".\nlegal: dp, sp, zero.");
       }
-    } else if (key == "checkpoint" && it->is_boolean()) {
-      s.checkpoint = it->get<bool>();
-    } else if (key == "split_sequence" && it->is_string()) {
-      s.split_sequence = it->get<std::string>();
+    } else if (key == "values" && v.is_array()) {
+      for (const auto& r : v) {
+        if (!r.is_object() || !r.contains("match") || !r["match"].is_string())
+          bad(what, "value rule " + r.dump() + " has no \"match\" string.\nlegal: {\"match\": \"op:rms_norm\", "
+                    "\"compute\": \"inline\"} or {\"match\": \"model.layers.*.mlp\", \"keep\": \"recompute\"}.");
+        ValueRule vr{r["match"].get<std::string>(), "", ""};
+        for (const std::string& t : terms(vr.match)) check_term(what, t);
+        for (auto f = r.begin(); f != r.end(); ++f) {
+          const std::string val = f->is_string() ? f->get<std::string>() : f->dump();
+          if (f.key() == "match") continue;
+          if (f.key() == "keep" && (val == "save" || val == "recompute")) vr.keep = val;
+          else if (f.key() == "keep" && val == "offload")
+            bad(what, "value rule " + r.dump() + ": keep \"offload\" needs a GPU target with host memory; CPU "
+                      "ranks have none.\nlegal: \"save\" or \"recompute\".");
+          else if (f.key() == "compute" && (val == "root" || val == "inline")) vr.compute = val;
+          else
+            bad(what, "value rule " + r.dump() + ": " + f.key() + " \"" + val +
+                      "\".\nlegal: keep \"save\" | \"recompute\", compute \"root\" | \"inline\".");
+        }
+        if (vr.keep.empty() && vr.compute.empty())
+          bad(what, "value rule " + r.dump() + " decides nothing.\nlegal: add keep (save | recompute) or compute (root | inline).");
+        s.values.push_back(vr);
+      }
+    } else if (key == "attention" && v.is_array()) {
+      for (const auto& r : v) {
+        if (!r.is_object() || !r.contains("match") || !r.contains("strategy") || !r["strategy"].is_string() ||
+            !r["match"].is_string())
+          bad(what, "attention rule " + r.dump() + ".\nlegal: {\"match\": \"model.layers.*.self_attn\", "
+                    "\"strategy\": \"ulysses\"}.");
+        s.attention.push_back({r["match"].get<std::string>(), strategy(r["strategy"].get<std::string>())});
+      }
+    } else if (key == "redistribute_heads" && v.is_string()) {  // one strategy for every attention
+      if (!v.get<std::string>().empty()) s.attention.push_back({"*", strategy(v.get<std::string>())});
+    } else if (key == "recompute" && v.is_array()) {  // the first vocabulary: cheap ops inlined
+      for (const auto& op : v) {
+        const std::string o = op.is_string() ? op.get<std::string>() : op.dump();
+        const std::vector<std::string> cheap = op_names(OpClass::Cheap);
+        if (std::find(cheap.begin(), cheap.end(), o) == cheap.end())
+          bad(what, "recompute(" + o + ")\nonly cheap ops can be recomputed inside their consumers.\nlegal: " +
+                        join(cheap) + ".");
+        s.values.push_back({"op:" + o, "", "inline"});
+      }
+    } else if (key == "checkpoint" && v.is_boolean()) {  // the first vocabulary: full checkpointing
+      if (v.get<bool>())
+        for (const ValueRule& r : checkpoint_rules()) s.values.push_back(r);
+    } else if (key == "split_sequence" && v.is_string()) {
+      s.split_sequence = v.get<std::string>();
       if (!s.split_sequence.empty() && s.split_sequence != "sp")
-        throw UserError("error: schedule \"" + what + "\": split_sequence(\"" + s.split_sequence +
-                        "\")\nthe sequence is split over the mesh axis sp.\nlegal: \"sp\", or \"\" for no split.");
-    } else if (key == "redistribute_heads" && it->is_string()) {
-      s.redistribute_heads = it->get<std::string>();
-      if (s.redistribute_heads == "ring" || s.redistribute_heads == "hybrid")
-        throw UserError("error: schedule \"" + what + "\": redistribute_heads(" + s.redistribute_heads +
-                        ") is not implemented yet.\nlegal: \"ulysses\" (all-to-all of heads).");
-      if (!s.redistribute_heads.empty() && s.redistribute_heads != "ulysses")
-        throw UserError("error: schedule \"" + what + "\": redistribute_heads(\"" + s.redistribute_heads +
-                        "\") is not a strategy.\nlegal: \"ulysses\".");
-    } else if (key == "seq_tile" && it->is_number_integer()) {
-      s.seq_tile = it->get<int64_t>();
+        bad(what, "split_sequence(\"" + s.split_sequence + "\")\nthe sequence is split over the mesh axis sp.\n"
+                  "legal: \"sp\", or \"\" for no split.");
+    } else if (key == "seq_tile" && v.is_number_integer()) {
+      s.seq_tile = v.get<int64_t>();
       if (s.seq_tile < 0)
-        throw UserError("error: schedule \"" + what + "\": seq_tile " + std::to_string(s.seq_tile) +
-                        "\nlegal: tokens per tile of the MLP and loss (e.g. 1024), or 0 for none.");
-    } else if (key == "autoscheduler" && it->is_string()) {
-      s.autoscheduler = it->get<std::string>();
+        bad(what, "seq_tile " + std::to_string(s.seq_tile) + "\nlegal: tokens per tile of the MLP and loss (e.g. 1024), or 0 for none.");
+    } else if (key == "autoscheduler" && v.is_string()) {
+      s.autoscheduler = v.get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
-        throw UserError("error: schedule \"" + what + "\": autoscheduler \"" + s.autoscheduler +
-                        "\" is not supported.\nlegal: \"\" (hand-written schedules) or \"Adams2019\".");
+        bad(what, "autoscheduler \"" + s.autoscheduler + "\" is not supported.\nlegal: \"\" (hand-written schedules) or \"Adams2019\".");
     } else {
-      throw UserError("error: schedule \"" + what + "\": unknown or ill-typed key \"" + key + "\" (" +
-                      it->dump() + ").\nlegal keys: name (string), recompute (array of op names), "
-                      "checkpoint (bool), autoscheduler (string), split_sequence (\"sp\"), "
-                      "redistribute_heads (\"ulysses\"), seq_tile (integer).");
+      bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
+                    ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
+                    "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), "
+                    "autoscheduler (string); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "(bool), redistribute_heads (string).");
     }
   }
-  if (s.split_sequence.empty() != s.redistribute_heads.empty())
-    throw UserError("error: schedule \"" + what + "\": split_sequence(\"" + s.split_sequence +
-                    "\") with redistribute_heads(\"" + s.redistribute_heads +
-                    "\")\nattention needs every key: a split sequence needs a head redistribution, and "
-                    "redistributing heads needs a split sequence.\nlegal: both (\"sp\", \"ulysses\") or neither.");
+  // A tiled schedule of the first vocabulary recomputed its tiles per tile.
+  if (s.seq_tile > 0 && !j.contains("values")) s.values.push_back(recompute_seq_tiles_rule());
+  if (s.split_sequence.empty() != s.attention.empty())
+    bad(what, "split_sequence(\"" + s.split_sequence + "\") with " + std::to_string(s.attention.size()) +
+                  " attention rule(s)\nattention needs every key: a split sequence needs a head redistribution, and "
+                  "redistributing heads needs a split sequence.\nlegal: both (\"sp\", \"ulysses\") or neither.");
+  if (s.mesh.sp > 1 && s.split_sequence.empty())
+    bad(what, "mesh sp=" + std::to_string(s.mesh.sp) + " without split_sequence.\nlegal: split_sequence \"sp\" "
+              "with an attention strategy, or mesh sp=1.");
   return s;
+}
+
+const std::vector<std::string>& Schedule::presets() {
+  static const std::vector<std::string> names = {"default", "recompute", "checkpoint", "autoscheduled",
+                                                 "tiled", "ulysses", "ulysses_checkpoint"};
+  return names;
 }
 
 Schedule Schedule::named(const std::string& n) {
   Schedule s;
   s.name = n;
   if (n == "default") return s;
-  if (n == "recompute") {
-    s.recompute = recomputable();
-    return s;
-  }
-  if (n == "checkpoint") {
-    s.recompute = recomputable();
-    s.checkpoint = true;
-    return s;
-  }
-  if (n == "autoscheduled") {
-    s.autoscheduler = "Adams2019";
-    return s;
-  }
+  if (n == "recompute" || n == "checkpoint" || n == "tiled" || n == "ulysses_checkpoint") s.values = inline_cheap_rules();
+  if (n == "checkpoint" || n == "ulysses_checkpoint")
+    for (const ValueRule& r : checkpoint_rules()) s.values.push_back(r);
   if (n == "tiled") {
-    s.recompute = recomputable();
     s.seq_tile = 1024;
-    return s;
+    s.values.push_back(recompute_seq_tiles_rule());
   }
+  if (n == "autoscheduled") s.autoscheduler = "Adams2019";
   if (n == "ulysses" || n == "ulysses_checkpoint") {
     s.split_sequence = "sp";
-    s.redistribute_heads = "ulysses";
-    if (n == "ulysses_checkpoint") {
-      s.recompute = recomputable();
-      s.checkpoint = true;
-    }
-    return s;
+    s.attention = {{"*", "ulysses"}};
   }
+  if (std::find(presets().begin(), presets().end(), n) != presets().end()) return s;
   std::ifstream in(n);
   if (!in)
-    throw UserError("error: schedule \"" + n + "\" is neither a preset nor a readable file.\n"
-                    "legal: default, recompute, checkpoint, autoscheduled, tiled, ulysses, ulysses_checkpoint,\n"
-                    "or a path to a schedule .json.");
+    throw UserError("error: schedule \"" + n + "\" is neither a preset nor a readable file.\nlegal: " +
+                    join(presets()) + ",\nor a path to a schedule .json.");
   std::stringstream ss;
   ss << in.rdbuf();
   return parse(ss.str(), n);

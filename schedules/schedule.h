@@ -1,56 +1,110 @@
 // A schedule as plain data: what a model's joint graph is lowered with.
 //
 // Like Halide's Schedule, it is a value that prints, compares, serializes and
-// diffs; directives only edit it. This single-rank vocabulary says which cheap
-// forward values the backward recomputes instead of reading saved copies, and
-// whether kernels get Halyard's hand-written loop schedules or Halide's
-// Adams2019 autoscheduler; and how the sequence is split over ranks
-// (schedules/sharding.h). Sequence tiling extends it.
+// diffs; directives only edit it. It says:
+//   - the mesh the step runs on (dp x sp ranks, ZeRO stage of the optimizer);
+//   - split_sequence(sp): activations split on seq over the mesh axis sp, and
+//     per attention (by name pattern) how heads are redistributed (ulysses);
+//   - per forward value (rules matched by op, op class or name pattern, the
+//     last matching rule wins) whether the backward reads a saved copy or
+//     recomputes it (`keep`), and whether a cheap value is computed inside
+//     each consumer's kernel instead of being stored (`compute: inline`, like
+//     Halide's compute_inline);
+//   - the sequence tile of the MLP and the LM head + loss;
+//   - kernel loops: Halyard's hand-written schedules or an autoscheduler.
+// Presets (default, recompute, checkpoint, tiled, ulysses, ...) are schedules
+// written in this vocabulary.
 #pragma once
 
+#include <cstdint>
 #include <functional>
-#include <set>
 #include <string>
+#include <vector>
 
 #include "dsl/graph.h"
 
 namespace halyard {
 
+// The ranks a step runs on: dp data-parallel replicas of sp ranks that split
+// each sequence. zero = 1 shards the optimizer state over all dp x sp ranks.
+struct Mesh {
+  int64_t dp = 1, sp = 1;
+  int zero = 0;
+  int64_t ranks() const { return dp * sp; }
+  bool operator==(const Mesh&) const = default;
+};
+
+enum class Keep { Save, Recompute };
+enum class Compute { Root, Inline };
+
+// Which values a rule addresses: space-separated terms that must all match.
+//   *                  every value
+//   op:NAME            values computed by that op (the op table's names)
+//   class:CLASS        cheap | heavy | runtime (the op table's cost classes)
+//   seq_tiles          the tiles sequence tiling creates (wide values, slices)
+//   a name pattern     the value's label, '*' matching any run of characters:
+//                      model.layers.*.mlp, model.layers.0.self_attn, lm_head
+struct ValueRule {
+  std::string match;
+  std::string keep;     // "" (unchanged), "save" or "recompute"
+  std::string compute;  // "" (unchanged), "root" or "inline"
+  bool operator==(const ValueRule&) const = default;
+};
+
+// Head redistribution of the attentions whose label matches (same patterns).
+struct AttentionRule {
+  std::string match;
+  std::string strategy;  // "ulysses"
+  bool operator==(const AttentionRule&) const = default;
+};
+
 struct Schedule {
   std::string name = "default";
-  // Ops whose forward outputs the backward recomputes (AutoSP's "cheap,
-  // memory-heavy" class): any of rms_norm, rope, silu, mul.
-  std::set<std::string> recompute;
-  // "" for the hand-written loop schedules, or a Halide autoscheduler name.
-  std::string autoscheduler;
-  // Activation checkpointing: the backward recomputes every forward value
-  // except the residual stream (adds, the embedding) and attention outputs,
-  // AutoSP's policy at long sequence (matmuls are recomputed, attention is not).
-  bool checkpoint = false;
+  Mesh mesh;
   // split_sequence(sp): activations are split on seq over this mesh axis
   // ("" = one rank holds the whole sequence).
   std::string split_sequence;
-  // redistribute_heads(<every attention>, strategy): how attention sees the
-  // whole sequence when it is split. "ulysses": all-to-all from seq@sp to
-  // heads@sp before attention and back after it. (ring and hybrid come later.)
-  std::string redistribute_heads;
+  // Per attention, in order (the last match wins); with a split sequence
+  // every attention needs a strategy.
+  std::vector<AttentionRule> attention;
+  // Per forward value, in order (the last match wins). Unmatched values are
+  // saved and stored (root).
+  std::vector<ValueRule> values;
   // tile_sequence(T): the MLP and the LM head + loss run in tiles of T tokens
   // (schedules/tiling.h); 0 = whole sequence.
   int64_t seq_tile = 0;
+  // "" for the hand-written loop schedules, or a Halide autoscheduler name.
+  std::string autoscheduler;
 
-  // The predicate grad() uses for checkpointing (empty when it is off).
+  // Decisions for one value (inputs and parameters are always buffers).
+  Keep keep(const Node& n) const;
+  Compute compute(const Node& n) const;
+  // The strategy of an attention node ("" when the sequence is not split).
+  std::string strategy(const Node& attention) const;
+  // The predicate grad() uses: forward values the backward recomputes
+  // (empty when none is). It holds a copy of the rules.
   std::function<bool(const Node&)> rematerialize() const;
+  // Checks every rule against the graph: a rule that matches nothing, inline
+  // on a value that is not cheap, or recompute of an input is an error naming
+  // the value, the rule and the legal choices.
+  void check(const Graph& g) const;
 
-  bool recomputes(const std::string& op) const { return recompute.count(op) > 0; }
   bool operator==(const Schedule&) const = default;
-
   std::string to_json() const;
   std::string str() const;  // one line, for plan reports and generated headers
 
-  // default | recompute | checkpoint | autoscheduled | tiled | ulysses | ulysses_checkpoint,
-  // or a path to a schedule .json file.
+  // A preset (presets()) or a path to a schedule .json file.
   static Schedule named(const std::string& name_or_path);
   static Schedule parse(const std::string& json_text, const std::string& what);
+  static const std::vector<std::string>& presets();
 };
+
+// Rules of the classic policies, for presets and for the search.
+std::vector<ValueRule> inline_cheap_rules();      // norms, RoPE, SiLU, products inside their consumers
+std::vector<ValueRule> checkpoint_rules();        // recompute all but what the op table says checkpointing keeps
+ValueRule recompute_seq_tiles_rule();             // tiles recomputed per tile in the backward
+
+// '*' matches any run of characters.
+bool glob_match(const std::string& pattern, const std::string& text);
 
 }  // namespace halyard

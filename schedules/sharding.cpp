@@ -60,6 +60,11 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
     } else {
       std::vector<Value> ins;
       for (size_t k = 0; k < n.inputs.size(); ++k) ins.push_back(in(n, k));
+      if (split && n.op == Op::Attention && s.strategy(n) != "ulysses")
+        throw UserError("error: schedule \"" + s.name + "\" splits the sequence over sp=" + std::to_string(sp) +
+                        ", but no attention rule gives " + describe(src, n.id) +
+                        " a head redistribution.\nlegal: an attention rule matching it, e.g. {\"match\": \"" +
+                        (n.name.empty() ? std::string("*") : n.name) + "\", \"strategy\": \"ulysses\"}.");
       if (split && n.op == Op::Attention) {
         const int64_t heads = n.type.size("heads"), kv = src.node(n.inputs[1]).type.size("kv_heads");
         if (!ulysses_can_split(heads, kv, sp))

@@ -16,7 +16,7 @@
 //     degree is chosen at launch, not at build time.
 //
 // Weight gradients stay partial sums on each rank; the step program sums
-// them over the mesh after the backward (generators/program.h).
+// them over the mesh after the backward (schedules/program.h).
 #pragma once
 
 #include <cstdint>

@@ -4,30 +4,22 @@
 #include <vector>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 #include "dsl/ops.h"
 
 namespace halyard {
 namespace {
 
-// Ops computed token by token: tile k of the output needs tile k of the
-// inputs. (A contraction over seq, attention, counting and collectives are not.)
+// Tile k of the output needs tile k of the inputs: the op table's
+// token-local ops, except a contraction that sums over seq, and only on
+// values that have a seq axis (the loss is a sum over tokens: tiles add up).
 bool token_local(const Graph& g, const Node& n) {
-  switch (n.op) {
-    case Op::Embedding:
-    case Op::Add:
-    case Op::Mul:
-    case Op::Silu:
-    case Op::RmsNorm:
-    case Op::Rope:
-    case Op::CrossEntropy:
-      return n.type.has("seq") || n.op == Op::CrossEntropy;
-    case Op::Contract:
-      for (int i : n.inputs)
-        if (g.node(i).type.has("seq") && !n.type.has("seq")) return false;
-      return n.type.has("seq");
-    default:
-      return false;
-  }
+  if (!op_info(n.op).token_local) return false;
+  if (n.op == Op::CrossEntropy) return true;
+  if (n.op == Op::Contract)
+    for (int i : n.inputs)
+      if (g.node(i).type.has("seq") && !n.type.has("seq")) return false;
+  return n.type.has("seq");
 }
 
 struct Tiler {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "dsl/graph.h"
-#include "generators/partition.h"
+#include "schedules/partition.h"
 
 namespace halyard {
 

@@ -1,5 +1,5 @@
 // Partitioning a joint graph into stages (see partition.h).
-#include "generators/partition.h"
+#include "schedules/partition.h"
 
 #include <algorithm>
 #include <functional>
@@ -8,42 +8,16 @@
 #include <sstream>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 
 namespace halyard {
 
 bool is_heavy(Op op) {
-  switch (op) {
-    case Op::Embedding:
-    case Op::EmbeddingGrad:
-    case Op::Contract:
-    case Op::RmsNormGradX:
-    case Op::RmsNormGradW:
-    case Op::Attention:
-    case Op::AttentionLse:
-    case Op::AttentionGradQ:
-    case Op::AttentionGradK:
-    case Op::AttentionGradV:
-    case Op::TokenCount:
-    case Op::CrossEntropy:
-    case Op::CrossEntropyGrad:
-      return true;
-    default:
-      return is_runtime_op(op);
-  }
+  const OpClass c = op_info(op).cls;
+  return c == OpClass::Heavy || c == OpClass::Runtime;
 }
 
 namespace {
-
-// The schedule's name for an op that may be recomputed.
-std::string recompute_name(Op op) {
-  switch (op) {
-    case Op::RmsNorm: return "rms_norm";
-    case Op::Rope: return "rope";
-    case Op::Silu: return "silu";
-    case Op::Mul: return "mul";
-    default: return "";
-  }
-}
 
 std::string attrs_key(const Node& n) {
   std::ostringstream os;
@@ -105,7 +79,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     // that the tiles' partial gradients do not all live until the last one.
     else if (node.backward && node.op == Op::Add && !node.type.has("seq")) root = true;
     else if (consumers[static_cast<size_t>(id)] <= 1) root = false;
-    else root = !s.recomputes(recompute_name(node.op));
+    else root = s.compute(node) == Compute::Root;
     p.materialized[static_cast<size_t>(id)] = root;
   }
 

@@ -1,5 +1,5 @@
 // The step program and its memory plan (see program.h).
-#include "generators/program.h"
+#include "schedules/program.h"
 
 #include <algorithm>
 #include <functional>

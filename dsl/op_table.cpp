@@ -1,0 +1,205 @@
+// The op table (see op_table.h): one row per op.
+#include "dsl/op_table.h"
+
+#include <deque>
+#include <mutex>
+
+#include "dsl/error.h"
+
+namespace halyard {
+namespace {
+
+constexpr int kBuiltinOps = static_cast<int>(Op::AllReduce) + 1;
+
+double numel(const TensorType& t) { return static_cast<double>(t.numel()); }
+const TensorType& in_type(const Graph& g, const Node& n, size_t k) { return g.node(n.inputs[k]).type; }
+
+// k flops per output element.
+std::function<double(const Graph&, const Node&)> per_element(double k) {
+  return [k](const Graph&, const Node& n) { return k * numel(n.type); };
+}
+// k flops per element of operand `i`.
+std::function<double(const Graph&, const Node&)> per_input_element(double k, size_t i) {
+  return [k, i](const Graph& g, const Node& n) { return k * numel(in_type(g, n, i)); };
+}
+
+// 2 flops per multiply-add: every output element sums the axes of a that
+// the output drops (the contracted ones).
+double contract_flops(const Graph& g, const Node& n) {
+  double reduced = 1;
+  for (const Axis& a : in_type(g, n, 0).axes)
+    if (!n.type.has(a.name)) reduced *= static_cast<double>(a.size);
+  return 2 * numel(n.type) * reduced;
+}
+
+// Causal attention visits each query's keys up to itself: S(S+1)/2 pairs of
+// each row and query head. `per_pair(d)` flops per pair.
+std::function<double(const Graph&, const Node&)> attention_flops(double mads, double extra) {
+  return [mads, extra](const Graph& g, const Node& n) {
+    const TensorType& q = in_type(g, n, 0);
+    const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
+    const double pairs = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads")) * s * (s + 1) / 2;
+    return pairs * (2 * mads * d + extra);
+  };
+}
+
+OpInfo row(const char* name, OpClass cls) {
+  OpInfo r;
+  r.name = name;
+  r.cls = cls;
+  return r;
+}
+
+std::deque<OpInfo> make_builtin_rows() {
+  std::deque<OpInfo> t(static_cast<size_t>(kBuiltinOps));
+  auto set = [&](Op op, OpInfo r) { t[static_cast<size_t>(op)] = std::move(r); };
+  auto with = [](OpInfo r, auto&& edit) {
+    edit(r);
+    return r;
+  };
+  using C = OpClass;
+  set(Op::Input, row("input", C::Leaf));
+  set(Op::Param, row("param", C::Leaf));
+  set(Op::Fill, row("fill", C::Leaf));
+  set(Op::Embedding, with(row("embedding", C::Heavy), [](OpInfo& r) { r.token_local = r.checkpoint_keeps = true; }));
+  set(Op::EmbeddingGrad, with(row("embedding_grad", C::Heavy), [](OpInfo& r) { r.flops = per_input_element(1, 0); }));
+  set(Op::Contract, with(row("contract", C::Heavy), [](OpInfo& r) {
+        r.token_local = true;  // unless it sums over seq: see is_token_local()
+        r.flops = contract_flops;
+      }));
+  set(Op::Add, with(row("add", C::Cheap), [](OpInfo& r) {
+        r.token_local = r.checkpoint_keeps = true;  // adds are the residual stream
+        r.flops = per_element(1);
+      }));
+  set(Op::Mul, with(row("mul", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(1); }));
+  set(Op::Silu, with(row("silu", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(4); }));
+  set(Op::SiluGrad, with(row("silu_grad", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(8); }));
+  set(Op::RmsNorm, with(row("rms_norm", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(4); }));
+  set(Op::RmsNormGradX, with(row("rms_norm_grad_x", C::Heavy), [](OpInfo& r) { r.token_local = true, r.flops = per_element(7); }));
+  set(Op::RmsNormGradW, with(row("rms_norm_grad_w", C::Heavy), [](OpInfo& r) { r.flops = per_input_element(4, 0); }));
+  set(Op::Rope, with(row("rope", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(3); }));
+  set(Op::Attention, with(row("attention", C::Heavy), [](OpInfo& r) {
+        r.checkpoint_keeps = true;
+        r.flops = attention_flops(2, 5);  // scores and P.V; the softmax
+      }));
+  set(Op::AttentionLse, with(row("attention_lse", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(1, 3); }));
+  // The backward recomputes the probabilities from q, k and lse: dQ needs
+  // scores, dP = dO.V^T and dS.K; dK the same three; dV (written by dK's
+  // kernel, which shares the probabilities) only P^T.dO.
+  set(Op::AttentionGradQ, with(row("attention_grad_q", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(3, 4); }));
+  set(Op::AttentionGradK, with(row("attention_grad_k", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(3, 4); }));
+  set(Op::AttentionGradV, with(row("attention_grad_v", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(1, 0); }));
+  set(Op::TokenCount, with(row("token_count", C::Heavy), [](OpInfo& r) {
+        r.checkpoint_keeps = true;
+        r.flops = per_input_element(1, 0);
+      }));
+  set(Op::CrossEntropy, with(row("cross_entropy", C::Heavy), [](OpInfo& r) {
+        r.token_local = true;
+        r.flops = per_input_element(4, 0);
+      }));
+  set(Op::CrossEntropyGrad, with(row("cross_entropy_grad", C::Heavy), [](OpInfo& r) {
+        r.token_local = true;
+        r.flops = per_element(5);
+      }));
+  set(Op::SliceSeq, row("slice_seq", C::View));
+  set(Op::PadSeq, row("pad_seq", C::Cheap));
+  set(Op::ConcatSeq, with(row("concat_seq", C::Runtime), [](OpInfo& r) { r.checkpoint_keeps = true; }));
+  for (auto [op, name] : {std::pair{Op::SeqToHeads, "seq_to_heads"}, std::pair{Op::HeadsToSeq, "heads_to_seq"},
+                          std::pair{Op::GatherSeq, "gather_seq"}, std::pair{Op::AllReduce, "all_reduce"}})
+    set(op, with(row(name, C::Runtime), [](OpInfo& r) { r.collective = r.checkpoint_keeps = true; }));
+  return t;
+}
+
+// Rows never move once added (a deque), so references handed out stay valid.
+struct Table {
+  std::mutex mu;
+  std::deque<OpInfo> rows = make_builtin_rows();
+};
+
+Table& table() {
+  static Table t;
+  return t;
+}
+
+}  // namespace
+
+const char* op_class_name(OpClass c) {
+  switch (c) {
+    case OpClass::Leaf: return "leaf";
+    case OpClass::Cheap: return "cheap";
+    case OpClass::View: return "view";
+    case OpClass::Heavy: return "heavy";
+    case OpClass::Runtime: return "runtime";
+  }
+  return "?";
+}
+
+const OpInfo& op_info(Op op) {
+  Table& t = table();
+  const auto i = static_cast<size_t>(op);
+  std::lock_guard<std::mutex> lock(t.mu);
+  HALYARD_CHECK(i < t.rows.size(), "op " << i << " is not in the op table");
+  return t.rows[i];
+}
+
+bool is_registered_op(Op op) { return static_cast<int>(op) >= kBuiltinOps; }
+
+Op register_op(OpInfo info) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  for (const OpInfo& r : t.rows)
+    if (r.name == info.name)
+      throw UserError("error: register_op(\"" + info.name + "\")\nan op of that name exists already.\n"
+                      "legal: a name no other op has.");
+  if (!info.type)
+    throw UserError("error: register_op(\"" + info.name + "\") has no type rule.\n"
+                    "legal: set OpInfo::type to compute the result type from the operands.");
+  if (info.cls != OpClass::Cheap && info.cls != OpClass::Heavy)
+    throw UserError(std::string("error: register_op(\"") + info.name + "\") of class " + op_class_name(info.cls) +
+                    ".\nlegal: cheap or heavy (leaves, views and runtime ops are the runtime's own).");
+  if (info.collective)
+    throw UserError("error: register_op(\"" + info.name + "\") is marked collective.\n"
+                    "legal: collectives are built in (the runtime performs them).");
+  t.rows.push_back(std::move(info));
+  return static_cast<Op>(t.rows.size() - 1);
+}
+
+Op op_by_name(const std::string& name) {
+  Table& t = table();
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(t.mu);
+    for (size_t i = 0; i < t.rows.size(); ++i) {
+      if (t.rows[i].name == name) return static_cast<Op>(i);
+      names.push_back(t.rows[i].name);
+    }
+  }
+  throw UserError("error: no op is named \"" + name + "\".\nlegal: " + join(names) + ".");
+}
+
+std::vector<std::string> op_names(OpClass cls) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  std::vector<std::string> out;
+  for (const OpInfo& r : t.rows)
+    if (r.cls == cls) out.push_back(r.name);
+  return out;
+}
+
+double op_flops(const Graph& g, const Node& n) {
+  const OpInfo& r = op_info(n.op);
+  return r.flops ? r.flops(g, n) : 0.0;
+}
+
+int64_t value_bytes(const TensorType& t) {
+  const int64_t e = t.dtype == DType::f64 ? 8 : t.dtype == DType::bf16 ? 2 : 4;
+  return t.numel() * e;
+}
+
+int64_t op_bytes(const Graph& g, const Node& n) {
+  int64_t b = value_bytes(n.type);
+  for (int i : n.inputs) b += value_bytes(g.node(i).type);
+  return b;
+}
+
+}  // namespace halyard

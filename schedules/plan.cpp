@@ -1,0 +1,332 @@
+// The plan and its cost and memory model (see plan.h).
+#include "schedules/plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "dsl/autodiff.h"
+#include "dsl/error.h"
+#include "dsl/op_table.h"
+#include "schedules/sharding.h"
+#include "schedules/tiling.h"
+
+namespace halyard {
+namespace {
+
+constexpr int64_t kAlign = 128;  // the runtime's allocation alignment
+int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
+
+// "model.layers.3.self_attn" -> "model.layers.3"; "lm_head" stays.
+std::string layer_of(const std::string& name) {
+  const std::string p = "model.layers.";
+  if (name.rfind(p, 0) != 0) return name;
+  const size_t dot = name.find('.', p.size());
+  return dot == std::string::npos ? name : name.substr(0, dot);
+}
+
+std::string collective_kind(Op op) {
+  switch (op) {
+    case Op::SeqToHeads:
+    case Op::HeadsToSeq: return "all_to_all";
+    case Op::GatherSeq: return "all_gather";
+    default: return "all_reduce";
+  }
+}
+
+bool is_buffer(const Stage& st, int id) { return std::find(st.inputs.begin(), st.inputs.end(), id) != st.inputs.end(); }
+
+// The temporaries the CPU lowering (generators/lower.cpp) allocates while a
+// kernel runs: copies of operands it reads in another order (or computes
+// once from an inlined expression), RoPE's tables, and attention's per-tile
+// scores on each thread. An estimate that mirrors the lowering's choices.
+int64_t kernel_scratch(const Graph& g, const Stage& st, int threads) {
+  const Node& n = g.node(st.root);
+  int64_t bytes = 0;
+  for (int id : st.inlined)
+    if (g.node(id).op == Op::Rope) bytes += 2 * value_bytes(g.node(id).type) / 2;  // cos and sin per (token, frequency)
+  if (n.op == Op::Contract && n.type.rank() > 0) {
+    const std::string inner = n.type.axes.back().name;
+    const TensorType &ta = g.node(n.inputs[0]).type, &tb = g.node(n.inputs[1]).type;
+    const int bop = tb.has(inner) && !ta.has(inner) ? 1 : 0;
+    const int b = n.inputs[static_cast<size_t>(bop)];
+    const TensorType& t = g.node(b).type;
+    std::vector<std::string> order;
+    for (const Axis& ax : t.axes)
+      if (!n.type.has(ax.name)) order.push_back(ax.name);
+    for (const Axis& ax : n.type.axes)
+      if (t.has(ax.name)) order.push_back(ax.name);
+    if (order != t.axis_names() || !is_buffer(st, b)) bytes += value_bytes(t);
+  }
+  const bool attn = n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
+                    n.op == Op::AttentionGradK || n.op == Op::AttentionGradV;
+  if (attn) {
+    const TensorType& q = g.node(n.inputs[0]).type;
+    const TensorType& k = g.node(n.inputs[1]).type;
+    if (!is_buffer(st, n.inputs[0])) bytes += value_bytes(q);
+    if (!is_buffer(st, n.inputs[1])) bytes += value_bytes(k);
+    bytes += 2 * value_bytes(k);  // keys (and values or the output's cotangent) transposed
+    const int64_t s = q.size("seq"), grp = q.size("heads") / std::max<int64_t>(1, k.size("kv_heads"));
+    bytes += static_cast<int64_t>(threads) * 32 * s * grp * 4 * 3;  // scores, probabilities, dP of a tile
+  }
+  return bytes;
+}
+
+}  // namespace
+
+std::string stage_kind(Op root) {
+  switch (root) {
+    case Op::Contract: return "contract";
+    case Op::Attention:
+    case Op::AttentionLse:
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK:
+    case Op::AttentionGradV: return "attention";
+    case Op::RmsNormGradX:
+    case Op::RmsNormGradW: return "norm";
+    case Op::Embedding:
+    case Op::EmbeddingGrad: return "embedding";
+    case Op::TokenCount:
+    case Op::CrossEntropy:
+    case Op::CrossEntropyGrad: return "loss";
+    case Op::ConcatSeq: return "copy";
+    default: return "pointwise";
+  }
+}
+
+int64_t MemoryBreakdown::total() const {
+  int64_t t = 0;
+  for (const auto& [k, v] : items()) t += v;
+  return t;
+}
+
+std::vector<std::pair<std::string, int64_t>> MemoryBreakdown::items() const {
+  return {{"parameters", parameters},         {"gradients", gradients},
+          {"optimizer_state", optimizer_state}, {"activations", activations},
+          {"kernel_scratch", kernel_scratch},   {"collective_buffers", collective_buffers},
+          {"data", data},                       {"runtime_baseline", runtime_baseline}};
+}
+
+double Plan::flops() const {
+  double f = 0;
+  for (const StageCost& s : stages) f += s.flops;
+  return f;
+}
+
+int64_t Plan::collective_bytes_per_rank() const {
+  int64_t b = 0;
+  for (const CollectiveCost& c : collectives) b += c.bytes_per_rank;
+  return b;
+}
+
+Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& schedule, const Cluster& cluster) {
+  if (req.seq <= 0 || req.batch <= 0)
+    throw UserError("error: plan of \"" + req.config + "\" with batch " + std::to_string(req.batch) + ", seq " +
+                    std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
+  Plan p;
+  p.schedule = schedule;
+  p.cluster = cluster;
+  p.request = req;
+  const int64_t sp = schedule.mesh.sp;
+  p.local_seq = local_seq(req.seq, sp);
+  BuiltModel m = build(req.config, req.batch, p.local_seq);
+  RebuiltGraph sharded = shard_sequence(*m.graph, m.loss.id, schedule, sp);
+  RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, schedule.seq_tile);
+  m.graph = std::move(tiled.graph);
+  m.loss = tiled.loss;
+  m.params = tiled.params;
+  Graph& g = *m.graph;
+  schedule.check(g);
+  Gradients grads = grad(m.loss, m.params, GradOptions{schedule.rematerialize()});
+  verify(g);
+  for (const Value& v : m.params) {
+    p.param_ids.push_back(v.id);
+    p.grad_ids.push_back(grads[v].id);
+    p.num_params += v.type().numel();
+  }
+  std::vector<int> train_out = p.grad_ids;
+  train_out.push_back(m.loss.id);
+  p.train = partition(g, train_out, schedule);
+  p.forward = partition(g, {m.loss.id}, schedule);
+  p.train_program = plan_program(g, p.train, p.param_ids, p.grad_ids, m.loss.id);
+  p.forward_program = plan_program(g, p.forward, p.param_ids, {}, m.loss.id);
+  p.model = std::move(m);
+
+  // Time: each stage of the train program by its kind's coefficients.
+  const int64_t ranks = schedule.mesh.ranks();
+  const int threads = static_cast<int>(std::max<int64_t>(1, ranks >= cluster.ranks_per_node ? 1 : cluster.ranks_per_node / ranks));
+  int64_t scratch = 0, staging = 0;
+  for (size_t s = 0; s < p.train.stages.size(); ++s) {
+    const Stage& st = p.train.stages[s];
+    const Node& root = g.node(st.root);
+    int64_t bytes = value_bytes(root.type);
+    for (int x : st.extra_outputs) bytes += value_bytes(g.node(x).type);
+    for (int in : st.inputs) bytes += value_bytes(g.node(in).type);
+    if (is_collective(root.op)) {
+      CollectiveCost c;
+      c.stage = static_cast<int>(s);
+      c.op = op_name(root.op);
+      c.kind = collective_kind(root.op);
+      c.axis = root.attrs.mesh_axis;
+      c.degree = c.axis == kWholeMesh ? ranks : root.attrs.degree;
+      const int64_t in = value_bytes(g.node(st.inputs[0]).type), out = value_bytes(root.type);
+      // An all-to-all sends the blocks bound for other ranks; a gather its
+      // own slice to each; an all-reduce (ring) about twice its buffer.
+      const double share = c.degree > 1 ? static_cast<double>(c.degree - 1) / static_cast<double>(c.degree) : 0;
+      c.bytes_per_rank = c.kind == "all_to_all" ? static_cast<int64_t>(static_cast<double>(std::max(in, out)) * share)
+                         : c.kind == "all_gather" ? static_cast<int64_t>(static_cast<double>(out) * share)
+                                                  : static_cast<int64_t>(2 * static_cast<double>(out) * share);
+      c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
+      if (c.kind != "all_reduce") staging = std::max(staging, 2 * std::max(in, out));
+      p.collectives.push_back(c);
+      continue;
+    }
+    StageCost sc;
+    sc.stage = static_cast<int>(s);
+    sc.kind = stage_kind(root.op);
+    sc.backward = root.backward;
+    sc.layer = layer_of(root.name);
+    sc.label = std::string(op_name(root.op)) + " %" + std::to_string(st.root) + (root.name.empty() ? "" : " " + root.name);
+    sc.flops = op_flops(g, root);
+    for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
+    for (int x : st.extra_outputs) sc.flops += op_flops(g, g.node(x));
+    sc.bytes = bytes;
+    sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
+    p.compute_s += sc.time_s;
+    scratch = std::max(scratch, kernel_scratch(g, st, threads));
+    p.stages.push_back(sc);
+  }
+  // The gradients are summed over the mesh after the backward (ZeRO-1:
+  // reduce-scattered, and the updated parameters all-gathered).
+  const int64_t param_bytes = 4 * p.num_params;
+  if (ranks > 1) {
+    const double share = static_cast<double>(ranks - 1) / static_cast<double>(ranks);
+    auto add = [&](const char* op, const char* kind, double bytes) {
+      CollectiveCost c{-1, op, kind, kWholeMesh, ranks, static_cast<int64_t>(bytes), 0};
+      c.time_s = cluster.collective_time(kind, bytes, ranks);
+      p.collectives.push_back(c);
+    };
+    if (schedule.mesh.zero) {
+      add("reduce_scatter_grads", "all_reduce", static_cast<double>(param_bytes) * share);
+      add("all_gather_params", "all_gather", static_cast<double>(param_bytes) * share);
+    } else {
+      add("all_reduce_grads", "all_reduce", 2 * static_cast<double>(param_bytes) * share);
+    }
+  }
+  for (const CollectiveCost& c : p.collectives) p.communication_s += c.time_s;
+  // AdamW reads parameter, gradient and two moments and writes three of them.
+  const double updated = static_cast<double>(p.num_params) / static_cast<double>(schedule.mesh.zero ? ranks : 1);
+  p.optimizer_s = cluster.kernel_time("pointwise", 12 * updated, 28 * updated);
+  p.step_s = p.compute_s + p.communication_s + p.optimizer_s;
+
+  // Memory of one rank, as runtime::Model and the training loop allocate it.
+  MemoryBreakdown& mem = p.memory;
+  for (const Value& v : p.model.params) mem.parameters += round_up(value_bytes(v.type()));
+  mem.gradients = mem.parameters;
+  mem.optimizer_state = schedule.mesh.zero ? 2 * param_bytes / ranks + param_bytes / ranks : 2 * param_bytes;
+  mem.activations = std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes);
+  mem.kernel_scratch = scratch;
+  mem.collective_buffers = staging;
+  const int64_t tokens = req.batch * p.local_seq;
+  mem.data = 3 * round_up(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
+  mem.runtime_baseline = cluster.process_baseline_bytes;
+  return p;
+}
+
+std::string Plan::report() const {
+  std::ostringstream os;
+  char line[512];
+  const Graph& g = *model.graph;
+  std::snprintf(line, sizeof line, "plan: %s, batch %lld x seq %lld (%lld tokens per row on each rank), %s\n",
+                request.config.c_str(), static_cast<long long>(request.batch), static_cast<long long>(request.seq),
+                static_cast<long long>(local_seq), schedule.str().c_str());
+  os << line;
+  std::snprintf(line, sizeof line, "cluster: %s (%lld ranks, %lld per node): %s\n", cluster.name.c_str(),
+                static_cast<long long>(cluster.ranks), static_cast<long long>(cluster.ranks_per_node), cluster.source.c_str());
+  os << line;
+  std::snprintf(line, sizeof line, "%zu nodes, %zu stages (train), %zu kernels, %lld parameters\n\n", static_cast<size_t>(g.size()),
+                train.stages.size(), train.kernels.size(), static_cast<long long>(num_params));
+  os << line;
+  // Stages grouped by layer and direction, in order of first appearance.
+  struct Group { std::string name; int stages = 0; double flops = 0, time = 0; int64_t bytes = 0; };
+  std::vector<Group> groups;
+  for (const StageCost& s : stages) {
+    const std::string name = (s.layer.empty() ? std::string("(unnamed)") : s.layer) + (s.backward ? " backward" : " forward");
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& x) { return x.name == name; });
+    if (it == groups.end()) groups.push_back({name}), it = groups.end() - 1;
+    ++it->stages, it->flops += s.flops, it->time += s.time_s, it->bytes += s.bytes;
+  }
+  os << "  stages                              kernels      GFLOP     MiB moved   predicted ms\n";
+  for (const Group& x : groups) {
+    std::snprintf(line, sizeof line, "  %-36s %6d %10.3f %13.1f %14.3f\n", x.name.c_str(), x.stages, x.flops / 1e9,
+                  mib(x.bytes), x.time * 1e3);
+    os << line;
+  }
+  os << "\n  collectives                         count   MiB sent per rank   predicted ms\n";
+  std::map<std::string, std::tuple<int, int64_t, double>> by_op;
+  for (const CollectiveCost& c : collectives) {
+    auto& [n, b, t] = by_op[c.op + " over " + c.axis + "=" + std::to_string(c.degree)];
+    ++n, b += c.bytes_per_rank, t += c.time_s;
+  }
+  for (const auto& [op, v] : by_op) {
+    std::snprintf(line, sizeof line, "  %-36s %5d %19.2f %14.3f\n", op.c_str(), std::get<0>(v), mib(std::get<1>(v)),
+                  std::get<2>(v) * 1e3);
+    os << line;
+  }
+  os << "\n  memory per rank                     MiB\n";
+  for (const auto& [k, v] : memory.items()) {
+    std::snprintf(line, sizeof line, "  %-36s %10.1f\n", k.c_str(), mib(v));
+    os << line;
+  }
+  std::snprintf(line, sizeof line, "  %-36s %10.1f%s\n", "predicted peak", mib(memory.total()),
+                cluster.memory_per_rank_bytes > 0
+                    ? (" of " + std::to_string(cluster.memory_per_rank_bytes >> 20) + " MiB per rank" +
+                       (memory.total() > cluster.memory_per_rank_bytes ? ": DOES NOT FIT" : ""))
+                          .c_str()
+                    : "");
+  os << line;
+  std::snprintf(line, sizeof line,
+                "\npredicted step: %.4f s (compute %.4f, communication %.4f, optimizer %.4f); %.3f GFLOP per rank, "
+                "%.2f MiB sent per rank\n",
+                step_s, compute_s, communication_s, optimizer_s, flops() / 1e9, mib(collective_bytes_per_rank()));
+  os << line;
+  return os.str();
+}
+
+std::string Plan::summary_json() const {
+  nlohmann::json j;
+  j["schedule"] = schedule.name;
+  j["cluster"] = cluster.name;
+  j["mesh"] = {{"dp", schedule.mesh.dp}, {"sp", schedule.mesh.sp}, {"zero", schedule.mesh.zero}};
+  j["seq"] = request.seq;
+  j["batch"] = request.batch;
+  j["local_seq"] = local_seq;
+  j["predicted_peak_bytes_per_rank"] = memory.total();
+  j["predicted_step_s"] = step_s;
+  for (const auto& [k, v] : memory.items()) j["memory_per_rank"][k] = v;
+  j["compute_s"] = compute_s;
+  j["communication_s"] = communication_s;
+  j["optimizer_s"] = optimizer_s;
+  j["flops_per_rank"] = flops();
+  j["collective_bytes_per_rank"] = collective_bytes_per_rank();
+  return j.dump();
+}
+
+std::string Plan::to_json() const {
+  nlohmann::json j = nlohmann::json::parse(summary_json());
+  j["schedule"] = nlohmann::json::parse(schedule.to_json());
+  j["cluster"] = nlohmann::json::parse(cluster.to_json());
+  j["config"] = request.config;
+  for (const StageCost& s : stages)
+    j["stages"].push_back({{"stage", s.stage}, {"kind", s.kind}, {"label", s.label}, {"layer", s.layer},
+                           {"backward", s.backward}, {"flops", s.flops}, {"bytes", s.bytes}, {"time_s", s.time_s}});
+  for (const CollectiveCost& c : collectives)
+    j["collectives"].push_back({{"stage", c.stage}, {"op", c.op}, {"kind", c.kind}, {"axis", c.axis},
+                                {"degree", c.degree}, {"bytes_per_rank", c.bytes_per_rank}, {"time_s", c.time_s}});
+  j["arena_bytes"] = {{"train", train_program.arena_bytes}, {"forward", forward_program.arena_bytes}};
+  return j.dump(2);
+}
+
+}  // namespace halyard

@@ -1,0 +1,118 @@
+// The plan: what one rank of a mesh runs for a model under a schedule, and
+// what it is predicted to cost there. One library call shared by the
+// generator (which compiles exactly the plan's stages), halyard-plan, the
+// calibration tool and the tests; scoring a plan compiles nothing.
+//
+//   Plan p = plan(build, {config, batch, seq}, Schedule::named("ulysses"), Cluster::named("8xA100-80GB"));
+//   p.step_s, p.memory.total(), p.collectives, p.report()
+//
+// The pipeline, in order: build the model at one rank's slice of the
+// sequence; shard it over sp (schedules/sharding.h); tile the sequence
+// (schedules/tiling.h); check the schedule's rules against the graph;
+// differentiate, recomputing what the schedule says; partition into stages
+// and plan the static memory (schedules/partition.h, schedules/program.h);
+// then cost every stage and collective with the cluster's coefficients and
+// add up the memory a rank holds.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsl/graph.h"
+#include "schedules/cluster.h"
+#include "schedules/partition.h"
+#include "schedules/program.h"
+#include "schedules/schedule.h"
+
+namespace halyard {
+
+// A model as its example builds it (at one rank's slice of the sequence).
+struct BuiltModel {
+  std::unique_ptr<Graph> graph;
+  Value loss;
+  std::vector<Value> params;
+  std::map<std::string, std::vector<int64_t>> hf_shapes;
+  int64_t vocab = 0;
+  int64_t ignore_index = -100;
+  std::string config_json;
+};
+
+using ModelBuilder = std::function<BuiltModel(const std::string& config_path, int64_t batch, int64_t seq)>;
+
+struct ModelRequest {
+  std::string config;  // path to the model's config.json
+  int64_t batch = 1;
+  int64_t seq = 0;  // global tokens per row
+};
+
+struct StageCost {
+  int stage = -1;
+  std::string kind;   // a kernel kind (cluster.h), or the collective's name
+  std::string label;  // op, node and name
+  std::string layer;  // "model.layers.3", "lm_head", ... ("" when unnamed)
+  bool backward = false;
+  double flops = 0;
+  int64_t bytes = 0;  // read + written
+  double time_s = 0;
+};
+
+struct CollectiveCost {
+  int stage = -1;     // in the train program; -1 for the gradient reduction
+  std::string op;     // seq_to_heads, heads_to_seq, gather_seq, all_reduce, all_reduce_grads, ...
+  std::string kind;   // all_to_all, all_gather, all_reduce (the cluster's coefficient)
+  std::string axis;   // mesh axis: "sp", "dp,sp"
+  int64_t degree = 1;
+  int64_t bytes_per_rank = 0;  // what each rank sends
+  double time_s = 0;
+};
+
+// Bytes one rank holds at its peak, by what holds them.
+struct MemoryBreakdown {
+  int64_t parameters = 0, gradients = 0, optimizer_state = 0;
+  int64_t activations = 0;         // the static arena (forward values kept for the backward, and transients)
+  int64_t kernel_scratch = 0;      // the largest temporary a kernel allocates while it runs
+  int64_t collective_buffers = 0;  // staging of all-to-alls and gathers
+  int64_t data = 0;                // token ids, labels and positions (the loader's and the model's copies)
+  int64_t runtime_baseline = 0;    // the process before the model (libraries, MPI or the CUDA context)
+  int64_t total() const;
+  std::vector<std::pair<std::string, int64_t>> items() const;
+};
+
+struct Plan {
+  Schedule schedule;
+  Cluster cluster;
+  ModelRequest request;
+  int64_t local_seq = 0;  // tokens per row on each rank
+  BuiltModel model;       // the scheduled joint graph (forward and backward) and its parameters
+  std::vector<int> param_ids, grad_ids;
+  int64_t num_params = 0;  // parameter elements
+  Partition train, forward;
+  Program train_program, forward_program;
+
+  std::vector<StageCost> stages;  // the train program's kernels, in order
+  std::vector<CollectiveCost> collectives;
+  MemoryBreakdown memory;
+  double compute_s = 0, communication_s = 0, optimizer_s = 0;
+  double step_s = 0;  // predicted: train step plus the optimizer update
+
+  double flops() const;
+  int64_t collective_bytes_per_rank() const;
+  // A table a person reads: stages grouped by layer, memory, time, volume.
+  std::string report() const;
+  // The whole plan as JSON; summary_json() is what a library carries.
+  std::string to_json() const;
+  std::string summary_json() const;
+};
+
+// Plans `request` under `schedule` (its mesh says the ranks) on `cluster`.
+// Throws UserError for a schedule the model cannot take.
+Plan plan(const ModelBuilder& build, const ModelRequest& request, const Schedule& schedule, const Cluster& cluster);
+
+// The kernel kind a stage's root belongs to (the time model's classes).
+std::string stage_kind(Op root);
+
+}  // namespace halyard

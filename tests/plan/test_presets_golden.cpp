@@ -1,0 +1,112 @@
+// The schedule presets, rewritten in the per-value vocabulary, must give
+// bitwise the libraries' results of before: the loss and every gradient of
+// one train step of each preset's library equal, bit for bit, the values
+// committed in tests/fixtures/presets_golden.txt (written by this program
+// with --write from the libraries as they were before the rewrite): the
+// losses as exact hex floats, each gradient as a 64-bit FNV-1a hash of its bits.
+//
+//   test_presets_golden                 compare (ctest, label "plan")
+//   test_presets_golden --write FILE    record the current libraries' results
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "llama_micro_checkpoint.h"
+#include "llama_micro_default.h"
+#include "llama_micro_recompute.h"
+#include "llama_micro_tiled.h"
+#include <fstream>
+#include <map>
+#include <sstream>
+#include "tests/generators/sp_check.h"
+#include "tiny_sp2_s128.h"
+#include "tiny_sp4_s126_tiled.h"
+
+namespace halyard {
+namespace {
+
+const std::string kGolden = std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/presets_golden.txt";
+
+std::string bits(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+  for (size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  char s[32];
+  std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(h));
+  return s;
+}
+
+std::string hex(double x) {
+  char s[64];
+  std::snprintf(s, sizeof s, "%a", x);
+  return s;
+}
+
+// "name value" per line.
+std::map<std::string, std::string> results_of(const runtime::ModelSpec& spec);
+
+std::map<std::string, std::string> read_golden() {
+  std::ifstream in(kGolden);
+  std::map<std::string, std::string> m;
+  for (std::string k, v; in >> k >> v;) m[k] = v;
+  return m;
+}
+
+// Rank 0's result of one step of `spec` over `ranks` in-process ranks.
+sp_check::StepResult step_of(const runtime::ModelSpec& spec) {
+  if (spec.sp == 1) return sp_check::run_step(spec, nullptr);
+  auto group = runtime::make_in_process_group(spec.sp);
+  std::vector<sp_check::StepResult> results(static_cast<size_t>(spec.sp));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < spec.sp; ++r)
+    threads.emplace_back([&, r] { results[static_cast<size_t>(r)] = sp_check::run_step(spec, group[static_cast<size_t>(r)].get()); });
+  for (auto& t : threads) t.join();
+  return results[0];
+}
+
+const std::vector<const runtime::ModelSpec*>& libraries() {
+  static const std::vector<const runtime::ModelSpec*> all = {
+      &halyard_models::llama_micro_default(), &halyard_models::llama_micro_recompute(),
+      &halyard_models::llama_micro_checkpoint(), &halyard_models::llama_micro_tiled(),
+      &halyard_models::tiny_sp2_s128(), &halyard_models::tiny_sp4_s126_tiled()};
+  return all;
+}
+
+std::map<std::string, std::string> results_of(const runtime::ModelSpec& spec) {
+  const sp_check::StepResult r = step_of(spec);
+  const std::string at = std::string(spec.name) + "/";
+  std::map<std::string, std::string> m = {{at + "loss", hex(r.loss)}, {at + "forward_loss", hex(r.forward_loss)}};
+  for (int i = 0; i < spec.num_params; ++i) m[at + spec.params[i].name] = bits(r.grads[static_cast<size_t>(i)]);
+  return m;
+}
+
+TEST(Plan, PresetsReproduceTheirLibrariesBitwise) {
+  const auto golden = read_golden();
+  ASSERT_FALSE(golden.empty()) << "cannot read " << kGolden;
+  for (const runtime::ModelSpec* spec : libraries()) {
+    int differing = 0, total = 0;
+    for (const auto& [name, value] : results_of(*spec)) {
+      ++total;
+      auto it = golden.find(name);
+      ASSERT_NE(it, golden.end()) << name << " is not in " << kGolden;
+      if (it->second != value) ++differing, ADD_FAILURE() << name << ": " << value << " but golden " << it->second;
+    }
+    std::printf("  %s (%s): %d of %d values differ from the golden bits\n", spec->name, spec->schedule, differing, total);
+  }
+}
+
+}  // namespace
+}  // namespace halyard
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--write") {
+    std::ofstream out(argv[2]);
+    size_t n = 0;
+    for (const halyard::runtime::ModelSpec* spec : halyard::libraries())
+      for (const auto& [name, value] : halyard::results_of(*spec)) out << name << " " << value << "\n", ++n;
+    std::printf("wrote %zu values to %s\n", n, argv[2]);
+    return out.good() ? 0 : 1;
+  }
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
