@@ -259,7 +259,7 @@ int run(const Options& o, const ModelBuilder& build) {
     << train_prog.calls.size() + (train_prog.reduce_grads ? 1 : 0) << ", "
     << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
     << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
-    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n};\n}  // namespace\n\n"
+    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  nullptr,\n};\n}  // namespace\n\n"
     << "const halyard::runtime::ModelSpec& halyard_models::" << o.name << "() { return spec; }\n";
   std::printf("halyard_aot %s: done in %.1fs\n", o.name.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
