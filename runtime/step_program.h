@@ -89,8 +89,12 @@ struct ModelSpec {
   int num_kernels;
   ProgramSpec train;    // forward + backward: loss and every gradient
   ProgramSpec forward;  // forward only: loss
-  // The plan's summary as JSON (schedules/plan.h, Plan::summary_json): the
-  // predicted peak bytes per rank and its breakdown, the predicted step time.
+  // The plan as data: a JSON object with the generator's predictions per rank
+  // (e.g. "predicted_peak_bytes_per_rank", "memory_per_rank": {name: bytes},
+  // "predicted_step_s"), which training programs print and log beside what
+  // they measure (runtime/measure.h). nullptr or "" from generators that
+  // predict nothing. Last on purpose: generated code initializes every member
+  // in order, so new fields go after it.
   const char* plan_json;
 };
 

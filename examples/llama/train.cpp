@@ -10,11 +10,12 @@
 //               [--clip MAX_NORM (1.0; 0 = off)] [--metrics FILE.jsonl]
 //               [--sp N] [--zero 0|1] [--comm-timeout SECONDS (60)]
 //
-// The binary links one library per sp degree (1, 2, 4; all built for the
-// same config and global seq) and runs the one built for the number of ranks
-// it is launched on: each rank holds seq/sp tokens of every row, attention
-// redistributes heads with Ulysses all-to-alls, the loss and gradients are
-// summed over ranks inside the generated step. --sp N (default: all ranks)
+// The binary links one library per sp degree (all built for the same config
+// and global seq; halyard_add_llama_train in examples/llama/CMakeLists.txt
+// lists them: llama_train has sp 1, 2 and 4) and runs the one built for the
+// number of ranks it is launched on: each rank holds seq/sp tokens of every
+// row, attention redistributes heads with Ulysses all-to-alls, the loss and
+// gradients are summed over ranks inside the generated step. --sp N (default: all ranks)
 // makes groups of N consecutive ranks split each sequence, and the groups
 // data-parallel replicas on different rows (dp = ranks / N; gradients and the
 // loss are summed over all of them). --config and --seq, when
@@ -39,8 +40,16 @@
 // `position_ids` (I32 [batch, seq]) and `grad/<HF name>` of every parameter
 // (F32, HF shape), then exits without updating the parameters: the numbers to
 // compare against another framework's step on the same weights and batch.
-#include <sys/resource.h>
-
+//
+// Predicted vs measured: when the library carries a plan (ModelSpec::plan_json,
+// the generator's predictions per rank), rank 0 prints it before the first
+// step ("plan: predicted peak ... MiB per rank (...), predicted step ... s")
+// and a fresh run writes it first in --metrics, with the launch it ran under:
+//   {"plan": {...}, "launch": {"ranks":4,"dp":1,"sp":4,"zero":0,"threads_per_rank":1}}
+// Every step line then carries what happened: "peak_rss_bytes" per rank
+// (exact, runtime/measure.h) and "step_s" (rank 0's wall time of train_step
+// plus the optimizer), next to "loss", "tokens_per_s" and the other keys.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -54,6 +63,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/llama/linked_models.h"
 #include "examples/llama/llama_config.h"
 #include "runtime/adamw.h"
 #include "runtime/checkpoint.h"
@@ -61,12 +71,10 @@
 #include "runtime/data.h"
 #include "runtime/error.h"
 #include "runtime/lr_schedule.h"
+#include "runtime/measure.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 #include "runtime/zero.h"
-#include "tiny_llama.h"
-#include "tiny_llama_sp2.h"
-#include "tiny_llama_sp4.h"
 
 using namespace halyard;
 
@@ -134,20 +142,44 @@ std::string parse(int argc, char** argv, Options& o) {
   return "";
 }
 
-// The library built for this sp degree.
+// The linked library built for this sp degree (linked_models.h).
 const runtime::ModelSpec& model_for(int ranks) {
-  const runtime::ModelSpec* built[] = {&halyard_models::tiny_llama(), &halyard_models::tiny_llama_sp2(),
-                                       &halyard_models::tiny_llama_sp4()};
-  std::string degrees;
-  for (const auto* s : built) {
-    if (s->sp == ranks) return *s;
-    degrees += (degrees.empty() ? "" : ", ") + std::to_string(s->sp);
+  const std::string exe = halyard_train_target;
+  const runtime::ModelSpec* found = nullptr;
+  std::vector<int> degrees;
+  for (int i = 0; i < halyard_linked_model_count; ++i) {
+    const runtime::ModelSpec* s = halyard_linked_models[i];
+    if (s->sp == ranks && found)
+      throw runtime::Error("error: " + exe + " links two libraries for sp = " + std::to_string(ranks) + " (\"" +
+                           found->name + "\" and \"" + s->name + "\") and cannot tell which to run.\nfix: list one "
+                           "library per sp degree in halyard_add_llama_train(NAME " + exe + " MODELS ...).");
+    if (s->sp == ranks) found = s;
+    degrees.push_back(s->sp);
   }
-  throw runtime::Error("error: llama_train splits the sequence over sp = " + std::to_string(ranks) +
-                       " ranks, but it links libraries for sp = " + degrees +
-                       " only.\nfix: pass --sp 1, 2 or 4 (the ranks beyond it become data-parallel replicas), or add "
-                       "halyard_add_model(... SP " + std::to_string(ranks) +
-                       ") to examples/llama/CMakeLists.txt and link it here.");
+  if (found) return *found;
+  std::sort(degrees.begin(), degrees.end());
+  std::string list, choices;  // "1, 2, 4" and "1, 2 or 4"
+  for (size_t i = 0; i < degrees.size(); ++i) {
+    list += (i ? ", " : "") + std::to_string(degrees[i]);
+    choices += (i == 0 ? "" : i + 1 == degrees.size() ? " or " : ", ") + std::to_string(degrees[i]);
+  }
+  throw runtime::Error("error: " + exe + " splits the sequence over sp = " + std::to_string(ranks) +
+                       " ranks, but it links libraries for sp = " + list + " only.\nfix: pass --sp " + choices +
+                       " (the ranks beyond it become data-parallel replicas), or add halyard_add_model(... SP " +
+                       std::to_string(ranks) + ") to examples/llama/CMakeLists.txt and list it in "
+                       "halyard_add_llama_train(NAME " + exe + " MODELS ...).");
+}
+
+// The library's plan (ModelSpec::plan_json), or null when it carries none.
+nlohmann::ordered_json plan_of(const runtime::ModelSpec& spec) {
+  if (!spec.plan_json || !*spec.plan_json) return nullptr;
+  auto plan = nlohmann::ordered_json::parse(spec.plan_json, nullptr, false);
+  if (!plan.is_object())
+    throw runtime::Error(std::string("error: the model library \"") + spec.name +
+                         "\" carries a plan_json that is not a JSON object: " +
+                         std::string(spec.plan_json).substr(0, 200) +
+                         "\nfix: rebuild the library with this tree's halyard_aot (the generator and runtime differ).");
+  return plan;
 }
 
 // --config and --seq are compiled into the library: check, never apply.
@@ -168,26 +200,25 @@ void check_matches_library(const Options& o, const runtime::ModelSpec& spec) {
                            "built from (examples/llama/configs/tiny.json), or rebuild the library from this one.");
 }
 
-double peak_rss_mib() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;
+// Every rank's peak RSS in bytes (collective when there are ranks): each rank
+// fills its slot and a sum gives all of them, exactly (bytes < 2^53).
+std::vector<int64_t> peaks(runtime::Communicator* comm) {
+  std::vector<double> all(comm ? static_cast<size_t>(comm->size()) : 1, 0.0);
+  all[comm ? static_cast<size_t>(comm->rank()) : 0] = static_cast<double>(runtime::peak_rss_bytes());
+  if (comm) comm->all_reduce_sum(all.data(), static_cast<int64_t>(all.size()));
+  return std::vector<int64_t>(all.begin(), all.end());
 }
 
-// Every rank's peak RSS in MiB (collective when there are ranks).
-std::vector<int> peaks(runtime::Communicator* comm) {
-  float mine = static_cast<float>(peak_rss_mib());
-  std::vector<float> all(comm ? static_cast<size_t>(comm->size()) : 1, mine);
-  if (comm) comm->all_gather(&mine, 1, all.data());
-  std::vector<int> out;
-  for (float f : all) out.push_back(static_cast<int>(std::lround(f)));
+std::vector<int64_t> in_mib(const std::vector<int64_t>& bytes) {
+  std::vector<int64_t> out;
+  for (int64_t b : bytes) out.push_back(std::llround(static_cast<double>(b) / (1 << 20)));
   return out;
 }
 
 // "41/43/41/42" (sep "/") or "41,43,41,42" (sep ",").
-std::string joined(const std::vector<int>& v, const char* sep) {
+std::string joined(const std::vector<int64_t>& v, const char* sep) {
   std::string s;
-  for (int x : v) s += (s.empty() ? "" : sep) + std::to_string(x);
+  for (int64_t x : v) s += (s.empty() ? "" : sep) + std::to_string(x);
   return s;
 }
 
@@ -208,9 +239,13 @@ int train(const Options& o) {
     const int dp = ranks / sp;
     if (comm && sp > 1) group = sp == ranks ? nullptr : runtime::make_mpi_communicator(o.comm_timeout, rank / sp);
     runtime::Communicator* sp_comm = sp == 1 ? nullptr : group ? group.get() : comm.get();
-    runtime::Model::set_num_threads(o.threads > 0 ? o.threads : runtime::default_threads_per_rank());
+    const int threads = o.threads > 0 ? o.threads : runtime::default_threads_per_rank();
+    runtime::Model::set_num_threads(threads);
     const runtime::ModelSpec& spec = model_for(sp);
     check_matches_library(o, spec);
+    // On every rank, before any collective: a broken plan fails them all alike.
+    const nlohmann::ordered_json plan = plan_of(spec);
+    const std::string plan_line = plan.is_null() ? "" : runtime::describe_plan(plan);
     runtime::Model m(spec, sp_comm, comm.get());
     m.init_params(o.seed);
     const int64_t seq = spec.seq, batch = spec.batch;
@@ -289,9 +324,10 @@ int train(const Options& o) {
       return full;
     };
     if (lead)
-      std::printf("tiny_llama: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
+      std::printf("%s: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
                   "%d kernels, activation arena %.1f MiB per rank%s\n",
-                  spec.target, spec.schedule, ranks, dp, spec.sp, comm ? (std::string(", ") + comm->backend()).c_str() : "",
+                  spec.name, spec.target, spec.schedule, ranks, dp, spec.sp,
+                  comm ? (std::string(", ") + comm->backend()).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
                   o.zero ? ", ZeRO-1 optimizer state" : "");
@@ -315,10 +351,21 @@ int train(const Options& o) {
       metrics.open(o.metrics_path, std::ios::app);
       if (!metrics) throw runtime::Error("error: cannot open metrics file \"" + o.metrics_path + "\" for appending.");
     }
+    if (lead && !plan_line.empty()) std::printf("%s\n", plan_line.c_str());
+    if (!plan.is_null()) {
+      // A resumed run appends to its run's metrics, which hold the plan already.
+      if (metrics.is_open() && o.resume_dir.empty()) {
+        nlohmann::ordered_json head;
+        head["plan"] = plan;
+        head["launch"] = {{"ranks", ranks}, {"dp", dp}, {"sp", sp}, {"zero", o.zero ? 1 : 0}, {"threads_per_rank", threads}};
+        metrics << head.dump() << "\n" << std::flush;
+      }
+    }
     const auto t0 = std::chrono::steady_clock::now();
     std::deque<double> recent;  // the loss of one step is noisy (random windows); its mean over 10 is the trend
     for (int step = first; step <= o.steps; ++step) {
       batcher.fill(step, ids.data(), labels.data(), pos.data());
+      const auto step_t0 = std::chrono::steady_clock::now();
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
       const double frac = runtime::warmup_cosine_lr(step, o.steps, o.warmup, 1.0);  // times --lr
       double norm;
@@ -328,10 +375,11 @@ int train(const Options& o) {
         norm = runtime::global_grad_norm(grads.data(), sizes);
         opt.step(step, o.lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, o.clip));
       }
+      const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_t0).count();
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int done = step - first + 1;
       const double tps = static_cast<double>(done * batch * seq * dp) / secs;
-      const std::vector<int> peak = peaks(comm.get());
+      const std::vector<int64_t> peak_bytes = peaks(comm.get()), peak = in_mib(peak_bytes);
       recent.push_back(loss);
       if (recent.size() > 10) recent.pop_front();
       const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / static_cast<double>(recent.size());
@@ -343,7 +391,8 @@ int train(const Options& o) {
         if (metrics.is_open())
           metrics << "{\"step\":" << step << ",\"loss\":" << loss << ",\"grad_norm\":" << norm << ",\"lr\":" << o.lr * frac
                   << ",\"tokens_per_s\":" << tps << ",\"dp\":" << dp << ",\"sp\":" << sp << ",\"peak_rss_mib\":["
-                  << joined(peak, ",") << "]}\n"
+                  << joined(peak, ",") << "],\"peak_rss_bytes\":[" << joined(peak_bytes, ",")
+                  << "],\"step_s\":" << step_s << "}\n"
                   << std::flush;
       }
       if (!o.save_dir.empty() && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {

@@ -14,6 +14,11 @@
 #            (sp 4): the same batch, loss and gradients within 1e-5.
 #   errors   a rank count without a library, a config or seq that does not
 #            match the library: exit 2 with the fix.
+#   plan     (llama_train_planned: one library, sp 1, with a made-up plan) the
+#            plan line before step 1; --metrics starts with the plan and the
+#            launch, on 1 rank and on dp 2 x ZeRO-1; step lines carry exact
+#            peak_rss_bytes per rank and step_s; --resume writes no plan line;
+#            2 ranks without --sp name the one degree linked.
 set -uo pipefail
 train=$1 mpirun=$2 case=$3
 work=$(mktemp -d)
@@ -136,6 +141,30 @@ errors)
   out=$("$train" --steps 1 --zero 1 2>&1); [ $? -eq 2 ] || fail "--zero on one rank ran"
   grep -q "this is one rank" <<<"$out" || fail "--zero: $out"
   echo "errors: all five reported with exit 2"
+  ;;
+plan)
+  out=$("$train" --steps 2 --save "$work/ck" --metrics "$work/one.jsonl") || fail "1 rank: $out"
+  want="plan: predicted peak 40.0 MiB per rank (params: 3.0, arena: 8.0), predicted step 0.5 s"
+  grep -qxF "$want" <<<"$out" || fail "1 rank: no line \"$want\" in: $out"
+  [ "$(grep -n '^plan:' <<<"$out" | cut -d: -f1)" -lt "$(grep -n '^step    1/' <<<"$out" | cut -d: -f1)" ] \
+    || fail "the plan line comes after step 1"
+  head -1 "$work/one.jsonl" | grep -q '^{"plan":{"predicted_peak_bytes_per_rank":41943040,.*"schedule":"recompute"},"launch":{"ranks":1,"dp":1,"sp":1,"zero":0,"threads_per_rank":[1-9][0-9]*}}$' \
+    || fail "1 rank: first metrics line: $(head -1 "$work/one.jsonl")"
+  sed -n 2p "$work/one.jsonl" | grep -q '^{"step":1,"loss":.*"peak_rss_mib":\[[0-9]*\],"peak_rss_bytes":\[[1-9][0-9]*\],"step_s":[0-9.e-]*}$' \
+    || fail "1 rank: step line: $(sed -n 2p "$work/one.jsonl")"
+  echo "1 rank: $(head -1 "$work/one.jsonl")"
+  echo "        $(sed -n 2p "$work/one.jsonl")"
+  "$train" --steps 3 --resume "$work/ck/step-00000002" --metrics "$work/resumed.jsonl" >/dev/null || fail "resume"
+  head -1 "$work/resumed.jsonl" | grep -q '^{"step":3,' || fail "resumed: first line: $(head -1 "$work/resumed.jsonl")"
+  out=$("${mpi[@]}" -np 2 "$train" --steps 1 --sp 1 --zero 1 --metrics "$work/two.jsonl") || fail "2 ranks: $out"
+  head -1 "$work/two.jsonl" | grep -q '"launch":{"ranks":2,"dp":2,"sp":1,"zero":1,' \
+    || fail "2 ranks: first metrics line: $(head -1 "$work/two.jsonl")"
+  sed -n 2p "$work/two.jsonl" | grep -q '"peak_rss_bytes":\[[1-9][0-9]*,[1-9][0-9]*\],"step_s":' \
+    || fail "2 ranks: step line: $(sed -n 2p "$work/two.jsonl")"
+  echo "2 ranks: $(head -1 "$work/two.jsonl" | grep -o '"launch".*')"
+  out=$("${mpi[@]}" -np 2 "$train" --steps 1 2>&1) && fail "2 ranks along the sequence ran"
+  grep -qF "links libraries for sp = 1 only." <<<"$out" && grep -qF "fix: pass --sp 1 (" <<<"$out" \
+    && grep -qF "halyard_add_llama_train(NAME llama_train_planned MODELS ...)" <<<"$out" || fail "2 ranks: $out"
   ;;
 *) fail "unknown case $case" ;;
 esac
