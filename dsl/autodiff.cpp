@@ -66,6 +66,7 @@ Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& opt
     }
     if (!any) continue;
     const Node snapshot = node;  // g grows below; keep the record stable
+    g.set_name_prefix(snapshot.name);  // backward values carry their forward value's label (its layer)
     std::vector<Value> din = vjp(g, snapshot, dout, needed, fwd);
     for (size_t k = 0; k < snapshot.inputs.size(); ++k) {
       if (!needed[k]) continue;
@@ -80,6 +81,7 @@ Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& opt
     out.of[w.id] = a.valid() ? a : fill(g, w.type(), 0.0);
   }
   g.set_building_backward(false);
+  g.set_name_prefix("");
   return out;
 }
 

@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 #include "generators/lowering.h"
 
 namespace halyard {
@@ -18,6 +19,15 @@ Type halide_type(DType t) {
     case DType::i32: return Int(32);
   }
   return Float(32);
+}
+
+std::map<int, std::function<Expr(const std::vector<Expr>&)>>& pointwise_lowerings() {
+  static std::map<int, std::function<Expr(const std::vector<Expr>&)>> m;
+  return m;
+}
+
+void register_pointwise_lowering(Op op, std::function<Expr(const std::vector<Expr>&)> element) {
+  pointwise_lowerings()[static_cast<int>(op)] = std::move(element);
 }
 
 namespace {
@@ -129,6 +139,16 @@ Func Ctx::lower(int id) {
   const Type T = halide_type(n.type.dtype);
   auto in = [&](size_t k) { return n.inputs[k]; };
 
+  if (is_registered_op(n.op)) {  // an op added through the op table: its element from its operands' elements
+    const auto it = pointwise_lowerings().find(static_cast<int>(n.op));
+    if (it == pointwise_lowerings().end())
+      throw UserError("error: " + describe(g, id) + " is op \"" + op_name(n.op) +
+                      "\", which has no lowering.\nlegal: register one with register_pointwise_lowering().");
+    std::vector<Expr> args;
+    for (size_t k = 0; k < n.inputs.size(); ++k) args.push_back(at(in(k), e));
+    f(vs) = cast(T, it->second(args));
+    return f;
+  }
   switch (n.op) {
     case Op::Input:
     case Op::Param:

@@ -10,6 +10,7 @@
 
 #include <Halide.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -71,5 +72,11 @@ void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halid
 void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st);
 
 Halide::Type halide_type(DType t);
+
+// The lowering of an elementwise op added through the op table
+// (dsl/op_table.h: register_op): its output element from its operands'
+// elements at the same index.
+void register_pointwise_lowering(Op op, std::function<Halide::Expr(const std::vector<Halide::Expr>&)> element);
+std::map<int, std::function<Halide::Expr(const std::vector<Halide::Expr>&)>>& pointwise_lowerings();
 
 }  // namespace halyard

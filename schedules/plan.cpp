@@ -298,6 +298,8 @@ std::string Plan::report() const {
 std::string Plan::summary_json() const {
   nlohmann::json j;
   j["schedule"] = schedule.name;
+  j["schedule_spec"] = nlohmann::json::parse(schedule.to_json());
+  j["config"] = request.config;
   j["cluster"] = cluster.name;
   j["mesh"] = {{"dp", schedule.mesh.dp}, {"sp", schedule.mesh.sp}, {"zero", schedule.mesh.zero}};
   j["seq"] = request.seq;
@@ -316,9 +318,7 @@ std::string Plan::summary_json() const {
 
 std::string Plan::to_json() const {
   nlohmann::json j = nlohmann::json::parse(summary_json());
-  j["schedule"] = nlohmann::json::parse(schedule.to_json());
   j["cluster"] = nlohmann::json::parse(cluster.to_json());
-  j["config"] = request.config;
   for (const StageCost& s : stages)
     j["stages"].push_back({{"stage", s.stage}, {"kind", s.kind}, {"label", s.label}, {"layer", s.layer},
                            {"backward", s.backward}, {"flops", s.flops}, {"bytes", s.bytes}, {"time_s", s.time_s}});

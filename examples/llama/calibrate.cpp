@@ -1,0 +1,285 @@
+// halyard-calibrate: measures this machine's CPU ranks and writes the
+// machine profile (a cluster description, schedules/cluster.h) that plan()
+// predicts with:
+//
+//   mpirun -np R halyard-calibrate --out profile.json [--steps 4] [--threads T]
+//
+// Run it on as many ranks per node as the training will use: the kernels'
+// speed depends on how many ranks share the cores. For each linked library
+// built for sp = R (halyard_add_llama_calibrate in CMakeLists.txt), every
+// rank trains a few steps exactly as llama_train does (the same model,
+// AdamW state and batches), timing every call of the step (HALYARD_PROFILE)
+// and the whole step, and records its peak resident memory. Then it
+//   - re-plans each library (plan() from the library's own plan summary),
+//     pairs the measured calls with the plan's stages, and fits per stage
+//     kind t = flops * s_per_flop + bytes * s_per_byte + s_per_call (least
+//     squares with non-negative coefficients);
+//   - takes the memory the plan does not model (the process, its libraries,
+//     MPI, allocator slack) as the largest gap between measured peak and the
+//     plan's total without a baseline, over libraries and ranks;
+//   - measures memory bandwidth and the MPI collectives (runtime/measure.h).
+// Rank 0 writes the profile and prints the fit of every kind.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "examples/llama/linked_models.h"
+#include "examples/llama/llama_builder.h"
+#include "runtime/adamw.h"
+#include "runtime/comm.h"
+#include "runtime/data.h"
+#include "runtime/error.h"
+#include "runtime/lr_schedule.h"
+#include "runtime/measure.h"
+#include "runtime/model.h"
+#include "schedules/plan.h"
+
+using namespace halyard;
+
+namespace {
+
+struct Sample {
+  double flops, bytes, t;
+};
+
+// Least squares over the non-empty subsets of the three coefficients; the
+// best fit whose coefficients are all >= 0.
+KernelCoefficients fit(const std::vector<Sample>& s, double* rel_error) {
+  KernelCoefficients best;
+  double best_err = INFINITY;
+  for (int mask = 1; mask < 8; ++mask) {
+    std::vector<int> cols;
+    for (int c = 0; c < 3; ++c)
+      if (mask & (1 << c)) cols.push_back(c);
+    const size_t n = cols.size();
+    std::vector<double> ata(n * n, 0), atb(n, 0);
+    for (const Sample& x : s) {
+      const double f[3] = {x.flops, x.bytes, 1.0};
+      for (size_t i = 0; i < n; ++i) {
+        atb[i] += f[cols[i]] * x.t;
+        for (size_t j = 0; j < n; ++j) ata[i * n + j] += f[cols[i]] * f[cols[j]];
+      }
+    }
+    // Gaussian elimination (n <= 3).
+    std::vector<double> a = ata, b = atb;
+    bool ok = true;
+    for (size_t i = 0; i < n && ok; ++i) {
+      size_t p = i;
+      for (size_t r = i + 1; r < n; ++r)
+        if (std::abs(a[r * n + i]) > std::abs(a[p * n + i])) p = r;
+      if (std::abs(a[p * n + i]) < 1e-300) { ok = false; break; }
+      for (size_t c = 0; c < n; ++c) std::swap(a[i * n + c], a[p * n + c]);
+      std::swap(b[i], b[p]);
+      for (size_t r = 0; r < n; ++r) {
+        if (r == i) continue;
+        const double m = a[r * n + i] / a[i * n + i];
+        for (size_t c = 0; c < n; ++c) a[r * n + c] -= m * a[i * n + c];
+        b[r] -= m * b[i];
+      }
+    }
+    if (!ok) continue;
+    double coef[3] = {0, 0, 0};
+    for (size_t i = 0; i < n; ++i) coef[cols[i]] = b[i] / a[i * n + i];
+    if (coef[0] < 0 || coef[1] < 0 || coef[2] < 0) continue;
+    double err = 0, total = 0;
+    for (const Sample& x : s) {
+      const double pred = coef[0] * x.flops + coef[1] * x.bytes + coef[2];
+      err += (pred - x.t) * (pred - x.t);
+      total += x.t * x.t;
+    }
+    if (err < best_err) best_err = err, best = {coef[0], coef[1], coef[2]}, *rel_error = std::sqrt(err / std::max(total, 1e-300));
+  }
+  return best;
+}
+
+struct Options {
+  std::string out;
+  int steps = 4, threads = 0;
+  double timeout = 60;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      std::printf("usage: mpirun -np R halyard-calibrate --out PROFILE.json [--steps N (4)] [--threads T]\n");
+      std::exit(0);
+    }
+    if (i + 1 >= argc) throw runtime::Error("error: " + k + " needs a value.");
+    const std::string v = argv[++i];
+    try {
+      size_t used = 0;
+      if (k == "--out") o.out = v;
+      else if (k == "--steps") o.steps = std::stoi(v, &used);
+      else if (k == "--threads") o.threads = std::stoi(v, &used);
+      else throw runtime::Error("error: unknown option \"" + k + "\".\nlegal: --out --steps --threads --help");
+      if (used != 0 && used != v.size()) throw std::invalid_argument(v);
+    } catch (const std::logic_error&) {
+      throw runtime::Error("error: " + k + " \"" + v + "\" is not a whole number.");
+    }
+  }
+  if (o.out.empty()) throw runtime::Error("error: --out PROFILE.json is required.");
+  if (o.steps < 2) throw runtime::Error("error: --steps " + std::to_string(o.steps) + "\nlegal: 2 or more (the first step warms up).");
+  return o;
+}
+
+struct Measured {
+  const runtime::ModelSpec* spec;
+  std::vector<std::vector<double>> call_ms;  // per profiled step: every call's milliseconds, in program order
+  double step_s = 0;                         // median over the profiled steps
+  int64_t peak_rss = 0;
+};
+
+// Trains `spec` as llama_train does and times every call.
+Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, const Options& o) {
+  runtime::Model m(spec, comm, comm);
+  m.init_params(0);
+  std::vector<int64_t> sizes;
+  std::vector<bool> decay;
+  std::vector<float*> params;
+  std::vector<const float*> grads;
+  for (int i = 0; i < m.num_params(); ++i) {
+    sizes.push_back(m.param_spec(i).numel);
+    decay.push_back(m.param_spec(i).rank > 1);
+    params.push_back(m.param(i));
+    grads.push_back(m.grad(i));
+  }
+  runtime::AdamW opt(sizes, decay);
+  const int rank = comm ? comm->rank() : 0;
+  const runtime::Batcher batcher(runtime::TokenFile::from_text(HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt"),
+                                 spec.batch, spec.seq, spec.vocab, 0, runtime::Shard{rank, spec.sp, 0, 1});
+  const int64_t n = batcher.local_tokens();
+  std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
+  Measured r{&spec, {}, 0, 0};
+  std::vector<double> steps;
+  for (int step = 1; step <= o.steps; ++step) {
+    batcher.fill(step, ids.data(), labels.data(), pos.data());
+    if (comm) comm->barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    m.train_step(ids.data(), labels.data(), pos.data());
+    opt.step(step, 1e-3, params.data(), grads.data(), 1.0);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (step == 1) continue;  // warm-up: first touches, thread pool start
+    steps.push_back(secs);
+    std::vector<double> ms;
+    std::istringstream lines(m.profile());
+    for (std::string line; std::getline(lines, line);) ms.push_back(std::atof(line.c_str()));
+    r.call_ms.push_back(ms);
+  }
+  std::sort(steps.begin(), steps.end());
+  r.step_s = steps[steps.size() / 2];
+  r.peak_rss = runtime::peak_rss_bytes();
+  return r;
+}
+
+int run(const Options& o) {
+  std::unique_ptr<runtime::Communicator> comm;
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) comm = runtime::make_mpi_communicator(o.timeout);
+  const int ranks = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  runtime::Communicator* sp_comm = ranks > 1 ? comm.get() : nullptr;
+  const int threads = o.threads > 0 ? o.threads : runtime::default_threads_per_rank();
+  runtime::Model::set_num_threads(threads);
+  setenv("HALYARD_PROFILE", "1", 1);
+
+  // Train first, before anything else grows the process.
+  std::vector<Measured> runs;
+  for (int i = 0; i < halyard_linked_model_count; ++i)
+    if (halyard_linked_models[i]->sp == ranks) runs.push_back(measure(*halyard_linked_models[i], sp_comm, o));
+  if (runs.empty())
+    throw runtime::Error("error: halyard-calibrate links no library for sp = " + std::to_string(ranks) +
+                         " ranks.\nfix: launch it on as many ranks as one of its libraries splits the sequence over.");
+
+  // Pair the calls with the plan's stages; one sample per call (median over steps).
+  std::map<std::string, std::vector<Sample>> samples;
+  int64_t baseline = 0;
+  std::ostringstream report;
+  for (const Measured& r : runs) {
+    const nlohmann::json summary = nlohmann::json::parse(r.spec->plan_json);
+    const Schedule s = Schedule::parse(summary.at("schedule_spec").dump(), r.spec->name);
+    const Plan p = plan(llama::llama_builder(), {summary.at("config").get<std::string>(), r.spec->batch, r.spec->seq}, s,
+                        Cluster::named("local-cpu"));
+    const size_t calls = p.train.stages.size();
+    if (r.call_ms.empty() || r.call_ms[0].size() < calls)
+      throw runtime::Error(std::string("error: library \"") + r.spec->name + "\" ran " +
+                           std::to_string(r.call_ms.empty() ? 0 : r.call_ms[0].size()) + " calls, but its plan has " +
+                           std::to_string(calls) + " stages: the library is not the one this build plans.");
+    for (const StageCost& st : p.stages) {
+      std::vector<double> t;
+      for (const auto& step : r.call_ms) t.push_back(step[static_cast<size_t>(st.stage)] / 1e3);
+      std::sort(t.begin(), t.end());
+      samples[st.kind].push_back({st.flops, static_cast<double>(st.bytes), t[t.size() / 2]});
+    }
+    const int64_t modeled = p.memory.total() - p.memory.runtime_baseline;
+    int64_t gap = r.peak_rss - modeled;
+    if (comm) {  // the largest gap of any rank
+      std::vector<float> all(static_cast<size_t>(ranks));
+      float mine = static_cast<float>(gap);
+      comm->all_gather(&mine, 1, all.data());
+      gap = static_cast<int64_t>(*std::max_element(all.begin(), all.end()));
+    }
+    baseline = std::max(baseline, gap);
+    char line[256];
+    std::snprintf(line, sizeof line, "  %s: step %.4f s (median of %zu), peak %.1f MiB of which the plan models %.1f MiB\n",
+                  r.spec->name, r.step_s, r.call_ms.size(), static_cast<double>(r.peak_rss) / (1 << 20),
+                  static_cast<double>(modeled) / (1 << 20));
+    report << line;
+  }
+
+  nlohmann::json machine = runtime::calibrate_machine(comm.get(), threads);
+  Cluster c;
+  c.name = "local-cpu x" + std::to_string(ranks);
+  c.source = "calibrated by halyard-calibrate on " + machine.value("cpu", std::string("?")) + ", " +
+             std::to_string(ranks) + " rank(s) x " + std::to_string(threads) + " thread(s)";
+  c.ranks = c.ranks_per_node = ranks;
+  c.memory_bandwidth_bytes_per_s = machine.value("memory_bandwidth_bytes_per_s", 0.0);
+  c.process_baseline_bytes = baseline;
+  if (machine.contains("collectives"))
+    for (auto it = machine["collectives"].begin(); it != machine["collectives"].end(); ++it)
+      c.collectives[it.key()] = {it->value("alpha_s", 0.0), it->value("beta_s_per_byte", 0.0)};
+  for (const std::string& kind : kernel_kinds()) {
+    auto it = samples.find(kind);
+    if (it == samples.end()) {  // no such kernel in the libraries: memory-bound like pointwise work
+      c.kernels[kind] = {0, c.memory_bandwidth_bytes_per_s > 0 ? 1 / c.memory_bandwidth_bytes_per_s : 0, 0};
+      continue;
+    }
+    double err = 0;
+    c.kernels[kind] = fit(it->second, &err);
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-10s %4zu calls: %.3g s/flop (%.2f GFLOP/s), %.3g s/byte (%.2f GB/s), %.1f us/call; rms error %.1f%%\n",
+                  kind.c_str(), it->second.size(), c.kernels[kind].s_per_flop,
+                  c.kernels[kind].s_per_flop > 0 ? 1e-9 / c.kernels[kind].s_per_flop : 0.0, c.kernels[kind].s_per_byte,
+                  c.kernels[kind].s_per_byte > 0 ? 1e-9 / c.kernels[kind].s_per_byte : 0.0, c.kernels[kind].s_per_call * 1e6,
+                  100 * err);
+    report << line;
+  }
+  if (rank == 0) {
+    std::ofstream out(o.out);
+    out << c.to_json() << "\n";
+    if (!out) throw runtime::Error("error: cannot write the profile to \"" + o.out + "\".");
+    std::printf("halyard-calibrate: %s\n%sprocess baseline %.1f MiB; wrote %s\n", c.source.c_str(), report.str().c_str(),
+                static_cast<double>(baseline) / (1 << 20), o.out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  }
+}

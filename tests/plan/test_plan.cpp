@@ -1,0 +1,228 @@
+// The plan as data, without compiling a model: the op table drives the passes
+// (an op added through the table alone is differentiated, interpreted and
+// lowered), schedules round-trip and name their mistakes, and plan()'s
+// counts equal the hand-counted formulas.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "dsl/autodiff.h"
+#include "dsl/error.h"
+#include "dsl/interpreter.h"
+#include "dsl/op_table.h"
+#include "dsl/ops.h"
+#include "examples/llama/llama_builder.h"
+#include "generators/lowering.h"
+#include "schedules/plan.h"
+
+namespace halyard {
+namespace {
+
+const std::string kMicro = HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json";
+const std::string kTiny = HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json";
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(OpTable, EveryBuiltinOpHasOneRow) {
+  std::set<std::string> names;
+  for (int i = 0; i <= static_cast<int>(Op::AllReduce); ++i) {
+    const OpInfo& r = op_info(static_cast<Op>(i));
+    EXPECT_FALSE(r.name.empty());
+    EXPECT_TRUE(names.insert(r.name).second) << r.name;
+    EXPECT_EQ(op_by_name(r.name), static_cast<Op>(i));
+  }
+  EXPECT_EQ(op_info(Op::Contract).cls, OpClass::Heavy);
+  EXPECT_EQ(op_info(Op::RmsNorm).cls, OpClass::Cheap);
+  EXPECT_TRUE(op_info(Op::SeqToHeads).collective);
+  EXPECT_EQ(op_info(Op::ConcatSeq).cls, OpClass::Runtime);
+  EXPECT_FALSE(op_info(Op::ConcatSeq).collective);
+  EXPECT_THAT(error_of([] { op_by_name("gelu"); }), ::testing::HasSubstr("no op is named \"gelu\""));
+}
+
+// square(x) = x^2, added through the table alone (and its lowering).
+Op square_op() {
+  static const Op op = [] {
+    OpInfo r;
+    r.name = "square";
+    r.cls = OpClass::Cheap;
+    r.token_local = true;
+    r.flops = [](const Graph&, const Node& n) { return static_cast<double>(n.type.numel()); };
+    r.type = [](const Graph& g, const std::vector<int>& in, const Attrs&) {
+      if (in.size() != 1) throw UserError("error: square takes 1 operand.");
+      return g.node(in[0]).type;
+    };
+    r.vjp = [](Graph& g, const Node& n, Value dy, const std::vector<bool>&, const ForwardValue& fwd) {
+      Value x = fwd(n.inputs[0]);
+      return std::vector<Value>{dy * (x + x)};  // d(x^2) = 2x dx
+    };
+    r.pointwise = [](const std::vector<double>& a) { return a[0] * a[0]; };
+    const Op op = register_op(r);
+    register_pointwise_lowering(op, [](const std::vector<Halide::Expr>& a) { return a[0] * a[0]; });
+    return op;
+  }();
+  return op;
+}
+
+TEST(OpTable, AnOpAddedThroughTheTableIsDifferentiatedInterpretedAndLowered) {
+  const Op sq = square_op();
+  Graph g;
+  Value x = param(g, "x", DType::f64, {{"seq", 4}, {"model", 3}});
+  Value y = g.add(sq, {x});
+  Value ones = fill(g, y.type(), 1.0);
+  Value loss = contract_to(y, ones, {});
+  Gradients d = grad(loss, {x});
+  verify(g);
+  Interpreter<double> it(g);
+  std::vector<double> xs = {1, -2, 3, 0.5, 4, -1, 2, 2, 0, -3, 1.5, 6};
+  it.set("x", xs);
+  it.run();
+  double want = 0;
+  for (double v : xs) want += v * v;
+  EXPECT_DOUBLE_EQ(it.scalar(loss), want);
+  for (size_t i = 0; i < xs.size(); ++i) EXPECT_DOUBLE_EQ(it.value(d[x])[i], 2 * xs[i]);
+  EXPECT_EQ(op_flops(g, y.node()), 12.0);
+
+  // Lowered: the stage computing x^2 + x (square inlined into the add).
+  Graph h;
+  Value hx = param(h, "x", DType::f32, {{"seq", 4}, {"model", 3}});
+  Value hy = h.add(sq, {hx}) + hx;
+  Partition p = partition(h, {hy.id}, Schedule::named("default"));
+  ASSERT_EQ(p.stages.size(), 1u);
+  LoweredStage ls = lower_stage(h, p.stages[0]);
+  Halide::Buffer<float> in(3, 4);
+  for (int s = 0; s < 4; ++s)
+    for (int m = 0; m < 3; ++m) in(m, s) = static_cast<float>(xs[static_cast<size_t>(s * 3 + m)]);
+  ls.inputs[0].set(in);
+  Halide::Buffer<float> out = ls.pipeline.realize({3, 4});
+  for (int s = 0; s < 4; ++s)
+    for (int m = 0; m < 3; ++m) EXPECT_FLOAT_EQ(out(m, s), in(m, s) * in(m, s) + in(m, s));
+  EXPECT_THAT(error_of([&] { register_op(op_info(sq)); }), ::testing::HasSubstr("an op of that name exists already"));
+}
+
+TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
+  for (const std::string& n : Schedule::presets()) {
+    const Schedule s = Schedule::named(n);
+    EXPECT_EQ(Schedule::parse(s.to_json(), "round trip"), s) << n;
+  }
+  const Schedule f = Schedule::parse(R"({"name": "mine", "mesh": {"dp": 2, "sp": 4, "zero": 1},
+      "split_sequence": "sp", "attention": [{"match": "model.layers.*.self_attn", "strategy": "ulysses"}],
+      "values": [{"match": "op:rms_norm", "compute": "inline"}, {"match": "model.layers.1.mlp op:contract", "keep": "recompute"}],
+      "seq_tile": 256})", "mine.json");
+  EXPECT_EQ(Schedule::parse(f.to_json(), "again"), f);
+  EXPECT_EQ(f.mesh, (Mesh{2, 4, 1}));
+  // The first vocabulary still reads, as the same rules.
+  const auto old = Schedule::parse(R"({"name": "checkpoint", "recompute": ["rms_norm", "rope", "silu", "mul"], "checkpoint": true})",
+                                   "old.json").values;
+  const auto now = Schedule::named("checkpoint").values;  // keep and compute rules set different fields: order apart
+  EXPECT_TRUE(std::is_permutation(old.begin(), old.end(), now.begin(), now.end()));
+}
+
+TEST(Schedule, IllegalRulesNameTheValueTheRuleAndTheLegalChoices) {
+  auto planned = [](const std::string& json) {
+    return error_of([&] {
+      plan(llama::llama_builder(), {kMicro, 1, 16}, Schedule::parse(json, "bad.json"), Cluster::named("local-cpu"));
+    });
+  };
+  EXPECT_THAT(planned(R"({"values": [{"match": "op:contract", "compute": "inline"}]})"),
+              ::testing::AllOf(::testing::HasSubstr("contract"), ::testing::HasSubstr("compute: inline"),
+                               ::testing::HasSubstr("only cheap values can be computed inside their consumers"),
+                               ::testing::HasSubstr("legal: compute \"root\", or keep \"recompute\"")));
+  EXPECT_THAT(planned(R"({"values": [{"match": "model.layer.*.mlp", "keep": "recompute"}]})"),
+              ::testing::AllOf(::testing::HasSubstr("matches no value of the model"),
+                               ::testing::HasSubstr("model.layers.0.self_attn")));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"values": [{"match": "op:conv", "keep": "save"}]})", "s"); }),
+              ::testing::HasSubstr("names no op"));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"values": [{"match": "*", "keep": "offload"}]})", "s"); }),
+              ::testing::HasSubstr("legal: \"save\" or \"recompute\""));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"sp": 4}})", "s"); }),
+              ::testing::HasSubstr("mesh sp=4 without split_sequence"));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"tp": 2}})", "s"); }), ::testing::HasSubstr("legal: dp, sp, zero"));
+}
+
+// A Llama block's FLOPs, counted by hand, against the plan's stages.
+TEST(Plan, FlopsPerStageEqualTheFormulasForALlamaBlock) {
+  const auto cfg = llama::LlamaConfig::load(kMicro);
+  const double B = 2, S = 32, M = static_cast<double>(cfg.hidden_size), H = static_cast<double>(cfg.num_attention_heads),
+               KV = static_cast<double>(cfg.num_key_value_heads), D = static_cast<double>(cfg.head_dim),
+               F = static_cast<double>(cfg.intermediate_size);
+  const Plan p = plan(llama::llama_builder(), {kMicro, 2, 32}, Schedule::named("default"), Cluster::named("local-cpu"));
+  double fwd_contract = 0, bwd_contract = 0, fwd_attention = 0;
+  for (const StageCost& s : p.stages) {
+    if (s.layer != "model.layers.0") continue;
+    if (s.kind == "contract") (s.backward ? bwd_contract : fwd_contract) += s.flops;
+    if (s.kind == "attention" && !s.backward) fwd_attention += s.flops;
+  }
+  const double projections = 2 * B * S * M * (H * D + 2 * KV * D) + 2 * B * S * H * D * M + 3 * 2 * B * S * M * F;
+  const double pairs = B * H * S * (S + 1) / 2;
+  EXPECT_DOUBLE_EQ(fwd_contract, projections);
+  // The backward of each contraction is two of them (input and weight gradients).
+  EXPECT_DOUBLE_EQ(bwd_contract, 2 * projections);
+  // Forward attention: q.k, the softmax and P.v (its row statistics are the backward's, which the forward reads).
+  EXPECT_DOUBLE_EQ(fwd_attention, pairs * (4 * D + 5));
+  std::printf("  layer 0: %.0f forward projection FLOPs, %.0f backward, %.0f forward attention\n", fwd_contract,
+              bwd_contract, fwd_attention);
+}
+
+// Ulysses: (2h + 2h_kv) N / P bytes per layer forward, (P-1)/P of it leaving the rank; the backward the same again.
+TEST(Plan, AllToAllBytesEqualUlyssesFormula) {
+  const auto cfg = llama::LlamaConfig::load(kTiny);
+  for (int64_t sp : {2, 4}) {
+    Schedule s = Schedule::named("ulysses");
+    s.mesh.sp = sp;
+    const Plan p = plan(llama::llama_builder(), {kTiny, 2, 128}, s, Cluster::named("local-cpu"));
+    int64_t a2a = 0;
+    for (const CollectiveCost& c : p.collectives)
+      if (c.kind == "all_to_all") a2a += c.bytes_per_rank;
+    const double n = 2 * 128, h = static_cast<double>(cfg.num_attention_heads * cfg.head_dim * 4),
+                 h_kv = static_cast<double>(std::max<int64_t>(cfg.num_key_value_heads, sp) * cfg.head_dim * 4);
+    const double per_layer = (2 * h + 2 * h_kv) * n / static_cast<double>(sp) * static_cast<double>(sp - 1) / static_cast<double>(sp);
+    std::printf("  sp=%lld: %lld all-to-all bytes per rank per step; formula %.0f per layer and direction\n",
+                static_cast<long long>(sp), static_cast<long long>(a2a), per_layer);
+    EXPECT_DOUBLE_EQ(static_cast<double>(a2a), 2 * static_cast<double>(cfg.num_hidden_layers) * per_layer);
+  }
+}
+
+// More memory per rank is never predicted for more ranks, and recomputation
+// trades time for memory.
+TEST(Plan, MemoryAndTimeMoveTheRightWay) {
+  auto at = [](const char* sched, int64_t sp) {
+    Schedule s = Schedule::named(sched);
+    s.mesh.sp = sp;
+    return plan(llama::llama_builder(), {kTiny, 1, 4096}, s, Cluster::named("local-cpu"));
+  };
+  const Plan u1 = at("ulysses", 1), u4 = at("ulysses", 4), c4 = at("ulysses_checkpoint", 4);
+  EXPECT_LT(u4.memory.activations, u1.memory.activations);
+  EXPECT_LT(c4.memory.activations, u4.memory.activations);
+  EXPECT_GT(c4.compute_s, u4.compute_s);
+  EXPECT_GT(u4.communication_s, 0);
+  EXPECT_EQ(u1.communication_s, 0);
+  std::printf("%s", c4.report().c_str());
+}
+
+// Scoring a plan compiles nothing: Llama-3.1-8B, 131,072 tokens over 8 ranks.
+TEST(Plan, ScoringAnEightBillionParameterPlan) {
+  Schedule s = Schedule::named("ulysses_checkpoint");
+  s.mesh.sp = 8;
+  const std::string cfg = HALYARD_SOURCE_DIR "/examples/llama/configs/llama-3.1-8b.json";
+  const auto t0 = std::chrono::steady_clock::now();
+  const Plan p = plan(llama::llama_builder(), {cfg, 1, 131072}, s, Cluster::named("8xA100-80GB"));
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("  Llama-3.1-8B, seq 131072, sp=8: plan scored in %.1f ms (%d nodes, %zu stages); %lld parameters; "
+              "predicted peak %.1f GiB per rank, step %.2f s\n",
+              ms, p.model.graph->size(), p.train.stages.size(), static_cast<long long>(p.num_params),
+              static_cast<double>(p.memory.total()) / (1 << 30), p.step_s);
+  EXPECT_NEAR(static_cast<double>(p.num_params), 8.03e9, 0.01e9);
+  EXPECT_GT(p.step_s, 0);
+}
+
+}  // namespace
+}  // namespace halyard
