@@ -207,7 +207,7 @@ int run(const Options& o, const ModelBuilder& build) {
     } else if (target.has_gpu_feature()) {
       schedule_gpu(ls, g, st, target);
     } else {
-      schedule_cpu(ls, g, st, target);
+      schedule_cpu(ls, g, st, target, sched.kernel_tiles);
     }
     const std::string fn = o.name + "_k" + std::to_string(k);
     modules.push_back(ls.pipeline.compile_to_module(ls.args, fn, target));

@@ -5,7 +5,7 @@
 # SP > 1 splits the sequence over that many ranks (the schedule must split it,
 # e.g. SCHEDULE ulysses; a schedule's own "mesh" may say it instead); SEQ is
 # the global length, padded when SP does not divide it, and the library runs
-# only on SP ranks. CLUSTER (local-cpu) is what the plan's predictions, stated
+# only on SP ranks. CLUSTER (HALYARD_CLUSTER, local-cpu by default) is what the plan's predictions, stated
 # in the header and the library, are made for; the generator writes the whole
 # plan next to the library as <name>.plan.json.
 #
@@ -14,6 +14,10 @@
 # declares halyard_models::<name>(), the model's kernels and step programs.
 # Kernels are built with no_runtime; every model of one target links a single
 # Halide runtime library (halyard_halide_runtime_<target>).
+# The cluster every model's plan predicts for unless it names one: a preset or
+# a machine profile written by halyard-calibrate.
+set(HALYARD_CLUSTER local-cpu CACHE STRING "cluster preset or profile .json that halyard_add_model plans for")
+
 function(halyard_add_model)
   cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP;CLUSTER" "" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
@@ -35,7 +39,7 @@ function(halyard_add_model)
     set(sp_args --sp ${M_SP})
   endif()
   if(NOT M_CLUSTER)
-    set(M_CLUSTER local-cpu)
+    set(M_CLUSTER ${HALYARD_CLUSTER})
   endif()
 
   string(MAKE_C_IDENTIFIER "${M_TARGET}" target_id)

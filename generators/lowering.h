@@ -66,7 +66,8 @@ struct LoweredStage {
 // Func, Adams2019's tiles read past input edges (Halide issue #5070).
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false);
 
-void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);
+void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t,
+                  const KernelTiles& tiles = {});
 void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);
 // Sets input and output estimates from the graph's types (autoscheduler, bounds).
 void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st);

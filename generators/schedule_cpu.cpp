@@ -99,7 +99,7 @@ void product(AttentionProduct pr, int col_extent, int row_extent, int vec) {
   pr.acc.update().reorder(order).vectorize(pr.col, std::min(vec, VN)).unroll(pr.col).unroll(pr.row);
 }
 
-void schedule_attention(StageFuncs& F, int vec) {
+void schedule_attention(StageFuncs& F, int vec, const KernelTiles& tiles) {
   AttentionFuncs& A = F.attn;
   Func out = F.out;
   auto args = out.args();
@@ -109,8 +109,8 @@ void schedule_attention(StageFuncs& F, int vec) {
   // 2 threads): 16 keys beat 8, 24, 32 and 64 at seq 1024, 4096 and 8192 (dK
   // 66 vs 78 ms at 4096 with 32); queries: half a MiB of scores per tile, 16
   // to 32 rows (dQ 233 vs 253 ms at 8192 with 32).
-  const int query_tile = std::clamp((1 << 19) / (4 * A.S) / 8 * 8, 16, 32);
-  const int key_tile = 16;
+  const int query_tile = tiles.attention_queries ? tiles.attention_queries : std::clamp((1 << 19) / (4 * A.S) / 8 * 8, 16, 32);
+  const int key_tile = tiles.attention_keys ? tiles.attention_keys : 16;
   const int tile = std::min(key_tiles ? key_tile : query_tile, A.S);
   Var to("to"), tt("tt"), p1("p1"), par("par");
   if (A.kind == static_cast<int>(Op::AttentionLse)) {  // out(h, i, b)
@@ -160,7 +160,7 @@ void schedule_attention(StageFuncs& F, int vec) {
 
 }  // namespace
 
-void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target& t) {
+void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target& t, const KernelTiles& tiles) {
   StageFuncs& F = ls.funcs;
   const int vec = t.natural_vector_size(halide_type(g.node(st.root).type.dtype));
   for (Func f : F.small) f.compute_root();
@@ -181,7 +181,7 @@ void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
   if (F.is_contract) {
     schedule_contract(F, g, st, vec);
   } else if (F.attn.kind >= 0) {
-    schedule_attention(F, vec);
+    schedule_attention(F, vec, tiles);
   } else {
     Func out = F.out;
     pointwise(out, vec);

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <malloc.h>
+
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -81,6 +83,14 @@ int64_t peak_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // KiB on Linux
+}
+
+bool reset_peak_rss() {
+  malloc_trim(0);  // hand freed heap back first, so the new peak starts from what is live
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.close();
+  return static_cast<bool>(out);
 }
 
 const char* collective_kind_name(CollectiveKind kind) {

@@ -42,6 +42,10 @@ int64_t current_rss_bytes();
 // The most resident memory this process has had (VmHWM of /proc/self/status;
 // where that is missing, getrusage's ru_maxrss * 1024).
 int64_t peak_rss_bytes();
+// Returns freed heap to the system and restarts the peak from the current
+// resident memory (Linux clear_refs "5"), so that one phase of a process can
+// be measured apart from the ones before it. False where the kernel refuses.
+bool reset_peak_rss();
 
 enum class CollectiveKind { AllToAll, AllReduce, AllGather };
 // "all_to_all", "all_reduce", "all_gather": the keys of calibrate_machine's JSON.

@@ -3,7 +3,9 @@
 
 #include <HalideRuntime.h>
 
+#include <atomic>
 #include <chrono>
+#include <mutex>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +28,29 @@ halide_type_t halide_type_of(ElemType t) {
     case ElemType::I32: return halide_type_t(halide_type_int, 32);
     default: return halide_type_t(halide_type_float, 32);
   }
+}
+
+// Under HALYARD_PROFILE, Halide's temporaries go through these, so that the
+// profile states the most scratch memory each kernel held at once (what a
+// plan's kernel_scratch predicts). Each block carries its size in front.
+constexpr size_t kHeader = 128;  // keeps Halide's 128-byte alignment
+std::atomic<int64_t> live_scratch{0}, peak_scratch{0};
+
+void* counting_malloc(void* uc, size_t n) {
+  auto* p = static_cast<uint8_t*>(halide_default_malloc(uc, n + kHeader));
+  if (!p) return nullptr;
+  *reinterpret_cast<size_t*>(p) = n;
+  const int64_t now = live_scratch += static_cast<int64_t>(n);
+  for (int64_t peak = peak_scratch.load(); now > peak && !peak_scratch.compare_exchange_weak(peak, now);) {
+  }
+  return p + kHeader;
+}
+
+void counting_free(void* uc, void* q) {
+  if (!q) return;
+  auto* p = static_cast<uint8_t*>(q) - kHeader;
+  live_scratch -= static_cast<int64_t>(*reinterpret_cast<size_t*>(p));
+  halide_default_free(uc, p);
 }
 
 std::string where(const ModelSpec& s, int64_t flat) {
@@ -216,6 +241,13 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
     }
   }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
+  if (profile) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      halide_set_custom_malloc(counting_malloc);
+      halide_set_custom_free(counting_free);
+    });
+  }
   std::ostringstream prof;
   std::vector<void*> argv;
   bool sum_grads = false;
@@ -244,13 +276,16 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
       }
       argv.push_back(&hb);
     }
+    peak_scratch = live_scratch.load();
+    const int64_t scratch_before = live_scratch.load();
     const auto t0 = std::chrono::steady_clock::now();
     if (int err = call.fn(argv.data()))
       throw Error("error: kernel " + std::string(call.kernel) + " (" + call.label + ") of model \"" + spec_.name +
                   "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
     if (profile)
       prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
-           << " ms  " << call.kernel << "  " << call.label << "\n";
+           << " ms  " << call.kernel << "  " << call.label << "  scratch " << peak_scratch.load() - scratch_before
+           << "\n";
   }
   // GPU kernels leave results on the device: bring outputs home, free the rest.
   for (halide_buffer_t& hb : bufs) {

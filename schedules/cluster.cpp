@@ -33,8 +33,9 @@ Cluster gpu(const std::string& name, int64_t ranks, double mem_gib, double bf16,
   c.process_baseline_bytes = static_cast<int64_t>(kGiB);
   const double per_byte = 1 / (0.8 * hbm);
   for (const std::string& k : kernel_kinds()) c.kernels[k] = {0, per_byte, 5e-6};
-  c.kernels["contract"].s_per_flop = 1 / (0.6 * bf16);
-  c.kernels["attention"].s_per_flop = 1 / (0.4 * bf16);
+  c.kernels["contract"].s_per_flop = c.kernels["contract_seq"].s_per_flop = 1 / (0.6 * bf16);
+  for (const char* k : {"attention", "attention_lse", "attention_grad_q", "attention_grad_kv"})
+    c.kernels[k].s_per_flop = 1 / (0.4 * bf16);
   for (const char* k : {"all_to_all", "all_reduce", "all_gather"}) c.collectives[k] = {10e-6, 1 / nvlink};
   c.inter_node = {10e-6, 1 / ib};
   return c;
@@ -63,7 +64,9 @@ LinkCoefficients link_from(const nlohmann::json& j) {
 }  // namespace
 
 const std::vector<std::string>& kernel_kinds() {
-  static const std::vector<std::string> k = {"contract", "attention", "norm", "pointwise", "embedding", "loss", "copy"};
+  static const std::vector<std::string> k = {"contract",         "contract_seq",      "attention", "attention_lse",
+                                             "attention_grad_q", "attention_grad_kv", "norm",      "pointwise",
+                                             "embedding",        "loss",              "copy"};
   return k;
 }
 

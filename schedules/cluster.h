@@ -1,8 +1,9 @@
 // What a plan runs on: ranks, memory per rank, and the coefficients of the
 // time model, from a calibration run on this machine or a preset.
 //
-// Time of a kernel stage of kind K (contract, attention, norm, pointwise,
-// embedding, loss, copy): flops * s_per_flop + bytes * s_per_byte +
+// Time of a kernel stage of kind K (kernel_kinds(): contract, contract_seq
+// for a contraction over tokens, one kind per attention kernel, norm,
+// pointwise, embedding, loss, copy): flops * s_per_flop + bytes * s_per_byte +
 // s_per_call, each coefficient per kind. Time of a collective: alpha +
 // beta * bytes, bytes being what each rank sends. Presets describe GPU
 // clusters by their datasheets (peak FLOP/s at a stated efficiency, memory

@@ -39,51 +39,66 @@ std::string collective_kind(Op op) {
 bool is_buffer(const Stage& st, int id) { return std::find(st.inputs.begin(), st.inputs.end(), id) != st.inputs.end(); }
 
 // The temporaries the CPU lowering (generators/lower.cpp) allocates while a
-// kernel runs: copies of operands it reads in another order (or computes
-// once from an inlined expression), RoPE's tables, and attention's per-tile
-// scores on each thread. An estimate that mirrors the lowering's choices.
-int64_t kernel_scratch(const Graph& g, const Stage& st, int threads) {
+// kernel runs: copies of operands it reads in another order or computes once
+// from an inlined expression, and row panels of an inlined operand per
+// thread; the most of them alive at once. It mirrors the lowering's choices; halyard-calibrate
+// prints it next to what each kernel held (HALYARD_CALIBRATE_VERBOSE=1).
+int64_t kernel_scratch(const Graph& g, const Stage& st, int threads, int key_tile) {
   const Node& n = g.node(st.root);
-  int64_t bytes = 0;
-  for (int id : st.inlined)
-    if (g.node(id).op == Op::Rope) bytes += 2 * value_bytes(g.node(id).type) / 2;  // cos and sin per (token, frequency)
-  if (n.op == Op::Contract && n.type.rank() > 0) {
-    const std::string inner = n.type.axes.back().name;
-    const TensorType &ta = g.node(n.inputs[0]).type, &tb = g.node(n.inputs[1]).type;
-    const int bop = tb.has(inner) && !ta.has(inner) ? 1 : 0;
-    const int b = n.inputs[static_cast<size_t>(bop)];
-    const TensorType& t = g.node(b).type;
-    std::vector<std::string> order;
-    for (const Axis& ax : t.axes)
-      if (!n.type.has(ax.name)) order.push_back(ax.name);
-    for (const Axis& ax : n.type.axes)
-      if (t.has(ax.name)) order.push_back(ax.name);
-    if (order != t.axis_names() || !is_buffer(st, b)) bytes += value_bytes(t);
-  }
-  const bool attn = n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
-                    n.op == Op::AttentionGradK || n.op == Op::AttentionGradV;
-  if (attn) {
-    const TensorType& q = g.node(n.inputs[0]).type;
-    const TensorType& k = g.node(n.inputs[1]).type;
-    if (!is_buffer(st, n.inputs[0])) bytes += value_bytes(q);
-    if (!is_buffer(st, n.inputs[1])) bytes += value_bytes(k);
-    bytes += 2 * value_bytes(k);  // keys (and values or the output's cotangent) transposed
-    const int64_t s = q.size("seq"), grp = q.size("heads") / std::max<int64_t>(1, k.size("kv_heads"));
-    bytes += static_cast<int64_t>(threads) * 32 * s * grp * 4 * 3;  // scores, probabilities, dP of a tile
+  auto bytes_of = [&](size_t k) { return value_bytes(g.node(n.inputs[k]).type); };
+  auto copy_unless_buffer = [&](size_t k) { return is_buffer(st, n.inputs[k]) ? 0 : bytes_of(k); };
+  int64_t bytes = 0;  // (RoPE's tables are freed before the copies they feed are made)
+  switch (n.op) {
+    case Op::Contract: {
+      if (n.type.rank() == 0) break;
+      const std::string inner = n.type.axes.back().name;
+      const TensorType &ta = g.node(n.inputs[0]).type, &tb = g.node(n.inputs[1]).type;
+      const size_t bop = tb.has(inner) && !ta.has(inner) ? 1 : 0;
+      const TensorType& t = g.node(n.inputs[bop]).type;
+      std::vector<std::string> order;
+      for (const Axis& ax : t.axes)
+        if (!n.type.has(ax.name)) order.push_back(ax.name);
+      for (const Axis& ax : n.type.axes)
+        if (t.has(ax.name)) order.push_back(ax.name);
+      if (order != t.axis_names() || !is_buffer(st, n.inputs[bop])) bytes += value_bytes(t);  // B, transposed once
+      if (!is_buffer(st, n.inputs[1 - bop])) {  // A, staged per panel of 64 rows on each thread
+        int64_t reduced = 1;
+        for (const Axis& ax : g.node(n.inputs[1 - bop]).type.axes)
+          if (!n.type.has(ax.name)) reduced *= ax.size;
+        bytes += threads * 64 * reduced * 4;
+      }
+      break;
+    }
+    // q and k computed once when they are inlined expressions (RoPE of a
+    // projection), k (and v, dO) transposed so products vectorize over keys.
+    case Op::Attention: bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1) + bytes_of(2); break;
+    case Op::AttentionLse: bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1); break;
+    case Op::AttentionGradQ:
+      bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1) + bytes_of(5) + bytes_of(6);
+      break;
+    case Op::AttentionGradK:
+    case Op::AttentionGradV:
+      bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1) + bytes_of(5) + 2 * bytes_of(2) + bytes_of(6);
+      // and per thread, a tile of keys' probabilities and their cotangents against every query
+      bytes += threads * 2 * key_tile * g.node(n.inputs[0]).type.size("seq") * 4;
+      break;
+    default: break;
   }
   return bytes;
 }
 
 }  // namespace
 
-std::string stage_kind(Op root) {
-  switch (root) {
-    case Op::Contract: return "contract";
-    case Op::Attention:
-    case Op::AttentionLse:
-    case Op::AttentionGradQ:
+std::string stage_kind(const Graph& g, const Node& root) {
+  switch (root.op) {
+    case Op::Contract:  // summing over tokens (weight gradients) runs at another speed than over features
+      return g.node(root.inputs[0]).type.has("seq") && !root.type.has("seq") ? "contract_seq" : "contract";
+    // Each attention kernel does different work per (query, key) pair: its own kind.
+    case Op::Attention: return "attention";
+    case Op::AttentionLse: return "attention_lse";
+    case Op::AttentionGradQ: return "attention_grad_q";
     case Op::AttentionGradK:
-    case Op::AttentionGradV: return "attention";
+    case Op::AttentionGradV: return "attention_grad_kv";
     case Op::RmsNormGradX:
     case Op::RmsNormGradW: return "norm";
     case Op::Embedding:
@@ -185,7 +200,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     }
     StageCost sc;
     sc.stage = static_cast<int>(s);
-    sc.kind = stage_kind(root.op);
+    sc.kind = stage_kind(g, root);
     sc.backward = root.backward;
     sc.layer = layer_of(root.name);
     sc.label = std::string(op_name(root.op)) + " %" + std::to_string(st.root) + (root.name.empty() ? "" : " " + root.name);
@@ -195,7 +210,9 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     sc.bytes = bytes;
     sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
-    scratch = std::max(scratch, kernel_scratch(g, st, threads));
+    sc.scratch_estimate =
+        kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16);
+    scratch = std::max(scratch, sc.scratch_estimate);
     p.stages.push_back(sc);
   }
   // The gradients are summed over the mesh after the backward (ZeRO-1:

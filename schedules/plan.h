@@ -57,6 +57,7 @@ struct StageCost {
   bool backward = false;
   double flops = 0;
   int64_t bytes = 0;  // read + written
+  int64_t scratch_estimate = 0;  // temporaries the CPU lowering allocates (kernel_scratch's estimate)
   double time_s = 0;
 };
 
@@ -113,6 +114,6 @@ struct Plan {
 Plan plan(const ModelBuilder& build, const ModelRequest& request, const Schedule& schedule, const Cluster& cluster);
 
 // The kernel kind a stage's root belongs to (the time model's classes).
-std::string stage_kind(Op root);
+std::string stage_kind(const Graph& g, const Node& root);
 
 }  // namespace halyard

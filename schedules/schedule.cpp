@@ -196,6 +196,9 @@ std::string Schedule::to_json() const {
   }
   if (seq_tile > 0) j["seq_tile"] = seq_tile;
   if (!autoscheduler.empty()) j["autoscheduler"] = autoscheduler;
+  if (kernel_tiles != KernelTiles{})
+    j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
+                         {"attention_keys", kernel_tiles.attention_keys}};
   return j.dump(2);
 }
 
@@ -210,6 +213,8 @@ std::string Schedule::str() const {
   s += ", values {" + rules_str(values) + "}";
   if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
+  if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
+  if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
   return s;
 }
 
@@ -301,6 +306,16 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       s.seq_tile = v.get<int64_t>();
       if (s.seq_tile < 0)
         bad(what, "seq_tile " + std::to_string(s.seq_tile) + "\nlegal: tokens per tile of the MLP and loss (e.g. 1024), or 0 for none.");
+    } else if (key == "kernel_tiles" && v.is_object()) {
+      for (auto t = v.begin(); t != v.end(); ++t) {
+        const int64_t n = integer(*t, "kernel_tiles." + t.key(), 0);
+        if (n % 8 != 0 || n > 256)
+          bad(what, "kernel_tiles." + t.key() + " is " + std::to_string(n) +
+                        ".\nlegal: 0 (derived from the shapes) or a multiple of 8 up to 256 (register tiles are 8 rows).");
+        if (t.key() == "attention_queries") s.kernel_tiles.attention_queries = static_cast<int>(n);
+        else if (t.key() == "attention_keys") s.kernel_tiles.attention_keys = static_cast<int>(n);
+        else bad(what, "unknown kernel tile \"" + t.key() + "\".\nlegal: attention_queries, attention_keys.");
+      }
     } else if (key == "autoscheduler" && v.is_string()) {
       s.autoscheduler = v.get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
@@ -309,7 +324,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), "
-                    "autoscheduler (string); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }

@@ -11,7 +11,8 @@
 //     each consumer's kernel instead of being stored (`compute: inline`, like
 //     Halide's compute_inline);
 //   - the sequence tile of the MLP and the LM head + loss;
-//   - kernel loops: Halyard's hand-written schedules or an autoscheduler.
+//   - kernel loops: Halyard's hand-written schedules (with the loop tiles
+//     that are a real choice) or an autoscheduler.
 // Presets (default, recompute, checkpoint, tiled, ulysses, ...) are schedules
 // written in this vocabulary.
 #pragma once
@@ -32,6 +33,14 @@ struct Mesh {
   int zero = 0;
   int64_t ranks() const { return dp * sp; }
   bool operator==(const Mesh&) const = default;
+};
+
+// Loop tiles of the hand-written CPU kernels where they are a real choice
+// (0: derived from the shapes, as generators/schedule_cpu.cpp does).
+struct KernelTiles {
+  int attention_queries = 0;  // queries per tile of the forward, statistics and dQ kernels
+  int attention_keys = 0;     // keys per tile of the dK/dV kernel
+  bool operator==(const KernelTiles&) const = default;
 };
 
 enum class Keep { Save, Recompute };
@@ -75,6 +84,7 @@ struct Schedule {
   int64_t seq_tile = 0;
   // "" for the hand-written loop schedules, or a Halide autoscheduler name.
   std::string autoscheduler;
+  KernelTiles kernel_tiles;
 
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;

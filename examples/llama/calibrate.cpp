@@ -15,8 +15,9 @@
 //     kind t = flops * s_per_flop + bytes * s_per_byte + s_per_call (least
 //     squares with non-negative coefficients);
 //   - takes the memory the plan does not model (the process, its libraries,
-//     MPI, allocator slack) as the largest gap between measured peak and the
-//     plan's total without a baseline, over libraries and ranks;
+//     MPI, allocator slack) as the gap between the measured peak of the first
+//     library (a fresh process, as a training run is) and the plan's total
+//     without a baseline, the largest over ranks;
 //   - measures memory bandwidth and the MPI collectives (runtime/measure.h).
 // Rank 0 writes the profile and prints the fit of every kind.
 #include <algorithm>
@@ -50,10 +51,12 @@ namespace {
 
 struct Sample {
   double flops, bytes, t;
+  double scratch_estimate, scratch;  // the plan's estimate of the kernel's temporaries, and what it held
 };
 
-// Least squares over the non-empty subsets of the three coefficients; the
-// best fit whose coefficients are all >= 0.
+// Least squares of the relative error (each sample weighted by 1/t, so that
+// short and long kernels count alike) over the non-empty subsets of the
+// three coefficients; the best fit whose coefficients are all >= 0.
 KernelCoefficients fit(const std::vector<Sample>& s, double* rel_error) {
   KernelCoefficients best;
   double best_err = INFINITY;
@@ -64,9 +67,10 @@ KernelCoefficients fit(const std::vector<Sample>& s, double* rel_error) {
     const size_t n = cols.size();
     std::vector<double> ata(n * n, 0), atb(n, 0);
     for (const Sample& x : s) {
-      const double f[3] = {x.flops, x.bytes, 1.0};
+      const double w = 1 / std::max(x.t, 1e-9);
+      const double f[3] = {x.flops * w, x.bytes * w, w};
       for (size_t i = 0; i < n; ++i) {
-        atb[i] += f[cols[i]] * x.t;
+        atb[i] += f[cols[i]];  // x.t * w
         for (size_t j = 0; j < n; ++j) ata[i * n + j] += f[cols[i]] * f[cols[j]];
       }
     }
@@ -91,19 +95,18 @@ KernelCoefficients fit(const std::vector<Sample>& s, double* rel_error) {
     double coef[3] = {0, 0, 0};
     for (size_t i = 0; i < n; ++i) coef[cols[i]] = b[i] / a[i * n + i];
     if (coef[0] < 0 || coef[1] < 0 || coef[2] < 0) continue;
-    double err = 0, total = 0;
+    double err = 0;
     for (const Sample& x : s) {
-      const double pred = coef[0] * x.flops + coef[1] * x.bytes + coef[2];
-      err += (pred - x.t) * (pred - x.t);
-      total += x.t * x.t;
+      const double rel = (coef[0] * x.flops + coef[1] * x.bytes + coef[2] - x.t) / std::max(x.t, 1e-9);
+      err += rel * rel;
     }
-    if (err < best_err) best_err = err, best = {coef[0], coef[1], coef[2]}, *rel_error = std::sqrt(err / std::max(total, 1e-300));
+    if (err < best_err) best_err = err, best = {coef[0], coef[1], coef[2]}, *rel_error = std::sqrt(err / static_cast<double>(s.size()));
   }
   return best;
 }
 
 struct Options {
-  std::string out;
+  std::string out, data = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
   int steps = 4, threads = 0;
   double timeout = 60;
 };
@@ -113,7 +116,7 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
-      std::printf("usage: mpirun -np R halyard-calibrate --out PROFILE.json [--steps N (4)] [--threads T]\n");
+      std::printf("usage: mpirun -np R halyard-calibrate --out PROFILE.json [--steps N (4)] [--threads T] [--data TEXT]\n");
       std::exit(0);
     }
     if (i + 1 >= argc) throw runtime::Error("error: " + k + " needs a value.");
@@ -123,7 +126,8 @@ Options parse(int argc, char** argv) {
       if (k == "--out") o.out = v;
       else if (k == "--steps") o.steps = std::stoi(v, &used);
       else if (k == "--threads") o.threads = std::stoi(v, &used);
-      else throw runtime::Error("error: unknown option \"" + k + "\".\nlegal: --out --steps --threads --help");
+      else if (k == "--data") o.data = v;
+      else throw runtime::Error("error: unknown option \"" + k + "\".\nlegal: --out --steps --threads --data --help");
       if (used != 0 && used != v.size()) throw std::invalid_argument(v);
     } catch (const std::logic_error&) {
       throw runtime::Error("error: " + k + " \"" + v + "\" is not a whole number.");
@@ -137,12 +141,14 @@ Options parse(int argc, char** argv) {
 struct Measured {
   const runtime::ModelSpec* spec;
   std::vector<std::vector<double>> call_ms;  // per profiled step: every call's milliseconds, in program order
+  std::vector<double> call_scratch;          // every call's most scratch bytes held at once (max over steps)
   double step_s = 0;                         // median over the profiled steps
   int64_t peak_rss = 0;
 };
 
 // Trains `spec` as llama_train does and times every call.
 Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, const Options& o) {
+  runtime::reset_peak_rss();  // this library's peak, not the one measured before it
   runtime::Model m(spec, comm, comm);
   m.init_params(0);
   std::vector<int64_t> sizes;
@@ -157,11 +163,11 @@ Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, co
   }
   runtime::AdamW opt(sizes, decay);
   const int rank = comm ? comm->rank() : 0;
-  const runtime::Batcher batcher(runtime::TokenFile::from_text(HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt"),
+  const runtime::Batcher batcher(runtime::TokenFile::from_text(o.data),
                                  spec.batch, spec.seq, spec.vocab, 0, runtime::Shard{rank, spec.sp, 0, 1});
   const int64_t n = batcher.local_tokens();
   std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
-  Measured r{&spec, {}, 0, 0};
+  Measured r{&spec, {}, {}, 0, 0};
   std::vector<double> steps;
   for (int step = 1; step <= o.steps; ++step) {
     batcher.fill(step, ids.data(), labels.data(), pos.data());
@@ -174,7 +180,14 @@ Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, co
     steps.push_back(secs);
     std::vector<double> ms;
     std::istringstream lines(m.profile());
-    for (std::string line; std::getline(lines, line);) ms.push_back(std::atof(line.c_str()));
+    size_t k = 0;
+    for (std::string line; std::getline(lines, line); ++k) {
+      ms.push_back(std::atof(line.c_str()));
+      const size_t at = line.rfind("  scratch ");
+      const double scratch = at == std::string::npos ? 0 : std::atof(line.c_str() + at + 10);
+      if (r.call_scratch.size() <= k) r.call_scratch.resize(k + 1, 0);
+      r.call_scratch[k] = std::max(r.call_scratch[k], scratch);
+    }
     r.call_ms.push_back(ms);
   }
   std::sort(steps.begin(), steps.end());
@@ -218,7 +231,12 @@ int run(const Options& o) {
       std::vector<double> t;
       for (const auto& step : r.call_ms) t.push_back(step[static_cast<size_t>(st.stage)] / 1e3);
       std::sort(t.begin(), t.end());
-      samples[st.kind].push_back({st.flops, static_cast<double>(st.bytes), t[t.size() / 2]});
+      samples[st.kind].push_back({st.flops, static_cast<double>(st.bytes), t[t.size() / 2],
+                                  static_cast<double>(st.scratch_estimate), r.call_scratch[static_cast<size_t>(st.stage)]});
+      if (std::getenv("HALYARD_CALIBRATE_VERBOSE") && rank == 0)
+        std::printf("  %-10s %-44s %8.3f ms  %12.0f flops %10lld bytes  scratch %10lld est %10.0f held\n", st.kind.c_str(),
+                    st.label.substr(0, 44).c_str(), t[t.size() / 2] * 1e3, st.flops, static_cast<long long>(st.bytes),
+                    static_cast<long long>(st.scratch_estimate), r.call_scratch[static_cast<size_t>(st.stage)]);
     }
     const int64_t modeled = p.memory.total() - p.memory.runtime_baseline;
     int64_t gap = r.peak_rss - modeled;
@@ -228,7 +246,9 @@ int run(const Options& o) {
       comm->all_gather(&mine, 1, all.data());
       gap = static_cast<int64_t>(*std::max_element(all.begin(), all.end()));
     }
-    baseline = std::max(baseline, gap);
+    // The first library runs in a fresh process, as a training run does; the
+    // later ones find what the earlier left behind (allocator arenas, pages).
+    if (&r == &runs.front()) baseline = gap;
     char line[256];
     std::snprintf(line, sizeof line, "  %s: step %.4f s (median of %zu), peak %.1f MiB of which the plan models %.1f MiB\n",
                   r.spec->name, r.step_s, r.call_ms.size(), static_cast<double>(r.peak_rss) / (1 << 20),

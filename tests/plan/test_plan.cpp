@@ -116,7 +116,7 @@ TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
   const Schedule f = Schedule::parse(R"({"name": "mine", "mesh": {"dp": 2, "sp": 4, "zero": 1},
       "split_sequence": "sp", "attention": [{"match": "model.layers.*.self_attn", "strategy": "ulysses"}],
       "values": [{"match": "op:rms_norm", "compute": "inline"}, {"match": "model.layers.1.mlp op:contract", "keep": "recompute"}],
-      "seq_tile": 256})", "mine.json");
+      "seq_tile": 256, "kernel_tiles": {"attention_keys": 32}})", "mine.json");
   EXPECT_EQ(Schedule::parse(f.to_json(), "again"), f);
   EXPECT_EQ(f.mesh, (Mesh{2, 4, 1}));
   // The first vocabulary still reads, as the same rules.
@@ -146,6 +146,8 @@ TEST(Schedule, IllegalRulesNameTheValueTheRuleAndTheLegalChoices) {
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"sp": 4}})", "s"); }),
               ::testing::HasSubstr("mesh sp=4 without split_sequence"));
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"tp": 2}})", "s"); }), ::testing::HasSubstr("legal: dp, sp, zero"));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"kernel_tiles": {"attention_keys": 12}})", "s"); }),
+              ::testing::HasSubstr("a multiple of 8 up to 256"));
 }
 
 // A Llama block's FLOPs, counted by hand, against the plan's stages.
@@ -158,7 +160,7 @@ TEST(Plan, FlopsPerStageEqualTheFormulasForALlamaBlock) {
   double fwd_contract = 0, bwd_contract = 0, fwd_attention = 0;
   for (const StageCost& s : p.stages) {
     if (s.layer != "model.layers.0") continue;
-    if (s.kind == "contract") (s.backward ? bwd_contract : fwd_contract) += s.flops;
+    if (s.kind == "contract" || s.kind == "contract_seq") (s.backward ? bwd_contract : fwd_contract) += s.flops;
     if (s.kind == "attention" && !s.backward) fwd_attention += s.flops;
   }
   const double projections = 2 * B * S * M * (H * D + 2 * KV * D) + 2 * B * S * H * D * M + 3 * 2 * B * S * M * F;
