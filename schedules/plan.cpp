@@ -38,16 +38,31 @@ std::string collective_kind(Op op) {
 
 bool is_buffer(const Stage& st, int id) { return std::find(st.inputs.begin(), st.inputs.end(), id) != st.inputs.end(); }
 
+// The runtime's allocator (runtime/memory.cpp: keep_freed_memory) serves
+// blocks below 32 MiB from a heap that keeps what is freed, and maps larger
+// ones afresh each time. So a step holds, besides its arena, the most any
+// kernel kept on the heap plus the most any kernel mapped: the two maxima add
+// up even when the kernels never run together.
+constexpr int64_t kMapThreshold = int64_t{32} << 20;
+
+struct Scratch {
+  int64_t heap = 0, mapped = 0;
+  void add(int64_t bytes) { (bytes >= kMapThreshold ? mapped : heap) += bytes; }
+};
+
 // The temporaries the CPU lowering (generators/lower.cpp) allocates while a
 // kernel runs: copies of operands it reads in another order or computes once
 // from an inlined expression, and row panels of an inlined operand per
-// thread; the most of them alive at once. It mirrors the lowering's choices; halyard-calibrate
+// thread; all alive at once. (RoPE's tables are freed before the copies
+// they feed are made.) It mirrors the lowering's choices; halyard-calibrate
 // prints it next to what each kernel held (HALYARD_CALIBRATE_VERBOSE=1).
-int64_t kernel_scratch(const Graph& g, const Stage& st, int threads, int key_tile) {
+Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_tile) {
   const Node& n = g.node(st.root);
   auto bytes_of = [&](size_t k) { return value_bytes(g.node(n.inputs[k]).type); };
-  auto copy_unless_buffer = [&](size_t k) { return is_buffer(st, n.inputs[k]) ? 0 : bytes_of(k); };
-  int64_t bytes = 0;  // (RoPE's tables are freed before the copies they feed are made)
+  Scratch s;
+  auto copy_unless_buffer = [&](size_t k) {
+    if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
+  };
   switch (n.op) {
     case Op::Contract: {
       if (n.type.rank() == 0) break;
@@ -60,31 +75,36 @@ int64_t kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
         if (!n.type.has(ax.name)) order.push_back(ax.name);
       for (const Axis& ax : n.type.axes)
         if (t.has(ax.name)) order.push_back(ax.name);
-      if (order != t.axis_names() || !is_buffer(st, n.inputs[bop])) bytes += value_bytes(t);  // B, transposed once
+      if (order != t.axis_names() || !is_buffer(st, n.inputs[bop])) s.add(value_bytes(t));  // B, transposed once
       if (!is_buffer(st, n.inputs[1 - bop])) {  // A, staged per panel of 64 rows on each thread
         int64_t reduced = 1;
         for (const Axis& ax : g.node(n.inputs[1 - bop]).type.axes)
           if (!n.type.has(ax.name)) reduced *= ax.size;
-        bytes += threads * 64 * reduced * 4;
+        for (int t2 = 0; t2 < threads; ++t2) s.add(64 * reduced * 4);
       }
       break;
     }
     // q and k computed once when they are inlined expressions (RoPE of a
     // projection), k (and v, dO) transposed so products vectorize over keys.
-    case Op::Attention: bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1) + bytes_of(2); break;
-    case Op::AttentionLse: bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1); break;
+    case Op::Attention:
+      copy_unless_buffer(0), copy_unless_buffer(1), s.add(bytes_of(1)), s.add(bytes_of(2));
+      break;
+    case Op::AttentionLse:
+      copy_unless_buffer(0), copy_unless_buffer(1), s.add(bytes_of(1));
+      break;
     case Op::AttentionGradQ:
-      bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1) + bytes_of(5) + bytes_of(6);
+      copy_unless_buffer(0), copy_unless_buffer(1), s.add(bytes_of(1)), s.add(bytes_of(5)), s.add(bytes_of(6));
       break;
     case Op::AttentionGradK:
     case Op::AttentionGradV:
-      bytes += copy_unless_buffer(0) + copy_unless_buffer(1) + bytes_of(1) + bytes_of(5) + 2 * bytes_of(2) + bytes_of(6);
+      copy_unless_buffer(0), copy_unless_buffer(1), s.add(bytes_of(1)), s.add(bytes_of(5));
+      s.add(bytes_of(2)), s.add(bytes_of(2)), s.add(bytes_of(6));
       // and per thread, a tile of keys' probabilities and their cotangents against every query
-      bytes += threads * 2 * key_tile * g.node(n.inputs[0]).type.size("seq") * 4;
+      for (int t2 = 0; t2 < 2 * threads; ++t2) s.add(key_tile * g.node(n.inputs[0]).type.size("seq") * 4);
       break;
     default: break;
   }
-  return bytes;
+  return s;
 }
 
 }  // namespace
@@ -172,7 +192,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   // Time: each stage of the train program by its kind's coefficients.
   const int64_t ranks = schedule.mesh.ranks();
   const int threads = static_cast<int>(std::max<int64_t>(1, ranks >= cluster.ranks_per_node ? 1 : cluster.ranks_per_node / ranks));
-  int64_t scratch = 0, staging = 0;
+  int64_t heap_scratch = 0, mapped_scratch = 0, staging = 0;
   for (size_t s = 0; s < p.train.stages.size(); ++s) {
     const Stage& st = p.train.stages[s];
     const Node& root = g.node(st.root);
@@ -210,9 +230,11 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     sc.bytes = bytes;
     sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
-    sc.scratch_estimate =
+    const Scratch k =
         kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16);
-    scratch = std::max(scratch, sc.scratch_estimate);
+    sc.scratch_estimate = k.heap + k.mapped;
+    heap_scratch = std::max(heap_scratch, k.heap);
+    mapped_scratch = std::max(mapped_scratch, k.mapped);
     p.stages.push_back(sc);
   }
   // The gradients are summed over the mesh after the backward (ZeRO-1:
@@ -244,7 +266,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   mem.gradients = mem.parameters;
   mem.optimizer_state = schedule.mesh.zero ? 2 * param_bytes / ranks + param_bytes / ranks : 2 * param_bytes;
   mem.activations = std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes);
-  mem.kernel_scratch = scratch;
+  mem.kernel_scratch = heap_scratch + mapped_scratch;
   mem.collective_buffers = staging;
   const int64_t tokens = req.batch * p.local_seq;
   mem.data = 3 * round_up(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
@@ -338,7 +360,8 @@ std::string Plan::to_json() const {
   j["cluster"] = nlohmann::json::parse(cluster.to_json());
   for (const StageCost& s : stages)
     j["stages"].push_back({{"stage", s.stage}, {"kind", s.kind}, {"label", s.label}, {"layer", s.layer},
-                           {"backward", s.backward}, {"flops", s.flops}, {"bytes", s.bytes}, {"time_s", s.time_s}});
+                           {"backward", s.backward}, {"flops", s.flops}, {"bytes", s.bytes},
+                           {"scratch_estimate", s.scratch_estimate}, {"time_s", s.time_s}});
   for (const CollectiveCost& c : collectives)
     j["collectives"].push_back({{"stage", c.stage}, {"op", c.op}, {"kind", c.kind}, {"axis", c.axis},
                                 {"degree", c.degree}, {"bytes_per_rank", c.bytes_per_rank}, {"time_s", c.time_s}});

@@ -75,7 +75,7 @@ struct CollectiveCost {
 struct MemoryBreakdown {
   int64_t parameters = 0, gradients = 0, optimizer_state = 0;
   int64_t activations = 0;         // the static arena (forward values kept for the backward, and transients)
-  int64_t kernel_scratch = 0;      // the largest temporary a kernel allocates while it runs
+  int64_t kernel_scratch = 0;      // kernels' temporaries: the most one keeps on the heap plus the most one maps
   int64_t collective_buffers = 0;  // staging of all-to-alls and gathers
   int64_t data = 0;                // token ids, labels and positions (the loader's and the model's copies)
   int64_t runtime_baseline = 0;    // the process before the model (libraries, MPI or the CUDA context)

@@ -12,6 +12,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/configure.sh"
 source "$root/.venv/halyard.env"
 "$HALYARD_CMAKE" --build "$root/build" -j "$(nproc 2>/dev/null || echo 2)" --target llama_train
-# Root needs OpenMPI's consent; 4 ranks on 2 cores need --oversubscribe.
-exec mpirun --allow-run-as-root --oversubscribe -np "${HALYARD_RANKS:-4}" \
+# Root needs OpenMPI's consent; 4 ranks on 2 cores need --oversubscribe;
+# unbound, because Open MPI pins one or two ranks to a core each, which would
+# halve a single rank's Halide threads.
+exec mpirun --allow-run-as-root --oversubscribe --bind-to none -np "${HALYARD_RANKS:-4}" \
   "$root/build/examples/llama/llama_train" --steps 200 "$@"

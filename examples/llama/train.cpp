@@ -367,6 +367,8 @@ int train(const Options& o) {
       batcher.fill(step, ids.data(), labels.data(), pos.data());
       const auto step_t0 = std::chrono::steady_clock::now();
       const double loss = m.train_step(ids.data(), labels.data(), pos.data());
+      if (lead && std::getenv("HALYARD_PROFILE"))  // every call's time and scratch memory (runtime/model.h)
+        std::fprintf(stderr, "profile of step %d:\n%s", step, m.profile().c_str());
       const double frac = runtime::warmup_cosine_lr(step, o.steps, o.warmup, 1.0);  // times --lr
       double norm;
       if (zero) {
