@@ -168,7 +168,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   p.local_seq = local_seq(req.seq, sp);
   BuiltModel m = build(req.config, req.batch, p.local_seq);
   RebuiltGraph sharded = shard_sequence(*m.graph, m.loss.id, schedule, sp);
-  RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, schedule.seq_tile);
+  RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, schedule.seq_tile, schedule.loss_tile());
   m.graph = std::move(tiled.graph);
   m.loss = tiled.loss;
   m.params = tiled.params;

@@ -195,6 +195,7 @@ std::string Schedule::to_json() const {
     j["values"].push_back(v);
   }
   if (seq_tile > 0) j["seq_tile"] = seq_tile;
+  if (loss_seq_tile > 0) j["loss_seq_tile"] = loss_seq_tile;
   if (!autoscheduler.empty()) j["autoscheduler"] = autoscheduler;
   if (kernel_tiles != KernelTiles{})
     j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
@@ -212,6 +213,7 @@ std::string Schedule::str() const {
   }
   s += ", values {" + rules_str(values) + "}";
   if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
+  if (loss_seq_tile > 0) s += ", loss tile " + std::to_string(loss_seq_tile);
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
   if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
@@ -316,6 +318,8 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         else if (t.key() == "attention_keys") s.kernel_tiles.attention_keys = static_cast<int>(n);
         else bad(what, "unknown kernel tile \"" + t.key() + "\".\nlegal: attention_queries, attention_keys.");
       }
+    } else if (key == "loss_seq_tile") {
+      s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
       s.autoscheduler = v.get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
@@ -323,13 +327,13 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     } else {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
-                    "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), "
+                    "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
                     "autoscheduler (string), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
   // A tiled schedule of the first vocabulary recomputed its tiles per tile.
-  if (s.seq_tile > 0 && !j.contains("values")) s.values.push_back(recompute_seq_tiles_rule());
+  if (s.loss_tile() > 0 && !j.contains("values")) s.values.push_back(recompute_seq_tiles_rule());
   if (s.split_sequence.empty() != s.attention.empty())
     bad(what, "split_sequence(\"" + s.split_sequence + "\") with " + std::to_string(s.attention.size()) +
                   " attention rule(s)\nattention needs every key: a split sequence needs a head redistribution, and "

@@ -10,7 +10,7 @@
 //     recomputes it (`keep`), and whether a cheap value is computed inside
 //     each consumer's kernel instead of being stored (`compute: inline`, like
 //     Halide's compute_inline);
-//   - the sequence tile of the MLP and the LM head + loss;
+//   - the sequence tiles of the MLP and of the LM head + loss;
 //   - kernel loops: Halyard's hand-written schedules (with the loop tiles
 //     that are a real choice) or an autoscheduler.
 // Presets (default, recompute, checkpoint, tiled, ulysses, ...) are schedules
@@ -80,8 +80,11 @@ struct Schedule {
   // saved and stored (root).
   std::vector<ValueRule> values;
   // tile_sequence(T): the MLP and the LM head + loss run in tiles of T tokens
-  // (schedules/tiling.h); 0 = whole sequence.
+  // (schedules/tiling.h); 0 = whole sequence. loss_seq_tile, when > 0, gives
+  // the LM head + loss their own tile (its [seq, vocab] is often the widest).
   int64_t seq_tile = 0;
+  int64_t loss_seq_tile = 0;
+  int64_t loss_tile() const { return loss_seq_tile > 0 ? loss_seq_tile : seq_tile; }
   // "" for the hand-written loop schedules, or a Halide autoscheduler name.
   std::string autoscheduler;
   KernelTiles kernel_tiles;

@@ -22,23 +22,30 @@ bool token_local(const Graph& g, const Node& n) {
   return n.type.has("seq");
 }
 
+// Two tiled regions with their own tile grids: the MLP's chains (ffn-wide)
+// and the LM head + loss (vocab-wide). A whole value read by a region is
+// sliced on that region's grid.
+constexpr int kMlp = 0, kLoss = 1;
+
 struct Tiler {
   const Graph& src;
   Graph& g;
-  std::vector<int64_t> starts, lengths;
+  std::vector<int64_t> starts[2], lengths[2];
   std::vector<bool> tiled;
+  std::vector<int> region;  // of each tiled op
   std::vector<Value> whole;
-  std::vector<std::vector<Value>> tiles;  // tiled ops' tiles, or slices of whole values
+  std::vector<std::vector<Value>> tiles;  // tiled ops' tiles; slices of whole values per (id, region)
 
-  size_t count() const { return starts.size(); }
+  size_t count(int r) const { return starts[r].size(); }
 
   Value get_whole(int id) {
     Value& w = whole[static_cast<size_t>(id)];
     if (w.valid()) return w;
     const Node& n = src.node(id);
     HALYARD_CHECK(tiled[static_cast<size_t>(id)], "%" << id << " was not built");
+    const int r = region[static_cast<size_t>(id)];
     std::vector<Value> parts;
-    for (size_t k = 0; k < count(); ++k) parts.push_back(get_tile(id, k));
+    for (size_t k = 0; k < count(r); ++k) parts.push_back(get_tile(id, k, r));
     g.set_name_prefix(n.name);
     if (n.op == Op::CrossEntropy) {  // sums over tokens / the global count: they add up
       w = parts[0];
@@ -50,17 +57,18 @@ struct Tiler {
     return w;
   }
 
-  Value get_tile(int id, size_t k) {
-    auto& ts = tiles[static_cast<size_t>(id)];
-    if (ts.empty()) ts.resize(count());
+  Value get_tile(int id, size_t k, int r) {
+    const bool is_tiled = tiled[static_cast<size_t>(id)];
+    auto& ts = tiles[static_cast<size_t>(2 * id + (is_tiled ? 0 : r))];
+    if (ts.empty()) ts.resize(count(r));
     if (ts[k].valid()) return ts[k];
     const Node& n = src.node(id);
-    if (!tiled[static_cast<size_t>(id)]) {
+    if (!is_tiled) {
       Value w = get_whole(id);
-      return ts[k] = n.type.has("seq") ? slice_seq(w, starts[k], lengths[k]) : w;
+      return ts[k] = n.type.has("seq") ? slice_seq(w, starts[r][k], lengths[r][k]) : w;
     }
     std::vector<Value> ins;
-    for (int i : n.inputs) ins.push_back(src.node(i).type.has("seq") ? get_tile(i, k) : get_whole(i));
+    for (int i : n.inputs) ins.push_back(src.node(i).type.has("seq") ? get_tile(i, k, r) : get_whole(i));
     return ts[k] = g.add(n.op, ins, n.attrs, n.name);
   }
 };
@@ -71,26 +79,36 @@ bool is_wide(const Node& n) {
   return n.type.has("seq") && (n.type.has("ffn") || n.type.has("vocab"));
 }
 
-RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile) {
+RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile) { return tile_sequence(src, loss, tile, tile); }
+
+RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t mlp_tile, int64_t loss_tile) {
   RebuiltGraph out;
   out.graph = std::make_unique<Graph>();
   Graph& g = *out.graph;
   int64_t seq = 0;
   for (const Node& n : src.nodes())
     if (n.op == Op::Input && n.type.has("seq")) seq = n.type.size("seq");
-  Tiler t{src, g, {}, {}, std::vector<bool>(static_cast<size_t>(src.size()), false),
-          std::vector<Value>(static_cast<size_t>(src.size())), std::vector<std::vector<Value>>(static_cast<size_t>(src.size()))};
-  if (tile > 0 && tile < seq)
-    for (int64_t at = 0; at < seq; at += tile) {
-      t.starts.push_back(at);
-      t.lengths.push_back(std::min(tile, seq - at));
-    }
+  const size_t n_nodes = static_cast<size_t>(src.size());
+  Tiler t{src, g, {}, {}, std::vector<bool>(n_nodes, false), std::vector<int>(n_nodes, kMlp),
+          std::vector<Value>(n_nodes), std::vector<std::vector<Value>>(2 * n_nodes)};
+  const int64_t sizes[2] = {mlp_tile, loss_tile};
+  for (int r : {kMlp, kLoss})
+    if (sizes[r] > 0 && sizes[r] < seq)
+      for (int64_t at = 0; at < seq; at += sizes[r]) {
+        t.starts[r].push_back(at);
+        t.lengths[r].push_back(std::min(sizes[r], seq - at));
+      }
   for (const Node& n : src.nodes()) {
     if (n.id > loss) break;
     bool wide_input = false;
-    for (int i : n.inputs) wide_input = wide_input || is_wide(src.node(i));
+    int r = n.type.has("vocab") || n.op == Op::CrossEntropy ? kLoss : kMlp;
+    for (int i : n.inputs) {
+      wide_input = wide_input || is_wide(src.node(i));
+      if (t.tiled[static_cast<size_t>(i)] && t.region[static_cast<size_t>(i)] == kLoss) r = kLoss;
+    }
+    t.region[static_cast<size_t>(n.id)] = r;
     t.tiled[static_cast<size_t>(n.id)] =
-        t.count() > 1 && token_local(src, n) && n.type.has("seq") == (n.op != Op::CrossEntropy) &&
+        t.count(r) > 1 && token_local(src, n) && n.type.has("seq") == (n.op != Op::CrossEntropy) &&
         (is_wide(n) || wide_input);
   }
   // Whole values in order; tiled ones are built when a whole value needs

@@ -27,8 +27,11 @@ namespace halyard {
 // True for a value that sequence tiling keeps from existing whole.
 bool is_wide(const Node& n);
 
-// Rebuilds `src` (forward only, up to `loss`) with the wide ops tiled.
-// tile <= 0, or tile >= the sequence, copies the graph unchanged.
-RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile);
+// Rebuilds `src` (forward only, up to `loss`) with the wide ops tiled: the
+// MLP's (ffn-wide) chains in tiles of `mlp_tile` tokens, the LM head and loss
+// (vocab-wide) in tiles of `loss_tile`. A tile <= 0, or >= the sequence,
+// leaves that region whole.
+RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t mlp_tile, int64_t loss_tile);
+RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile);  // both regions alike
 
 }  // namespace halyard

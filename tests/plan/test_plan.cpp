@@ -116,7 +116,7 @@ TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
   const Schedule f = Schedule::parse(R"({"name": "mine", "mesh": {"dp": 2, "sp": 4, "zero": 1},
       "split_sequence": "sp", "attention": [{"match": "model.layers.*.self_attn", "strategy": "ulysses"}],
       "values": [{"match": "op:rms_norm", "compute": "inline"}, {"match": "model.layers.1.mlp op:contract", "keep": "recompute"}],
-      "seq_tile": 256, "kernel_tiles": {"attention_keys": 32}})", "mine.json");
+      "seq_tile": 256, "loss_seq_tile": 128, "kernel_tiles": {"attention_keys": 32}})", "mine.json");
   EXPECT_EQ(Schedule::parse(f.to_json(), "again"), f);
   EXPECT_EQ(f.mesh, (Mesh{2, 4, 1}));
   // The first vocabulary still reads, as the same rules.
@@ -208,6 +208,25 @@ TEST(Plan, MemoryAndTimeMoveTheRightWay) {
   EXPECT_GT(u4.communication_s, 0);
   EXPECT_EQ(u1.communication_s, 0);
   std::printf("%s", c4.report().c_str());
+}
+
+// The MLP and the LM head + loss tiled apart: the [seq, ffn] buffers come in
+// tiles of one size, the [seq, vocab] ones in tiles of the other.
+TEST(Plan, TileSizesPerTiledRegion) {
+  Schedule s = Schedule::named("tiled");
+  s.seq_tile = 256;
+  s.loss_seq_tile = 128;
+  const Plan p = plan(llama::llama_builder(), {kMicro, 1, 1024}, s, Cluster::named("local-cpu"));
+  std::set<int64_t> ffn, vocab;
+  for (const PlannedBuffer& b : p.train_program.buffers) {
+    const Node& n = p.model.graph->node(b.node);
+    if (!n.type.has("seq")) continue;
+    if (n.type.has("ffn")) ffn.insert(n.type.size("seq"));
+    if (n.type.has("vocab")) vocab.insert(n.type.size("seq"));
+  }
+  EXPECT_EQ(ffn, std::set<int64_t>{256});
+  EXPECT_EQ(vocab, std::set<int64_t>{128});
+  EXPECT_THAT(s.str(), ::testing::HasSubstr("tile_sequence(256), loss tile 128"));
 }
 
 // Scoring a plan compiles nothing: Llama-3.1-8B, 131,072 tokens over 8 ranks.
