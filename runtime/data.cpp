@@ -25,18 +25,6 @@ std::string kind(int width) {
   return width == 1 ? "text file" : width == 2 ? "uint16 token file" : "uint32 token file";
 }
 
-// The divisors of n (all of them up to 64 entries, then "...").
-std::string divisors(int64_t n) {
-  std::string out;
-  int listed = 0;
-  for (int64_t d = 1; d <= n; ++d) {
-    if (n % d) continue;
-    if (listed == 64) return out + ", ...";
-    out += (listed++ ? ", " : "") + num(d);
-  }
-  return out;
-}
-
 }  // namespace
 
 struct TokenFile::Mapping {
