@@ -2,11 +2,12 @@
 //
 // A stage computes one materialized value (its root) and inlines the cheap
 // values that feed it; every other value it reads is a buffer (a parameter, an
-// input, or another stage's root). Heavy ops (contractions, attention, losses,
-// scatters and norm gradients) are always roots. A cheap op (add, mul, silu,
-// rope, rms_norm, ...) is inlined into its consumers when it has one consumer,
-// or when the schedule recomputes that op: then the backward re-derives it
-// from saved inputs instead of reading a saved copy. Stages whose signatures
+// input, or another stage's root). Heavy ops (the op table's heavy and
+// runtime classes) are always roots. A cheap op (add, mul, silu, rope,
+// rms_norm, ...) is inlined into its consumers when it has one consumer, or
+// when the schedule says `compute: inline` for it: then every consumer,
+// backward included, re-derives it from stored inputs instead of reading a
+// stored copy. Stages whose signatures
 // match share one kernel, so a 32-layer model compiles each layer's kernels once.
 // A collective (an all-to-all, a gather, an all-reduce) is a stage of its own
 // with no kernel: the runtime performs it on its input buffer, so whatever

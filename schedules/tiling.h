@@ -11,9 +11,9 @@
 // divided by the global token count, so their sum is the loss). Tiles are
 // built tile-major (all of tile 0's chain, then tile 1's), so the memory plan
 // reuses one tile's wide buffers for the next. The backward inherits the
-// tiles from autodiff; Schedule::rematerialize() recomputes the wide values
-// per tile there instead of saving all tiles, so the backward too holds one
-// tile's worth.
+// tiles from autodiff; the schedule's rule {seq_tiles: keep recompute}
+// recomputes the wide values per tile there instead of saving all tiles, so
+// the backward too holds one tile's worth.
 #pragma once
 
 #include <cstdint>
