@@ -18,12 +18,21 @@ namespace {
 // consumers: AutoSP's "cheap, memory-heavy" class.
 const char* const kInlinedByRecompute[] = {"rms_norm", "rope", "silu", "mul"};
 
+// A pattern addresses a module and everything inside it, as a module path
+// does: "model.layers.*.mlp" matches "model.layers.3.mlp.gate_proj".
+bool label_matches(const std::string& pattern, const std::string& label) {
+  if (glob_match(pattern, label)) return true;
+  for (size_t d = label.find('.'); d != std::string::npos; d = label.find('.', d + 1))
+    if (glob_match(pattern, label.substr(0, d))) return true;
+  return false;
+}
+
 bool term_matches(const std::string& term, const Node& n) {
   if (term == "*") return true;
   if (term.rfind("op:", 0) == 0) return op_info(n.op).name == term.substr(3);
   if (term.rfind("class:", 0) == 0) return op_class_name(op_info(n.op).cls) == term.substr(6);
   if (term == "seq_tiles") return is_wide(n) || n.op == Op::SliceSeq;
-  return !n.name.empty() && glob_match(term, n.name);
+  return !n.name.empty() && label_matches(term, n.name);
 }
 
 std::vector<std::string> terms(const std::string& match) {
@@ -237,7 +246,8 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
   auto strategy = [&](const std::string& st) {
     if (st == "ring" || st == "hybrid")
       bad(what, "redistribute_heads(" + st + ") is not implemented yet.\nlegal: \"ulysses\" (all-to-all of heads).");
-    if (st != "ulysses") bad(what, "redistribute_heads(\"" + st + "\") is not a strategy.\nlegal: \"ulysses\".");
+    if (std::find(strategies().begin(), strategies().end(), st) == strategies().end())
+      bad(what, "redistribute_heads(\"" + st + "\") is not a strategy.\nlegal: " + join(strategies()) + ".");
     return st;
   };
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -342,6 +352,11 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     bad(what, "mesh sp=" + std::to_string(s.mesh.sp) + " without split_sequence.\nlegal: split_sequence \"sp\" "
               "with an attention strategy, or mesh sp=1.");
   return s;
+}
+
+const std::vector<std::string>& Schedule::strategies() {
+  static const std::vector<std::string> names = {"ulysses"};
+  return names;
 }
 
 const std::vector<std::string>& Schedule::presets() {

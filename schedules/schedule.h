@@ -51,8 +51,9 @@ enum class Compute { Root, Inline };
 //   op:NAME            values computed by that op (the op table's names)
 //   class:CLASS        cheap | heavy | runtime (the op table's cost classes)
 //   seq_tiles          the tiles sequence tiling creates (wide values, slices)
-//   a name pattern     the value's label, '*' matching any run of characters:
-//                      model.layers.*.mlp, model.layers.0.self_attn, lm_head
+//   a name pattern     the value's label or a module holding it, '*' matching
+//                      any run of characters: model.layers.*.mlp (and all
+//                      inside it), model.layers.0.self_attn.q_proj, lm_head
 struct ValueRule {
   std::string match;
   std::string keep;     // "" (unchanged), "save" or "recompute"
@@ -110,6 +111,8 @@ struct Schedule {
   static Schedule named(const std::string& name_or_path);
   static Schedule parse(const std::string& json_text, const std::string& what);
   static const std::vector<std::string>& presets();
+  // The head redistributions the vocabulary offers (what the search tries).
+  static const std::vector<std::string>& strategies();
 };
 
 // Rules of the classic policies, for presets and for the search.

@@ -38,19 +38,37 @@ Value llama_block(const LlamaConfig& c, int layer, Value x, Value positions, DTy
   Value w_down = weight(g, p + "mlp.down_proj.weight", dt, {model, ffn}, 1, hf);
 
   // Attention: [batch, seq, model] -> q [.., heads, head_dim], k/v [.., kv_heads, head_dim].
-  g.set_name_prefix(p + "self_attn");
+  // Values are labelled like Hugging Face's modules (a RoPE with its
+  // projection) so a schedule rule, or the AutoSP search, can address each.
+  auto scope = [&](const char* module) { g.set_name_prefix(p + module); };
+  scope("input_layernorm");
   Value h = rms_norm(x, ln1, c.rms_norm_eps);
+  scope("self_attn.q_proj");
   Value q = rope(contract(h, wq, {"model"}), positions, c.rope_theta, c.rope_scaling);
+  scope("self_attn.k_proj");
   Value k = rope(contract(h, wk, {"model"}), positions, c.rope_theta, c.rope_scaling);
+  scope("self_attn.v_proj");
   Value v = contract(h, wv, {"model"});
+  scope("self_attn");
   Value a = attention(q, k, v, positions);
-  x = x + contract(a, wo, {"heads", "head_dim"});
+  scope("self_attn.o_proj");
+  Value o = contract(a, wo, {"heads", "head_dim"});
+  scope("self_attn.residual");
+  x = x + o;
 
   // SwiGLU MLP: down(silu(gate(h)) * up(h)).
-  g.set_name_prefix(p + "mlp");
+  scope("post_attention_layernorm");
   h = rms_norm(x, ln2, c.rms_norm_eps);
-  Value m = silu(contract(h, w_gate, {"model"})) * contract(h, w_up, {"model"});
-  x = x + contract(m, w_down, {"ffn"});
+  scope("mlp.gate_proj");
+  Value gate = contract(h, w_gate, {"model"});
+  scope("mlp.up_proj");
+  Value up = contract(h, w_up, {"model"});
+  scope("mlp.act_fn");
+  Value m = silu(gate) * up;
+  scope("mlp.down_proj");
+  Value down = contract(m, w_down, {"ffn"});
+  scope("mlp.residual");
+  x = x + down;
   g.set_name_prefix("");
   return x;
 }
@@ -70,8 +88,10 @@ LlamaGraph build_llama(const LlamaConfig& c, int64_t batch, int64_t seq, DType d
     x = llama_block(c, layer, x, m.position_ids, dt, &m.hf_shapes);
   Value norm = weight(g, "model.norm.weight", dt, {model}, 1, &m.hf_shapes);
   Value head = c.tie_word_embeddings ? embed : weight(g, "lm_head.weight", dt, {vocab, model}, 1, &m.hf_shapes);
+  g.set_name_prefix("model.norm");
+  Value normed = rms_norm(x, norm, c.rms_norm_eps);
   g.set_name_prefix("lm_head");
-  m.logits = contract(rms_norm(x, norm, c.rms_norm_eps), head, {"model"});
+  m.logits = contract(normed, head, {"model"});
   m.loss = cross_entropy(m.logits, m.labels);
   g.set_name_prefix("");
   m.params = g.params();

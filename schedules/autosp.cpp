@@ -1,0 +1,565 @@
+// The AutoSP search and the budgeted recompute solver (see autosp.h).
+#include "schedules/autosp.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <numeric>
+#include <queue>
+#include <set>
+
+#include "dsl/error.h"
+#include "dsl/op_table.h"
+#include "schedules/sharding.h"
+#include "schedules/tiling.h"
+
+namespace halyard {
+namespace {
+
+std::string gib(int64_t b) {
+  char s[32];
+  if (b >= (int64_t{1} << 30)) std::snprintf(s, sizeof s, "%.2f GiB", static_cast<double>(b) / (1 << 30));
+  else std::snprintf(s, sizeof s, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+  return s;
+}
+
+// "model.layers.12.mlp.gate_proj" -> "model.layers.*.mlp.gate_proj".
+std::string module_pattern(const std::string& label) {
+  const std::string p = "model.layers.";
+  if (label.rfind(p, 0) != 0) return label;
+  size_t end = p.size();
+  while (end < label.size() && std::isdigit(static_cast<unsigned char>(label[end]))) ++end;
+  return end == p.size() ? label : p + "*" + label.substr(end);
+}
+
+// The first line of an error, without "error: ".
+std::string reason_of(const UserError& e) {
+  std::string s = e.what();
+  if (s.rfind("error: ", 0) == 0) s = s.substr(7);
+  return s;
+}
+
+struct Scored {
+  int64_t peak = 0;
+  double step = 0;
+};
+
+Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule& s, const Cluster& c, int* plans) {
+  const Plan p = plan(build, req, s, c);
+  if (plans) ++*plans;
+  return {p.memory.total(), p.step_s};
+}
+
+
+}  // namespace
+
+std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Schedule& base) {
+  std::vector<RematGroup> out;
+  std::map<std::pair<std::string, std::string>, size_t> index;
+  // Values read by a node of another layer: what full checkpointing keeps.
+  std::vector<bool> leaves_layer(static_cast<size_t>(g.size()), false);
+  auto layer = [](const std::string& label) { return label.substr(0, label.find('.', std::string("model.layers.").size())); };
+  for (const Node& n : g.nodes())
+    if (!n.backward && !n.name.empty())
+      for (int i : n.inputs)
+        if (layer(g.node(i).name) != layer(n.name)) leaves_layer[static_cast<size_t>(i)] = true;
+  for (const Node& n : g.nodes()) {
+    if (n.backward || n.name.empty()) continue;
+    const OpClass cls = op_info(n.op).cls;
+    if (cls == OpClass::Leaf || cls == OpClass::View) continue;
+    if (is_wide(n) && n.type.has("seq") && n.type.size("seq") < local_seq) continue;  // a tile: the tiling rule's
+    const std::pair<std::string, std::string> key{module_pattern(n.name), op_info(n.op).name};
+    auto [it, fresh] = index.try_emplace(key, out.size());
+    if (fresh) out.push_back({key.first, key.second});
+    ++out[it->second].values;
+    out[it->second].bytes += value_bytes(n.type);
+    out[it->second].layer_output = out[it->second].layer_output || leaves_layer[static_cast<size_t>(n.id)];
+    out[it->second].inlined = base.compute(n) == Compute::Inline;
+  }
+  return out;
+}
+
+Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute) {
+  Schedule s = base;
+  s.values.clear();
+  std::vector<ValueRule> tile_rules;
+  for (const ValueRule& r : base.values) (r.match == "seq_tiles" ? tile_rules : s.values).push_back(r);
+  for (size_t i = 0; i < groups.size(); ++i)
+    s.values.push_back({groups[i].match(), recompute[i] ? "recompute" : "save", ""});
+  for (const ValueRule& r : tile_rules) s.values.push_back(r);
+  return s;
+}
+
+RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
+                        int64_t budget, std::vector<RematGroup> groups, int max_plans) {
+  RematResult r;
+  if (groups.empty()) {
+    const Plan p = plan(build, req, base, cluster);
+    ++r.plans;
+    groups = remat_groups(*p.model.graph, p.local_seq, base);
+  }
+  r.groups = groups;
+  const size_t n = groups.size();
+  std::map<std::vector<bool>, Scored> seen;
+  auto eval = [&](const std::vector<bool>& d) {
+    if (auto it = seen.find(d); it != seen.end()) return it->second;
+    return seen[d] = score(build, req, with_recompute(base, groups, d), cluster, &r.plans);
+  };
+  // The decisions. A layer's output is kept: recomputing it would recompute
+  // every layer before it. A cheap value fused into its only forward
+  // consumer once the backward no longer reads it saves a store as well as
+  // its bytes: when that costs no time (within the slack below) and holds no
+  // more memory, it is recomputed outright.
+  std::vector<bool> start(n, false);
+  std::vector<size_t> decide;
+  const Scored s0 = eval(start);
+  const int64_t slack_bytes = std::max<int64_t>(int64_t{2} << 20, budget / 50);
+  const double slack_time = 1e-3 * s0.step;
+  for (size_t i = 0; i < n; ++i) {
+    if (groups[i].layer_output) continue;
+    if (op_info(op_by_name(groups[i].op)).cls == OpClass::Cheap && !groups[i].inlined) {
+      std::vector<bool> d(n, false);
+      d[i] = true;
+      const Scored x = eval(d);
+      if (x.step <= s0.step + slack_time && x.peak <= s0.peak) {
+        start[i] = true;
+        continue;
+      }
+    }
+    decide.push_back(i);
+  }
+  // The biggest first: cuts come sooner.
+  std::stable_sort(decide.begin(), decide.end(), [&](size_t a, size_t b) { return groups[a].bytes > groups[b].bytes; });
+  // Branch and bound over the decisions in order. A node has decided the
+  // first k; its time is that of saving the rest, a bound on every
+  // completion's from below (recomputing more adds work and removes none),
+  // and its memory bound is that of recomputing the rest (recomputing more
+  // within layers holds fewer values). Both hold for plan() up to what its
+  // arena packing and its fusion of single-use cheap values move: `slack`
+  // (a node is cut only when its bound misses by more; the search stops only
+  // when no open node can be faster by more). Nodes come up in order of time,
+  // so the first completions that fit are the optimum. The tests check the
+  // properties within the slack and the optimum against enumerating plan()
+  // over every decision.
+  struct Node {
+    double time;
+    std::vector<bool> d;  // the decisions so far, the rest saved
+    size_t k;
+  };
+  auto later = [](const Node& a, const Node& b) { return a.time > b.time; };
+  std::priority_queue<Node, std::vector<Node>, decltype(later)> open(later);
+  auto lean = [&](std::vector<bool> d, size_t k) {
+    for (size_t j = k; j < decide.size(); ++j) d[decide[j]] = true;
+    return eval(d);
+  };
+  std::optional<std::pair<std::vector<bool>, Scored>> best;
+  auto consider = [&](const std::vector<bool>& d, const Scored& x) {
+    if (x.peak <= budget && (!best || x.step < best->second.step)) best = {d, x};
+  };
+  // Incumbents, so that a capped search still answers: every decision
+  // recomputed; full checkpointing (every layer's values recomputed, the
+  // rest kept); the op table's checkpointing (SAC: keep what checkpointing
+  // keeps); and a greedy fill by bytes saved per second added.
+  for (int policy = 0; policy < 3; ++policy) {
+    std::vector<bool> d = start;
+    for (size_t j : decide)
+      d[j] = policy == 0   ? true
+             : policy == 1 ? groups[j].module.rfind("model.layers.", 0) == 0
+                           : !op_info(op_by_name(groups[j].op)).checkpoint_keeps;
+    consider(d, eval(d));
+  }
+  if (s0.peak > budget && decide.size() > 8) {
+    std::vector<std::pair<double, size_t>> worth;  // bytes saved per second, each alone
+    for (size_t j : decide) {
+      std::vector<bool> d = start;
+      d[j] = true;
+      const Scored x = eval(d);
+      const double saved = static_cast<double>(s0.peak - x.peak), cost = std::max(x.step - s0.step, 1e-9);
+      if (saved > 0) worth.push_back({saved / cost, j});
+    }
+    std::sort(worth.rbegin(), worth.rend());
+    std::vector<bool> d = start;
+    for (const auto& [w, j] : worth) {
+      d[j] = true;
+      const Scored x = eval(d);
+      if (x.peak <= budget) {
+        consider(d, x);
+        break;
+      }
+    }
+    // Then give back what is not needed, the most expensive first.
+    if (best) {
+      d = best->first;
+      for (auto it = worth.begin(); it != worth.end(); ++it) {
+        if (!d[it->second]) continue;
+        d[it->second] = false;
+        const Scored x = eval(d);
+        if (x.peak <= budget && x.step < best->second.step) consider(d, x);
+        else d[it->second] = true;
+      }
+    }
+  }
+  if (lean(start, 0).peak - slack_bytes <= budget) open.push({eval(start).step, start, 0});
+  while (!open.empty()) {
+    Node x = open.top();
+    open.pop();
+    if (best && x.time - slack_time >= best->second.step) break;  // nothing left can be faster
+    consider(x.d, eval(x.d));
+    if (x.k == decide.size()) continue;
+    if (r.plans >= max_plans) {
+      r.exhaustive_bound = false;
+      r.lower_bound_s = x.time - slack_time;
+      break;
+    }
+    const size_t j = decide[x.k];
+    if (lean(x.d, x.k + 1).peak - slack_bytes <= budget) open.push({x.time, x.d, x.k + 1});  // save j
+    std::vector<bool> d = x.d;  // recompute j: its memory bound is this node's
+    d[j] = true;
+    open.push({eval(d).step, d, x.k + 1});
+  }
+  if (best) {
+    r.feasible = true;
+    r.recompute = best->first;
+    r.peak_bytes = best->second.peak;
+    r.step_s = best->second.step;
+    if (r.exhaustive_bound) r.lower_bound_s = r.step_s;
+  } else {
+    auto least = std::min_element(seen.begin(), seen.end(),
+                                  [](const auto& a, const auto& b) { return a.second.peak < b.second.peak; });
+    r.recompute = least->first;
+    r.peak_bytes = least->second.peak;
+    r.step_s = least->second.step;
+  }
+  r.least_peak_bytes = INT64_MAX;
+  for (const auto& [d, x] : seen) r.least_peak_bytes = std::min(r.least_peak_bytes, x.peak);
+  r.schedule = with_recompute(base, groups, r.recompute);
+  return r;
+}
+
+}  // namespace halyard
+
+namespace halyard {
+namespace {
+
+// Rules of the families a user would otherwise pick.
+std::vector<ValueRule> layer_checkpoint_rules() {  // each layer's input saved, the rest recomputed
+  std::vector<ValueRule> r = inline_cheap_rules();
+  r.push_back({"model.layers.*", "recompute", ""});
+  r.push_back({"model.layers.*.mlp.residual", "save", ""});
+  return r;
+}
+
+std::vector<ValueRule> sac_rules() {  // AutoSP's SAC: attention outputs kept, matmuls and cheap ops recomputed
+  std::vector<ValueRule> r = inline_cheap_rules();
+  for (const ValueRule& c : checkpoint_rules()) r.push_back(c);
+  return r;
+}
+
+Schedule mesh_schedule(const std::string& name, int64_t ranks, int64_t sp, const std::string& strategy) {
+  Schedule s;
+  s.name = name;
+  s.mesh = {ranks / sp, sp, ranks > 1 ? 1 : 0};
+  if (sp > 1) s.split_sequence = "sp", s.attention = {{"*", strategy}};
+  return s;
+}
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> d;
+  for (int64_t k = 1; k <= n; ++k)
+    if (n % k == 0) d.push_back(k);
+  return d;
+}
+
+// Tile candidates for a region of `local` tokens: whole, or a quarter or a
+// sixteenth (multiples of 8, at least 64 tokens).
+std::vector<int64_t> tile_options(int64_t local) {
+  std::vector<int64_t> t = {0};
+  for (int64_t parts : {4, 16}) {
+    const int64_t tile = (local / parts + 7) / 8 * 8;
+    if (tile >= 64 && tile < local && std::find(t.begin(), t.end(), tile) == t.end()) t.push_back(tile);
+  }
+  return t;
+}
+
+int64_t tokens_per_step(const ModelRequest& req, const Schedule& s) { return req.batch * req.seq * s.mesh.dp; }
+
+}  // namespace
+
+int64_t longest_fitting_seq(const std::function<int64_t(int64_t)>& peak_at, int64_t budget, int64_t step, int64_t limit,
+                            int* plans) {
+  auto fits = [&](int64_t seq) {
+    if (plans) ++*plans;
+    try {
+      return peak_at(seq) <= budget;
+    } catch (const UserError&) {
+      return false;
+    }
+  };
+  if (!fits(step)) return 0;
+  int64_t lo = step, hi = 0;  // lo fits; hi (when > 0) does not
+  while (hi == 0) {
+    if (lo * 2 > limit) return lo;
+    if (fits(lo * 2)) lo *= 2;
+    else hi = lo * 2;
+  }
+  while (hi - lo > step) {
+    const int64_t mid = (lo + hi) / 2 / step * step;
+    if (mid <= lo) break;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+const std::vector<Family>& families() {
+  static const std::vector<Family> f = {
+      {"dp_zero3", "data parallel over every rank, parameters, gradients and optimizer state sharded (ZeRO-3, "
+                   "modelled: Halyard runs ZeRO-1), no sequence split, nothing recomputed"},
+      {"ulysses", "Ulysses over the largest legal sp, ZeRO-1, nothing recomputed, no tiles"},
+      {"ulysses_checkpoint", "Ulysses, each layer's input saved and the layer recomputed (full checkpointing)"},
+      {"ulysses_sac", "Ulysses with AutoSP's sequence-aware checkpointing: attention outputs and the residual "
+                      "stream kept, matmuls and cheap ops recomputed"},
+      {"autosp", "Halyard's search: mesh, strategy, tiles, ZeRO stage and recompute set chosen by plan()"},
+  };
+  return f;
+}
+
+Schedule family_schedule(const std::string& family, const ModelBuilder& build, const ModelRequest& req, int64_t ranks) {
+  if (family == "dp_zero3" || family == "default") {
+    Schedule s = mesh_schedule(family, ranks, 1, "");
+    return s;
+  }
+  if (family != "ulysses" && family != "ulysses_checkpoint" && family != "ulysses_sac")
+    throw UserError("error: family \"" + family + "\" has no fixed schedule.\nlegal: default, dp_zero3, ulysses, "
+                    "ulysses_checkpoint, ulysses_sac (autosp is a search).");
+  // The largest Ulysses degree the model takes (its heads bound it).
+  std::string why;
+  for (int64_t sp = ranks; sp > 1; --sp) {
+    if (ranks % sp != 0) continue;
+    Schedule s = mesh_schedule(family, ranks, sp, "ulysses");
+    if (family == "ulysses_checkpoint") s.values = layer_checkpoint_rules();
+    if (family == "ulysses_sac") s.values = sac_rules();
+    try {
+      ModelRequest small = req;
+      small.seq = sp * 8;
+      plan(build, small, s, Cluster{});
+      return s;
+    } catch (const UserError& e) {
+      if (why.empty()) why = reason_of(e);
+    }
+  }
+  throw UserError("error: " + family + " on " + std::to_string(ranks) + " ranks: no sequence-parallel degree applies" +
+                  (why.empty() ? std::string(".") : ": " + why));
+}
+
+SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const Cluster& cluster,
+                    const SearchOptions& opts) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SearchResult out;
+  const int64_t ranks = opts.ranks > 0 ? opts.ranks : cluster.ranks;
+  const int64_t budget = opts.memory_per_rank > 0 ? opts.memory_per_rank : cluster.memory_per_rank_bytes;
+  if (budget <= 0)
+    throw UserError("error: autosp needs the memory of each rank, and cluster \"" + cluster.name +
+                    "\" does not state it.\nlegal: MEMORY_PER_RANK bytes (or --memory-per-rank 80GiB), or a cluster "
+                    "with memory_per_rank_bytes.");
+  if (ranks < 1) throw UserError("error: autosp on " + std::to_string(ranks) + " ranks.\nlegal: ranks >= 1.");
+  std::vector<int64_t> sps = opts.sp.empty() ? divisors(ranks) : opts.sp;
+  for (int64_t sp : sps)
+    if (sp < 1 || ranks % sp != 0)
+      throw UserError("error: autosp sp degree " + std::to_string(sp) + " does not divide " + std::to_string(ranks) +
+                      " ranks.\nlegal: " + [&] {
+                        std::string s;
+                        for (int64_t d : divisors(ranks)) s += (s.empty() ? "" : ", ") + std::to_string(d);
+                        return s;
+                      }() + ".");
+
+  // The configurations: a mesh and a strategy per attention (every strategy
+  // of the schedule vocabulary), with the cheap ops computed inside their
+  // consumers. Those that cannot apply are rejected with plan()'s reason.
+  struct Config {
+    Schedule base;
+    std::string what;
+  };
+  std::vector<Config> configs;
+  for (int64_t sp : sps) {
+    const std::vector<std::string> strategies = sp > 1 ? Schedule::strategies() : std::vector<std::string>{""};
+    for (const std::string& st : strategies) {
+      Config c{mesh_schedule("autosp", ranks, sp, st), ""};
+      c.base.values = inline_cheap_rules();
+      c.what = sp > 1 ? st + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
+                      : "no sequence split (dp=" + std::to_string(ranks) + ")";
+      configs.push_back(c);
+    }
+  }
+  auto with_tiles = [](Schedule s, int64_t mlp, int64_t loss) {
+    s.seq_tile = mlp;
+    s.loss_seq_tile = loss > 0 && loss != mlp ? loss : 0;
+    if (mlp == 0 && loss > 0) s.seq_tile = 0, s.loss_seq_tile = loss;
+    if (mlp > 0 || loss > 0) s.values.push_back(recompute_seq_tiles_rule());
+    return s;
+  };
+  // The least-memory schedule of a configuration: every layer checkpointed,
+  // both regions in sixteenths.
+  auto frugal = [&](const Config& c, int64_t seq) {
+    Schedule s = c.base;
+    s.values = layer_checkpoint_rules();
+    const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp));
+    return with_tiles(s, t.back(), t.back());
+  };
+
+  ModelRequest req = req_in;
+  std::vector<bool> applies(configs.size(), true);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const Schedule& s = configs[i].base;
+    try {
+      ModelRequest small = req;
+      small.seq = s.mesh.sp * 8;
+      plan(build, small, s, cluster);
+      ++out.plans;
+    } catch (const UserError& e) {
+      applies[i] = false;
+      out.rejected.push_back({configs[i].what, reason_of(e)});
+    }
+  }
+
+  if (opts.max_seq) {
+    const int64_t step = opts.seq_step > 0 ? opts.seq_step : std::min<int64_t>(1024, std::max<int64_t>(8 * ranks, 64));
+    int64_t longest = 0;
+    for (size_t i = 0; i < configs.size(); ++i) {
+      if (!applies[i]) continue;
+      const int64_t sp = configs[i].base.mesh.sp;
+      const int64_t st = (step + sp - 1) / sp * sp;
+      const int64_t l = longest_fitting_seq(
+          [&](int64_t seq) {
+            ModelRequest r = req;
+            r.seq = seq;
+            return plan(build, r, frugal(configs[i], seq), cluster).memory.total();
+          },
+          budget, st, opts.seq_limit, &out.plans);
+      longest = std::max(longest, l);
+    }
+    if (longest == 0) {
+      out.infeasible = "no plan fits even " + std::to_string(step) + " tokens";
+      req.seq = step;
+    } else {
+      req.seq = longest;
+    }
+  }
+  out.seq = req.seq;
+
+  // At the sequence: per configuration and tiles, the fastest plan that fits.
+  // Each (configuration, tiles) is bounded below by saving everything (recompute
+  // only adds time) and is hopeless when even the frugal schedule does not fit.
+  struct Option {
+    size_t config;
+    Schedule base;
+    Scored fast, lean;
+  };
+  std::vector<Option> options;
+  std::vector<int64_t> least(configs.size(), INT64_MAX);
+  for (size_t i = 0; i < configs.size(); ++i) {
+    if (!applies[i]) continue;
+    if (req.seq < configs[i].base.mesh.sp) {
+      out.rejected.push_back({configs[i].what, "seq " + std::to_string(req.seq) + " < sp=" +
+                                                   std::to_string(configs[i].base.mesh.sp) + ": a rank needs a token"});
+      continue;
+    }
+    const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp));
+    for (int64_t mlp : t)
+      for (int64_t loss : t) {
+        const Schedule base = with_tiles(configs[i].base, mlp, loss);
+        Schedule lean = configs[i].base;
+        lean.values = layer_checkpoint_rules();
+        lean = with_tiles(lean, mlp, loss);
+        try {
+          const Scored f = score(build, req, base, cluster, &out.plans);
+          const Scored l = score(build, req, lean, cluster, &out.plans);
+          least[i] = std::min({least[i], f.peak, l.peak});
+          options.push_back({i, base, f, l});
+        } catch (const UserError& e) {
+          out.rejected.push_back({configs[i].what + ", tiles " + std::to_string(mlp) + "/" + std::to_string(loss),
+                                  reason_of(e)});
+        }
+      }
+  }
+  for (size_t i = 0; i < configs.size(); ++i)
+    if (applies[i] && least[i] != INT64_MAX && least[i] > budget)
+      out.rejected.push_back({configs[i].what, "every layer checkpointed and both regions tiled: " + gib(least[i]) +
+                                                   " > " + gib(budget) + " per rank"});
+  std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
+  std::vector<std::pair<Candidate, RematResult>> found;
+  std::vector<bool> config_found(configs.size(), false);
+  double best_step = INFINITY;
+  for (const Option& o : options) {
+    if (o.lean.peak > budget && o.fast.peak > budget) continue;
+    // Keep looking while this option could beat the best, or its
+    // configuration has no plan yet (for the runner-up table).
+    if (o.fast.step >= best_step && config_found[o.config]) continue;
+    RematResult r = solve_remat(build, req, o.base, cluster, budget, {}, opts.remat_plans);
+    out.plans += r.plans;
+    if (!r.feasible) continue;
+    Candidate c{r.schedule, r.peak_bytes, r.step_s, 0};
+    c.tokens_per_s = static_cast<double>(tokens_per_step(req, c.schedule)) / c.step_s;
+    best_step = std::min(best_step, c.step_s);
+    config_found[o.config] = true;
+    found.push_back({c, r});
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first.step_s < b.first.step_s; });
+  // ZeRO: the optimizer state sharded (ZeRO-1) or replicated, whichever is faster and fits.
+  if (!found.empty() && ranks > 1) {
+    Candidate c = found.front().first;
+    c.schedule.mesh.zero = 0;
+    try {
+      const Scored z = score(build, req, c.schedule, cluster, &out.plans);
+      if (z.peak <= budget && z.step < c.step_s) {
+        c.peak_bytes = z.peak, c.step_s = z.step;
+        c.tokens_per_s = static_cast<double>(tokens_per_step(req, c.schedule)) / c.step_s;
+        found.insert(found.begin(), {c, found.front().second});
+      }
+    } catch (const UserError&) {
+    }
+  }
+  // One plan per configuration in the table of runners-up.
+  std::set<std::string> shown;
+  for (auto& [c, r] : found) {
+    const std::string key = std::to_string(c.schedule.mesh.sp) + "/" + std::to_string(c.schedule.mesh.zero) + "/" +
+                            std::to_string(c.schedule.seq_tile) + "/" + std::to_string(c.schedule.loss_seq_tile);
+    if (!shown.insert(key).second) continue;
+    if (out.ranked.empty()) out.remat = r;
+    out.ranked.push_back(c);
+    if (out.ranked.size() > opts.keep) break;
+  }
+  out.feasible = !out.ranked.empty();
+  if (out.feasible) {
+    out.ranked.front().schedule.name = "autosp";
+  } else if (out.infeasible.empty()) {
+    int64_t least_all = INT64_MAX;
+    std::string where;
+    for (size_t i = 0; i < configs.size(); ++i)
+      if (least[i] < least_all) least_all = least[i], where = configs[i].what;
+    out.infeasible = least_all == INT64_MAX ? "no configuration applies"
+                                            : "the least memory any plan needs is " + gib(least_all) + " per rank (" +
+                                                  where + ", every layer checkpointed, tiled)";
+    // The fewest ranks that would fit: the same frugal schedule on more.
+    for (int64_t more = ranks * 2; more <= ranks * 64 && least_all != INT64_MAX; more *= 2) {
+      try {
+        Schedule s = family_schedule("ulysses_checkpoint", build, req, more);
+        const std::vector<int64_t> t = tile_options(local_seq(req.seq, s.mesh.sp));
+        s = with_tiles(s, t.back(), t.back());
+        Cluster bigger = cluster;
+        bigger.ranks = more;
+        const Scored x = score(build, req, s, bigger, &out.plans);
+        if (x.peak <= budget) {
+          out.infeasible += "; " + std::to_string(more) + " ranks would fit (" + s.str() + ": " + gib(x.peak) + ")";
+          break;
+        }
+      } catch (const UserError&) {
+      }
+    }
+  }
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+}  // namespace halyard

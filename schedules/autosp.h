@@ -1,0 +1,129 @@
+// AutoSP: the scheduler. Given a model, a cluster and the memory each rank
+// has, it chooses the schedule: the mesh (dp x sp), the head redistribution
+// of every attention, the sequence tiles of the MLP and of the LM head + loss,
+// the ZeRO stage, and for every forward value whether the backward reads a
+// saved copy or recomputes it. Every candidate is scored by plan(), so what
+// the search optimizes is exactly what plan() predicts (and what
+// halyard-plan, the generated header and llama_train print).
+//
+//   SearchResult r = autosp(llama_builder(), {config, 1, 131072}, Cluster::named("8xA100-80GB"), {});
+//   r.best().schedule.to_json()   // pin it: a schedule file like any other
+//
+// The recompute decision (solve_remat) is per group: one module in every
+// layer computed by one op ("model.layers.*.mlp.gate_proj op:contract"), so
+// the answer is the same for identical layers and is a list of rules. It is a
+// budgeted 0/1 problem: minimize predicted step time subject to predicted
+// peak <= budget, with plan() as the only judge. Recomputing more never
+// takes less time and, within layers, never more memory; so a branch and
+// bound that takes nodes in order of time and cuts those that cannot fit is
+// exact: the first completion that fits is the optimum (the tests check both
+// properties and compare with enumerating plan() over every decision). Past
+// a cap on plan() calls it returns the best found and a proven lower bound.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "schedules/plan.h"
+
+namespace halyard {
+
+// One recompute decision: every forward value whose label is `module` with
+// the layer index as '*' and whose op is `op`.
+struct RematGroup {
+  std::string module;  // "model.layers.*.mlp.gate_proj"
+  std::string op;      // "contract"
+  int64_t values = 0;  // forward values it covers, all layers
+  int64_t bytes = 0;   // their bytes
+  bool layer_output = false;  // read by another layer: kept (what full checkpointing keeps)
+  bool inlined = false;       // computed inside its consumers (the schedule's compute rules)
+  std::string match() const { return module + " op:" + op; }
+};
+
+// The groups of a scheduled forward graph: named values that are not inputs,
+// parameters or views, and not tiles of a tiled region (the tiling rule
+// decides those: they are recomputed per tile).
+std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Schedule& base);
+
+// `base` with one rule per group (recompute where `recompute[i]`, else save),
+// placed before base's sequence-tile rule so that tiles stay per tile.
+Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute);
+
+struct RematResult {
+  bool feasible = false;
+  std::vector<RematGroup> groups;
+  std::vector<bool> recompute;  // per group
+  Schedule schedule;            // base with the decisions
+  int64_t peak_bytes = 0;       // predicted peak of the choice (or of the least-memory decision when infeasible)
+  double step_s = 0;
+  int64_t least_peak_bytes = 0;  // the least peak any decision seen reaches
+  int plans = 0;                 // plan() calls made
+  bool exhaustive_bound = true;  // false when the search stopped at its cap before proving the optimum
+  double lower_bound_s = 0;      // no decision that fits is faster than this (proven)
+};
+
+// The fastest decision whose predicted peak fits `budget` (bytes per rank).
+// Groups default to remat_groups() of base's graph. After `max_plans` plan()
+// calls it returns the best found so far with the proven lower bound.
+RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
+                        int64_t budget, std::vector<RematGroup> groups = {}, int max_plans = 400);
+// The families a user would otherwise pick, for comparison tables. Each is a
+// function of the ranks: the largest Ulysses degree the model takes.
+struct Family {
+  std::string name;         // "ulysses + full checkpointing"
+  std::string description;  // what it keeps and recomputes
+};
+const std::vector<Family>& families();  // dp_zero3, ulysses, ulysses_checkpoint, ulysses_sac, autosp
+
+struct Candidate {
+  Schedule schedule;
+  int64_t peak_bytes = 0;
+  double step_s = 0;
+  double tokens_per_s = 0;
+};
+
+struct Rejection {
+  std::string what;    // "ulysses at sp=16", "sp=1 (dp=8), tiles 0/0"
+  std::string reason;  // "8 heads", "every value recomputed: 91.2 GiB > 80 GiB"
+};
+
+struct SearchOptions {
+  int64_t ranks = 0;            // 0: the cluster's
+  int64_t memory_per_rank = 0;  // 0: the cluster's
+  std::vector<int64_t> sp;      // degrees to consider (empty: every divisor of ranks)
+  bool max_seq = false;         // find the longest sequence that fits, then the fastest plan there
+  int64_t seq_step = 0;         // granularity of the longest-sequence search (0: 1024, or ranks*8 when smaller)
+  int64_t seq_limit = int64_t{1} << 26;  // longest sequence tried
+  size_t keep = 5;              // how many runner-up plans to report
+  int remat_plans = 60;         // plan() calls per recompute search before it settles for its bound
+};
+
+struct SearchResult {
+  bool feasible = false;
+  int64_t seq = 0;                    // the sequence planned (the longest found with max_seq)
+  std::vector<Candidate> ranked;      // feasible plans, fastest first (ranked[0] is the choice)
+  std::vector<Rejection> rejected;    // families that cannot apply or do not fit, and why
+  RematResult remat;                  // the chosen plan's recompute decision
+  int plans = 0;                      // plan() calls made
+  double seconds = 0;
+  std::string infeasible;             // when nothing fits: the error text (least memory, fewest ranks, closest plan)
+  const Candidate& best() const { return ranked.front(); }
+};
+
+// The fastest plan (tokens/s) for `req` on `cluster`, or the longest sequence
+// (opts.max_seq) and the fastest plan at it.
+SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cluster& cluster, const SearchOptions& opts);
+
+// The schedule a family uses on `ranks` ranks for this model (the largest
+// legal Ulysses degree); throws UserError naming why it cannot apply.
+Schedule family_schedule(const std::string& family, const ModelBuilder& build, const ModelRequest& req, int64_t ranks);
+
+// The longest sequence (a multiple of `step`) at which `schedule_for(seq)` fits
+// `budget` per rank; 0 when none does. Memory grows with the sequence, so a
+// doubling then bisection finds it.
+int64_t longest_fitting_seq(const std::function<int64_t(int64_t seq)>& peak_at, int64_t budget, int64_t step,
+                            int64_t limit, int* plans = nullptr);
+
+}  // namespace halyard

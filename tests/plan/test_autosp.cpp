@@ -1,0 +1,241 @@
+// The AutoSP search: the recompute solver against enumerating plan() over every
+// decision, monotone in the budget, never over it; strategies that cannot
+// apply are rejected with their reason; an infeasible budget is an error that
+// names what would fit.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "dsl/error.h"
+#include "dsl/op_table.h"
+#include "examples/llama/llama_builder.h"
+#include "schedules/autosp.h"
+
+namespace halyard {
+namespace {
+
+const std::string kMicro = HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json";
+const std::string kTiny = HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json";
+
+Cluster local() { return Cluster::named("local-cpu"); }
+
+std::vector<RematGroup> groups_of(const ModelRequest& req, const Schedule& base) {
+  const Plan p = plan(llama::llama_builder(), req, base, local());
+  return remat_groups(*p.model.graph, p.local_seq, base);
+}
+
+// `keep` groups whose module or op contains one of the words.
+std::vector<RematGroup> some(const std::vector<RematGroup>& all, const std::vector<std::string>& words) {
+  std::vector<RematGroup> out;
+  for (const RematGroup& g : all)
+    for (const std::string& w : words)
+      if (g.match().find(w) != std::string::npos) {
+        out.push_back(g);
+        break;
+      }
+  return out;
+}
+
+TEST(Autosp, GroupsAreModulesAndOpsAcrossLayers) {
+  Schedule base;
+  const auto groups = groups_of({kTiny, 1, 128}, base);
+  std::vector<std::string> matches;
+  for (const RematGroup& g : groups) matches.push_back(g.match());
+  EXPECT_THAT(matches, ::testing::IsSupersetOf({"model.layers.*.mlp.gate_proj op:contract",
+                                                "model.layers.*.self_attn.q_proj op:rope",
+                                                "model.layers.*.self_attn op:attention",
+                                                "model.layers.*.mlp.residual op:add", "lm_head op:contract"}));
+  for (const RematGroup& g : groups) {
+    if (g.module.rfind("model.layers.*", 0) == 0) {
+      EXPECT_EQ(g.values % 2, 0) << g.match();  // one per layer
+    }
+  }
+}
+
+struct Case {
+  std::string config;
+  int64_t seq;
+  Schedule base;
+  std::vector<std::string> words;
+};
+
+std::vector<Case> cases() {
+  Schedule inl;
+  inl.values = inline_cheap_rules();
+  Schedule uly = Schedule::named("ulysses");
+  uly.mesh = {1, 2, 1};
+  uly.values = inline_cheap_rules();
+  Schedule tiled = inl;
+  tiled.seq_tile = 64;
+  tiled.values.push_back(recompute_seq_tiles_rule());
+  return {
+      {kTiny, 256, inl, {"mlp", "o_proj", "v_proj"}},
+      {kMicro, 512, inl, {"self_attn op:", "q_proj", "k_proj", "o_proj", "post_attention"}},
+      {kMicro, 256, uly, {"self_attn op:", "q_proj", "mlp.residual", "down_proj"}},
+      {kTiny, 256, tiled, {"mlp", "o_proj", "self_attn op:attention"}},
+  };
+}
+
+TEST(Autosp, RecomputeSolverEqualsEnumeratingEveryDecision) {
+  const ModelBuilder build = llama::llama_builder();
+  int exact = 0, solved = 0;
+  for (const Case& c : cases()) {
+    const ModelRequest req{c.config, 1, c.seq};
+    const auto groups = some(groups_of(req, c.base), c.words);
+    SCOPED_TRACE(c.config + " seq " + std::to_string(c.seq) + " " + c.base.str());
+    ASSERT_GE(groups.size(), 4u);
+    ASSERT_LE(groups.size(), 8u);
+    // Every decision, planned (a layer's output is always kept).
+    std::vector<std::pair<int64_t, double>> every;
+    for (uint64_t m = 0; m < (uint64_t{1} << groups.size()); ++m) {
+      std::vector<bool> d(groups.size());
+      bool kept = true;
+      for (size_t i = 0; i < d.size(); ++i) d[i] = (m >> i) & 1, kept = kept && !(d[i] && groups[i].layer_output);
+      if (!kept) continue;
+      const Plan p = plan(build, req, with_recompute(c.base, groups, d), local());
+      every.push_back({p.memory.total(), p.step_s});
+    }
+    int64_t least = INT64_MAX, most = 0;
+    for (const auto& [peak, step] : every) least = std::min(least, peak), most = std::max(most, peak);
+    for (int k = -1; k <= 6; ++k) {
+      const int64_t budget = k < 0 ? least - 1 : least + (most - least) * k / 6;
+      double fastest = INFINITY;
+      for (const auto& [peak, step] : every)
+        if (peak <= budget) fastest = std::min(fastest, step);
+      const RematResult r = solve_remat(build, req, c.base, local(), budget, groups);
+      SCOPED_TRACE("budget " + std::to_string(budget) + ", solver " + r.schedule.str());
+      ASSERT_EQ(r.feasible, std::isfinite(fastest));
+      EXPECT_TRUE(r.exhaustive_bound);
+      if (!r.feasible) continue;
+      // The optimum, up to the solver's slack on time (what arena packing and
+      // kernel fusion move between neighbouring decisions).
+      EXPECT_LE(r.step_s, fastest * (1 + 1e-3));
+      exact += r.step_s <= fastest * (1 + 1e-12);
+      ++solved;
+      EXPECT_LE(r.peak_bytes, budget);
+    }
+  }
+  std::printf("recompute solver: the enumerated optimum exactly in %d of %d budgets, within 0.1%% in all\n", exact, solved);
+  EXPECT_GT(solved, 12);
+}
+
+// Recomputing more never takes less predicted time nor, within layers, more
+// memory, up to the solver's slack (what arena packing and fusing single-use
+// cheap values move): what makes its branch and bound exact.
+TEST(Autosp, RecomputingMoreNeverTakesLessTime) {
+  const ModelBuilder build = llama::llama_builder();
+  for (const Case& c : cases()) {
+    const ModelRequest req{c.config, 1, c.seq};
+    const auto groups = groups_of(req, c.base);
+    for (int chain = 0; chain < 3; ++chain) {  // growing sets, in three orders
+      std::vector<bool> d(groups.size(), false);
+      const Plan p0 = plan(build, req, with_recompute(c.base, groups, d), local());
+      double time = p0.step_s;
+      int64_t peak = p0.memory.total();
+      for (size_t i = 0; i < groups.size(); ++i) {
+        const RematGroup& g = groups[(i * (2 * chain + 3)) % groups.size()];
+        if (g.layer_output || (op_info(op_by_name(g.op)).cls == OpClass::Cheap && !g.inlined)) continue;  // not decisions
+        d[(i * (2 * chain + 3)) % groups.size()] = true;
+        const Plan p = plan(build, req, with_recompute(c.base, groups, d), local());
+        EXPECT_GE(p.step_s, time - 1e-3 * p0.step_s) << g.match();
+        EXPECT_LE(p.memory.total(), peak + (int64_t{2} << 20)) << g.match();
+        time = p.step_s, peak = p.memory.total();
+      }
+    }
+  }
+}
+
+TEST(Autosp, MoreBudgetIsNeverSlowerAndTheChoiceFits) {
+  const ModelBuilder build = llama::llama_builder();
+  const ModelRequest req{kTiny, 1, 4096};
+  Schedule base = Schedule::named("ulysses");
+  base.mesh = {1, 4, 1};
+  base.values = inline_cheap_rules();
+  const auto groups = groups_of(req, base);
+  std::vector<bool> sac(groups.size());  // the op table's checkpointing: a decision that is known to exist
+  for (size_t i = 0; i < groups.size(); ++i) sac[i] = !op_info(op_by_name(groups[i].op)).checkpoint_keeps;
+  const int64_t lo = plan(build, req, with_recompute(base, groups, sac), local()).memory.total();
+  const int64_t hi = plan(build, req, base, local()).memory.total();
+  ASSERT_LT(lo, hi);
+  double last = INFINITY;
+  for (int k = 0; k <= 4; ++k) {
+    const int64_t budget = lo + (hi - lo) * k / 4;
+    const RematResult r = solve_remat(build, req, base, local(), budget, {}, 150);
+    ASSERT_TRUE(r.feasible) << budget;
+    std::printf("budget %.1f MiB: %d plans, %s, gap to the proven bound %.2f%%\n", budget / 1048576.0, r.plans, r.exhaustive_bound ? "optimal" : "bounded", 100 * (r.step_s / r.lower_bound_s - 1));
+    EXPECT_LE(r.step_s, last * (1 + 1e-12)) << "budget " << budget;
+    last = r.step_s;
+    const Plan p = plan(build, req, r.schedule, local());  // the schedule as written, planned afresh
+    EXPECT_LE(p.memory.total(), budget);
+    EXPECT_EQ(p.memory.total(), r.peak_bytes);
+    EXPECT_EQ(p.step_s, r.step_s);
+  }
+}
+
+TEST(Autosp, SearchRejectsWhatCannotApplyWithItsReason) {
+  SearchOptions o;
+  o.ranks = 16;
+  o.memory_per_rank = int64_t{1} << 30;
+  const SearchResult r = autosp(llama::llama_builder(), {kTiny, 1, 1024}, local(), o);
+  ASSERT_TRUE(r.feasible);
+  bool sp16 = false;
+  for (const Rejection& x : r.rejected)
+    if (x.what.find("ulysses at sp=16") != std::string::npos) {
+      sp16 = true;
+      EXPECT_THAT(x.reason, ::testing::HasSubstr("heads"));
+    }
+  EXPECT_TRUE(sp16);
+  for (const Candidate& c : r.ranked) {
+    EXPECT_LE(c.schedule.mesh.sp, 8);
+    EXPECT_LE(c.peak_bytes, o.memory_per_rank);
+    EXPECT_EQ(c.schedule.mesh.ranks(), 16);
+  }
+  // A sequence shorter than the ranks: no rank may be empty.
+  const SearchResult s = autosp(llama::llama_builder(), {kTiny, 1, 4}, local(), o);
+  for (const Candidate& c : s.ranked) EXPECT_LE(c.schedule.mesh.sp, 4);
+  bool short_seq = false;
+  for (const Rejection& x : s.rejected) short_seq = short_seq || x.reason.find("seq 4 < sp=8") != std::string::npos;
+  EXPECT_TRUE(short_seq);
+}
+
+TEST(Autosp, TighterMemoryBuysSequenceSplitAndRecompute) {
+  SearchOptions o;
+  o.ranks = 4;
+  o.memory_per_rank = int64_t{1} << 34;
+  const ModelRequest req{kTiny, 1, 4096};
+  const SearchResult loose = autosp(llama::llama_builder(), req, local(), o);
+  ASSERT_TRUE(loose.feasible);
+  const Plan p1 = plan(llama::llama_builder(), req, loose.best().schedule, local());
+  o.memory_per_rank = p1.memory.total() * 85 / 100;
+  const SearchResult tight = autosp(llama::llama_builder(), req, local(), o);
+  ASSERT_TRUE(tight.feasible) << tight.infeasible << "\nbudget " << o.memory_per_rank << ", loose " << p1.report();
+  EXPECT_LE(tight.best().peak_bytes, o.memory_per_rank);
+  EXPECT_GE(tight.best().step_s, loose.best().step_s);
+}
+
+TEST(Autosp, InfeasibleBudgetNamesWhatWouldFit) {
+  SearchOptions o;
+  o.ranks = 2;
+  o.memory_per_rank = int64_t{256} << 20;
+  const SearchResult r = autosp(llama::llama_builder(), {kTiny, 1, 65536}, local(), o);
+  ASSERT_FALSE(r.feasible);
+  EXPECT_THAT(r.infeasible, ::testing::HasSubstr("the least memory any plan needs is"));
+  EXPECT_THAT(r.infeasible, ::testing::HasSubstr("ranks would fit"));
+}
+
+TEST(Autosp, LongestSequenceFits) {
+  SearchOptions o;
+  o.ranks = 4;
+  o.memory_per_rank = int64_t{160} << 20;
+  o.max_seq = true;
+  const SearchResult r = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  ASSERT_TRUE(r.feasible) << r.infeasible;
+  EXPECT_LE(r.best().peak_bytes, o.memory_per_rank);
+  // The next step of the search does not fit any family's least-memory schedule.
+  EXPECT_GT(r.seq, 4096);
+}
+
+}  // namespace
+}  // namespace halyard
