@@ -15,17 +15,61 @@
 #include "dsl/error.h"
 #include "generators/lowering.h"
 #include "schedules/program.h"
+#include "schedules/autosp.h"
 
 namespace halyard {
 namespace {
 
 struct Options {
-  std::string name, config, schedule = "default", target = "host", out, cluster = "local-cpu", plan_json;
+  std::string name, config, schedule = "default", target = "host", out, cluster = "local-cpu", plan_json, schedule_out;
   int64_t batch = 1, seq = 0, sp = 0;  // sp 0: as the schedule's mesh says
+  int64_t ranks = 0, memory_per_rank = 0;  // for --schedule autosp (0: the cluster's)
   bool runtime_only = false;
   bool plan_only = false;
   std::string plugin_dir;
 };
+
+// A whole number >= 1, strictly (halyard_add_model passes bytes).
+int64_t count(const std::string& flag, const std::string& v) {
+  size_t used = 0;
+  long long n = 0;
+  try {
+    n = std::stoll(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (v.empty() || used != v.size() || n < 1)
+    throw UserError("error: " + flag + " \"" + v + "\" is not a whole number >= 1.\nlegal: e.g. " + flag +
+                    " 4 (ranks), or bytes for --memory-per-rank (MEMORY_PER_RANK 2147483648).");
+  return n;
+}
+
+// SCHEDULE autosp: the search chooses the schedule (schedules/autosp.h).
+Schedule choose(const Options& o, const ModelBuilder& build, const Cluster& cluster) {
+  SearchOptions so;
+  so.ranks = o.ranks > 0 ? o.ranks : o.sp > 0 ? o.sp : cluster.ranks;
+  so.memory_per_rank = o.memory_per_rank;
+  so.zero = {1};  // what llama_train runs (ZeRO-3 is planned only)
+  if (o.sp > 0) so.sp = {o.sp};
+  const SearchResult r = autosp(build, {o.config, o.batch, o.seq}, cluster, so);
+  const int64_t budget = so.memory_per_rank > 0 ? so.memory_per_rank : cluster.memory_per_rank_bytes;
+  if (!r.feasible)
+    throw UserError("error: SCHEDULE autosp: no plan of " + o.config + " at seq " + std::to_string(o.seq) + " fits " +
+                    std::to_string(budget >> 20) + " MiB per rank on " + std::to_string(so.ranks) + " ranks of " +
+                    cluster.name + ": " + r.infeasible +
+                    ".\nfix: raise MEMORY_PER_RANK, use more RANKS, or a shorter SEQ (halyard-plan --seq max says "
+                    "the longest that fits).");
+  std::printf("autosp for %s: %s\n  predicted peak %.1f MiB of %.1f MiB per rank, step %.4f s; %d plans scored in %.1f s\n",
+              o.name.c_str(), r.best().schedule.str().c_str(), static_cast<double>(r.best().peak_bytes) / 1048576,
+              static_cast<double>(budget) / 1048576, r.best().step_s, r.plans, r.seconds);
+  for (size_t i = 1; i < r.ranked.size(); ++i)
+    std::printf("  runner-up: mesh dp=%lld x sp=%lld, tiles %lld/%lld: %.1f MiB, %.4f s\n",
+                static_cast<long long>(r.ranked[i].schedule.mesh.dp), static_cast<long long>(r.ranked[i].schedule.mesh.sp),
+                static_cast<long long>(r.ranked[i].schedule.seq_tile), static_cast<long long>(r.ranked[i].schedule.loss_tile()),
+                static_cast<double>(r.ranked[i].peak_bytes) / 1048576, r.ranked[i].step_s);
+  for (const Rejection& x : r.rejected) std::printf("  rejected: %s: %s\n", x.what.c_str(), x.reason.c_str());
+  return r.best().schedule;
+}
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -46,9 +90,12 @@ Options parse(int argc, char** argv) {
     else if (k == "--plugin-dir") o.plugin_dir = next();
     else if (k == "--cluster") o.cluster = next();
     else if (k == "--plan-json") o.plan_json = next();
+    else if (k == "--schedule-out") o.schedule_out = next();
+    else if (k == "--ranks") o.ranks = count(k, next());
+    else if (k == "--memory-per-rank") o.memory_per_rank = count(k, next());
     else if (k == "--runtime-only") o.runtime_only = true;
     else if (k == "--plan-only") o.plan_only = true;
-    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --runtime-only --plan-only");
+    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --schedule-out --ranks --memory-per-rank --runtime-only --plan-only");
   }
   if (o.out.empty() && !o.plan_only) throw UserError("error: --out is required.");
   if (!o.runtime_only && (o.name.empty() || o.config.empty() || o.seq <= 0 || o.batch <= 0))
@@ -141,13 +188,19 @@ int run(const Options& o, const ModelBuilder& build) {
     return 0;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  Schedule sched = Schedule::named(o.schedule);
+  const Cluster cluster = Cluster::named(o.cluster);
+  Schedule sched = o.schedule == "autosp" ? choose(o, build, cluster) : Schedule::named(o.schedule);
   // The mesh is the schedule's; --sp (halyard_add_model's SP) may set it.
   if (o.sp > 0 && sched.mesh.sp > 1 && o.sp != sched.mesh.sp)
     throw UserError("error: --sp " + std::to_string(o.sp) + " but schedule \"" + sched.name + "\" says mesh sp=" +
                     std::to_string(sched.mesh.sp) + ".\nfix: drop SP from halyard_add_model, or make them agree.");
   if (o.sp > 0) sched.mesh.sp = o.sp;
-  Plan p = plan(build, {o.config, o.batch, o.seq}, sched, Cluster::named(o.cluster));
+  Plan p = plan(build, {o.config, o.batch, o.seq}, sched, cluster);
+  if (!o.schedule_out.empty()) {  // the schedule built, as a file a user can pin and edit
+    std::ofstream out(o.schedule_out);
+    out << sched.to_json() << "\n";
+    if (!out) throw UserError("error: cannot write the schedule to \"" + o.schedule_out + "\".");
+  }
   for (const Value& v : p.model.params)
     if (v.type().dtype != DType::f32)
       throw UserError("error: parameter \"" + v.node().name + "\" " + v.type().str() +

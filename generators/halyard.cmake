@@ -1,6 +1,15 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
 #                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
-#                   [SP <ranks>] [CLUSTER <preset or .json>] [EXCLUDE_FROM_ALL])
+#                   [SP <ranks>] [CLUSTER <preset or .json>] [EXCLUDE_FROM_ALL]
+#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>])
+#
+# SCHEDULE autosp lets the AutoSP search (schedules/autosp.h) choose the
+# schedule for RANKS ranks (default: SP, else the cluster's) with
+# MEMORY_PER_RANK bytes each (default: the cluster's): the fastest plan that
+# fits. The build prints it, the header states it, and it is written next to
+# the library as <name>.schedule.json (pin it: SCHEDULE that file). A request
+# that nothing fits is a build error naming the least memory per rank, or
+# the fewest ranks, that would fit. With SP, the search keeps that degree.
 #
 # SP > 1 splits the sequence over that many ranks (the schedule must split it,
 # e.g. SCHEDULE ulysses; a schedule's own "mesh" may say it instead); SEQ is
@@ -19,7 +28,8 @@
 set(HALYARD_CLUSTER local-cpu CACHE STRING "cluster preset or profile .json that halyard_add_model plans for")
 
 function(halyard_add_model)
-  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP;CLUSTER" "" ${ARGN})
+  cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP;CLUSTER;MEMORY_PER_RANK;RANKS"
+                        "" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
     if(NOT M_${req})
       message(FATAL_ERROR "halyard_add_model: ${req} is required")
@@ -40,6 +50,18 @@ function(halyard_add_model)
   endif()
   if(NOT M_CLUSTER)
     set(M_CLUSTER ${HALYARD_CLUSTER})
+  endif()
+  set(autosp_args)
+  if(M_SCHEDULE STREQUAL "autosp")
+    if(M_RANKS)
+      list(APPEND autosp_args --ranks ${M_RANKS})
+    endif()
+    if(M_MEMORY_PER_RANK)
+      list(APPEND autosp_args --memory-per-rank ${M_MEMORY_PER_RANK})
+    endif()
+  elseif(M_RANKS OR M_MEMORY_PER_RANK)
+    message(FATAL_ERROR "halyard_add_model(${M_NAME}): RANKS and MEMORY_PER_RANK are what SCHEDULE autosp searches "
+                        "for; SCHEDULE is ${M_SCHEDULE}. Use SCHEDULE autosp, or drop them.")
   endif()
 
   string(MAKE_C_IDENTIFIER "${M_TARGET}" target_id)
@@ -69,7 +91,8 @@ function(halyard_add_model)
     COMMAND ${CMAKE_COMMAND} -E make_directory ${dir}
     COMMAND ${M_GENERATOR} --name ${M_NAME} --config ${M_CONFIG} --schedule ${M_SCHEDULE}
             --batch ${M_BATCH} --seq ${M_SEQ} ${sp_args} --target ${M_TARGET} --out ${dir}
-            --cluster ${M_CLUSTER} --plan-json ${dir}/${M_NAME}.plan.json
+            --cluster ${M_CLUSTER} --plan-json ${dir}/${M_NAME}.plan.json ${autosp_args}
+            --schedule-out ${dir}/${M_NAME}.schedule.json
             --plugin-dir $<TARGET_FILE_DIR:Halide::Halide>
     DEPENDS ${deps}
     COMMENT "Halyard: AOT-compiling ${M_NAME} (${M_SCHEDULE}, ${M_TARGET})" VERBATIM)

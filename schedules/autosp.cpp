@@ -46,10 +46,40 @@ struct Scored {
   double step = 0;
 };
 
+// The repeated layers of a model (built once, at a few tokens).
+int64_t layers_of(const ModelBuilder& build, const std::string& config) {
+  static std::map<std::string, int64_t> known;
+  auto it = known.find(config);
+  if (it == known.end()) it = known.emplace(config, build(config, 1, 8, 0).layers).first;
+  return it->second;
+}
+
+// Builds with this many layers stand for a deep model (see score()).
+constexpr int64_t kProbeLayers = 3;
+
+// A schedule's predicted peak and step. Every layer of the model is the
+// same, so for a deep model they are those of a 3-layer build plus (L - 3)
+// times what a fourth layer adds: two small plans instead of one of L
+// layers. (autosp() plans its choice at full depth before it answers.)
 Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule& s, const Cluster& c, int* plans) {
-  const Plan p = plan(build, req, s, c);
-  if (plans) ++*plans;
-  return {p.memory.total(), p.step_s};
+  const int64_t layers = req.layers > 0 ? req.layers : layers_of(build, req.config);
+  if (layers <= kProbeLayers + 3) {
+    const Plan p = plan(build, req, s, c);
+    if (plans) ++*plans;
+    return {p.memory.total(), p.step_s};
+  }
+  ModelRequest a = req, b = req;
+  a.layers = kProbeLayers, b.layers = kProbeLayers + 1;
+  const Plan pa = plan(build, a, s, c), pb = plan(build, b, s, c);
+  if (plans) *plans += 2;
+  const int64_t more = layers - kProbeLayers;
+  return {pa.memory.total() + more * (pb.memory.total() - pa.memory.total()), pa.step_s + static_cast<double>(more) * (pb.step_s - pa.step_s)};
+}
+
+// The request a search builds groups from: few layers when the model is deep.
+ModelRequest probe(const ModelBuilder& build, ModelRequest req) {
+  if (req.layers == 0 && layers_of(build, req.config) > kProbeLayers + 3) req.layers = kProbeLayers;
+  return req;
 }
 
 
@@ -96,7 +126,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
                         int64_t budget, std::vector<RematGroup> groups, int max_plans) {
   RematResult r;
   if (groups.empty()) {
-    const Plan p = plan(build, req, base, cluster);
+    const Plan p = plan(build, probe(build, req), base, cluster);
     ++r.plans;
     groups = remat_groups(*p.model.graph, p.local_seq, base);
   }
@@ -285,29 +315,56 @@ std::vector<int64_t> tile_options(int64_t local) {
 
 int64_t tokens_per_step(const ModelRequest& req, const Schedule& s) { return req.batch * req.seq * s.mesh.dp; }
 
+int64_t default_seq_step(int64_t ranks) { return std::min<int64_t>(1024, std::max<int64_t>(8 * ranks, 256)); }
+
 }  // namespace
 
 int64_t longest_fitting_seq(const std::function<int64_t(int64_t)>& peak_at, int64_t budget, int64_t step, int64_t limit,
                             int* plans) {
-  auto fits = [&](int64_t seq) {
+  std::map<int64_t, int64_t> peaks;  // seq -> peak (INT64_MAX when it cannot be planned)
+  auto peak = [&](int64_t seq) {
+    if (auto it = peaks.find(seq); it != peaks.end()) return it->second;
     if (plans) ++*plans;
+    int64_t p = INT64_MAX;
     try {
-      return peak_at(seq) <= budget;
+      p = peak_at(seq);
     } catch (const UserError&) {
-      return false;
     }
+    return peaks[seq] = p;
   };
-  if (!fits(step)) return 0;
+  auto down = [&](double s) { return std::max<int64_t>(step, static_cast<int64_t>(s) / step * step); };
+  limit = limit / step * step;
+  if (peak(step) > budget) return 0;
   int64_t lo = step, hi = 0;  // lo fits; hi (when > 0) does not
-  while (hi == 0) {
-    if (lo * 2 > limit) return lo;
-    if (fits(lo * 2)) lo *= 2;
-    else hi = lo * 2;
+  // Secant steps from the two largest probes that fit.
+  int64_t a = step, b = std::min(limit, 8 * step);
+  for (int k = 0; k < 6 && hi == 0; ++k) {
+    if (b <= lo) break;
+    if (peak(b) > budget) {
+      hi = b;
+      break;
+    }
+    lo = b;
+    if (b == limit) return limit;
+    const double slope = static_cast<double>(peak(b) - peak(a)) / static_cast<double>(b - a);
+    const int64_t next = slope > 0 ? down(static_cast<double>(b) + static_cast<double>(budget - peak(b)) / slope)
+                                   : std::min(limit, 4 * b);
+    a = b, b = std::min(limit, std::max(next, b + step));
   }
+  if (hi == 0) {  // still growing: double
+    while (hi == 0) {
+      if (lo >= limit) return limit;
+      const int64_t next = std::min(limit, 2 * lo);
+      (peak(next) <= budget ? lo : hi) = next;
+    }
+  }
+  // Just above the secant's estimate first, then bisect.
+  if (hi - lo > step && peak(lo + step) > budget) return lo;
+  if (hi - lo > step) lo += step;
   while (hi - lo > step) {
-    const int64_t mid = (lo + hi) / 2 / step * step;
+    const int64_t mid = down(static_cast<double>(lo + hi) / 2);
     if (mid <= lo) break;
-    (fits(mid) ? lo : hi) = mid;
+    (peak(mid) <= budget ? lo : hi) = mid;
   }
   return lo;
 }
@@ -328,6 +385,7 @@ const std::vector<Family>& families() {
 Schedule family_schedule(const std::string& family, const ModelBuilder& build, const ModelRequest& req, int64_t ranks) {
   if (family == "dp_zero3" || family == "default") {
     Schedule s = mesh_schedule(family, ranks, 1, "");
+    if (family == "dp_zero3" && ranks > 1) s.mesh.zero = 3;
     return s;
   }
   if (family != "ulysses" && family != "ulysses_checkpoint" && family != "ulysses_sac")
@@ -341,7 +399,7 @@ Schedule family_schedule(const std::string& family, const ModelBuilder& build, c
     if (family == "ulysses_checkpoint") s.values = layer_checkpoint_rules();
     if (family == "ulysses_sac") s.values = sac_rules();
     try {
-      ModelRequest small = req;
+      ModelRequest small = probe(build, req);
       small.seq = sp * 8;
       plan(build, small, s, Cluster{});
       return s;
@@ -353,7 +411,96 @@ Schedule family_schedule(const std::string& family, const ModelBuilder& build, c
                   (why.empty() ? std::string(".") : ": " + why));
 }
 
-SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const Cluster& cluster,
+FamilyResult family_longest(const std::string& family, const ModelBuilder& build, const ModelRequest& req_in,
+                            const Cluster& cluster, int64_t ranks, int64_t budget, const SearchOptions& opts) {
+  FamilyResult f;
+  f.family = family;
+  ModelRequest req = req_in;
+  if (family == "autosp") {
+    SearchOptions o = opts;
+    o.ranks = ranks, o.memory_per_rank = budget, o.max_seq = true;
+    const SearchResult r = autosp(build, req, cluster, o);
+    if (!r.feasible) {
+      f.applies = false, f.reason = r.infeasible;
+      return f;
+    }
+    f.schedule = r.best().schedule, f.longest = r.seq;
+    f.peak_bytes = r.best().peak_bytes, f.step_s = r.best().step_s, f.tokens_per_s = r.best().tokens_per_s;
+    return f;
+  }
+  const int64_t on = family == "default" ? 1 : ranks;
+  try {
+    f.schedule = family_schedule(family, build, req, on);
+  } catch (const UserError& e) {
+    f.applies = false, f.reason = reason_of(e);
+    return f;
+  }
+  f.modelled = f.schedule.mesh.zero == 3;
+
+  Cluster c = cluster;
+  c.ranks = std::max(c.ranks, on);
+  const int64_t sp = f.schedule.mesh.sp;
+  const int64_t base_step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
+  const int64_t step = (base_step + sp - 1) / sp * sp;
+  f.longest = longest_fitting_seq(
+      [&](int64_t seq) {
+        ModelRequest r = req;
+        r.seq = seq;
+        return score(build, r, f.schedule, c, nullptr).peak;
+      },
+      budget, step, opts.seq_limit);
+  if (f.longest == 0 && f.schedule.mesh.zero == 1) {  // what its users do when the states do not fit: ZeRO-3
+    f.schedule.mesh.zero = 3;
+    f.modelled = true;
+    f.longest = longest_fitting_seq(
+        [&](int64_t seq) {
+          ModelRequest r = req;
+          r.seq = seq;
+          return score(build, r, f.schedule, c, nullptr).peak;
+        },
+        budget, step, opts.seq_limit);
+  }
+  if (f.longest == 0) {
+    f.applies = false, f.reason = std::to_string(step) + " tokens do not fit " + gib(budget) + " per rank";
+    return f;
+  }
+  req.seq = f.longest;
+  const Scored x = score(build, req, f.schedule, c, nullptr);
+  f.peak_bytes = x.peak, f.step_s = x.step;
+  f.tokens_per_s = static_cast<double>(tokens_per_step(req, f.schedule)) / f.step_s;
+  return f;
+}
+
+namespace {
+SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const Cluster& cluster,
+                    const SearchOptions& opts);
+}  // namespace
+
+SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cluster& cluster, const SearchOptions& opts) {
+  const int64_t budget = opts.memory_per_rank > 0 ? opts.memory_per_rank : cluster.memory_per_rank_bytes;
+  SearchOptions o = opts;
+  for (int attempt = 0;; ++attempt) {
+    SearchResult r = search(build, req, cluster, o);
+    if (!r.feasible || (req.layers == 0 && layers_of(build, req.config) <= kProbeLayers + 3)) return r;
+    // The choice planned at full depth: the extrapolation from a few layers
+    // is checked, and the search repeated with less memory if it missed.
+    ModelRequest full = req;
+    full.seq = r.seq;
+    const Plan p = plan(build, full, r.best().schedule, cluster);
+    ++r.plans;
+    Candidate& c = r.ranked.front();
+    c.peak_bytes = p.memory.total(), c.step_s = p.step_s;
+    c.tokens_per_s = static_cast<double>(tokens_per_step(full, c.schedule)) / c.step_s;
+    if (c.peak_bytes <= budget || attempt == 2) {
+      if (c.peak_bytes > budget) r.feasible = false, r.infeasible = "the extrapolated plan misses at full depth";
+      return r;
+    }
+    o.memory_per_rank = (o.memory_per_rank > 0 ? o.memory_per_rank : budget) - (c.peak_bytes - budget) - (int64_t{1} << 20);
+  }
+}
+
+namespace {
+SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const Cluster& cluster,
                     const SearchOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
   SearchResult out;
@@ -364,6 +511,9 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
                     "\" does not state it.\nlegal: MEMORY_PER_RANK bytes (or --memory-per-rank 80GiB), or a cluster "
                     "with memory_per_rank_bytes.");
   if (ranks < 1) throw UserError("error: autosp on " + std::to_string(ranks) + " ranks.\nlegal: ranks >= 1.");
+  for (int z : opts.zero)
+    if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
+  if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
   std::vector<int64_t> sps = opts.sp.empty() ? divisors(ranks) : opts.sp;
   for (int64_t sp : sps)
     if (sp < 1 || ranks % sp != 0)
@@ -384,13 +534,16 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
   std::vector<Config> configs;
   for (int64_t sp : sps) {
     const std::vector<std::string> strategies = sp > 1 ? Schedule::strategies() : std::vector<std::string>{""};
-    for (const std::string& st : strategies) {
-      Config c{mesh_schedule("autosp", ranks, sp, st), ""};
-      c.base.values = inline_cheap_rules();
-      c.what = sp > 1 ? st + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
-                      : "no sequence split (dp=" + std::to_string(ranks) + ")";
-      configs.push_back(c);
-    }
+    for (const std::string& st : strategies)
+      for (int zero : ranks > 1 ? opts.zero : std::vector<int>{0}) {
+        Config c{mesh_schedule("autosp", ranks, sp, st), ""};
+        c.base.mesh.zero = zero;
+        c.base.values = inline_cheap_rules();
+        c.what = (sp > 1 ? st + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
+                         : "no sequence split (dp=" + std::to_string(ranks) + ")") +
+                 (zero == 3 ? ", ZeRO-3" : "");
+        configs.push_back(c);
+      }
   }
   auto with_tiles = [](Schedule s, int64_t mlp, int64_t loss) {
     s.seq_tile = mlp;
@@ -401,11 +554,14 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
   };
   // The least-memory schedule of a configuration: every layer checkpointed,
   // both regions in sixteenths.
-  auto frugal = [&](const Config& c, int64_t seq) {
+  // The least-memory schedules of a configuration: every layer checkpointed,
+  // with both regions in sixteenths or whole (tiles cost a partial weight
+  // gradient per tile, which short sequences of wide models do not repay).
+  auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
     Schedule s = c.base;
     s.values = layer_checkpoint_rules();
     const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp));
-    return with_tiles(s, t.back(), t.back());
+    return tiled ? with_tiles(s, t.back(), t.back()) : s;
   };
 
   ModelRequest req = req_in;
@@ -413,7 +569,7 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
   for (size_t i = 0; i < configs.size(); ++i) {
     const Schedule& s = configs[i].base;
     try {
-      ModelRequest small = req;
+      ModelRequest small = probe(build, req);
       small.seq = s.mesh.sp * 8;
       plan(build, small, s, cluster);
       ++out.plans;
@@ -424,20 +580,26 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
   }
 
   if (opts.max_seq) {
-    const int64_t step = opts.seq_step > 0 ? opts.seq_step : std::min<int64_t>(1024, std::max<int64_t>(8 * ranks, 64));
+    const int64_t step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
+    // Splitting the sequence further only shortens what each rank holds: the
+    // longest comes from the largest degree that applies.
+    int64_t top_sp = 0;
+    for (size_t i = 0; i < configs.size(); ++i)
+      if (applies[i]) top_sp = std::max(top_sp, configs[i].base.mesh.sp);
     int64_t longest = 0;
     for (size_t i = 0; i < configs.size(); ++i) {
-      if (!applies[i]) continue;
-      const int64_t sp = configs[i].base.mesh.sp;
-      const int64_t st = (step + sp - 1) / sp * sp;
-      const int64_t l = longest_fitting_seq(
-          [&](int64_t seq) {
-            ModelRequest r = req;
-            r.seq = seq;
-            return plan(build, r, frugal(configs[i], seq), cluster).memory.total();
-          },
-          budget, st, opts.seq_limit, &out.plans);
-      longest = std::max(longest, l);
+      if (!applies[i] || configs[i].base.mesh.sp != top_sp) continue;
+      const int64_t st = (step + top_sp - 1) / top_sp * top_sp;
+      for (bool tiled : {false, true}) {
+        const int64_t l = longest_fitting_seq(
+            [&](int64_t seq) {
+              ModelRequest r = req;
+              r.seq = seq;
+              return score(build, r, frugal(configs[i], seq, tiled), cluster, nullptr).peak;
+            },
+            budget, st, opts.seq_limit, &out.plans);
+        longest = std::max(longest, l);
+      }
     }
     if (longest == 0) {
       out.infeasible = "no plan fits even " + std::to_string(step) + " tokens";
@@ -466,22 +628,32 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
       continue;
     }
     const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp));
-    for (int64_t mlp : t)
-      for (int64_t loss : t) {
-        const Schedule base = with_tiles(configs[i].base, mlp, loss);
-        Schedule lean = configs[i].base;
-        lean.values = layer_checkpoint_rules();
-        lean = with_tiles(lean, mlp, loss);
-        try {
+    auto lean_of = [&](int64_t mlp, int64_t loss) {
+      Schedule lean = configs[i].base;
+      lean.values = layer_checkpoint_rules();
+      return with_tiles(lean, mlp, loss);
+    };
+    try {
+      // The least memory first (checkpointed, whole or in sixteenths): a
+      // configuration that cannot fit that way is out.
+      std::map<std::pair<int64_t, int64_t>, Scored> leans;
+      for (int64_t tile : {int64_t{0}, t.back()})
+        leans[{tile, tile}] = score(build, req, lean_of(tile, tile), cluster, &out.plans);
+      for (const auto& [k, x] : leans) least[i] = std::min(least[i], x.peak);
+      if (least[i] > budget) continue;
+      // Loss tiles: whole or the smallest (a [seq, vocab] tile rarely pays
+      // in between); MLP tiles: every option.
+      for (int64_t mlp : t)
+        for (int64_t loss : {int64_t{0}, t.back()}) {
+          const Schedule base = with_tiles(configs[i].base, mlp, loss);
           const Scored f = score(build, req, base, cluster, &out.plans);
-          const Scored l = score(build, req, lean, cluster, &out.plans);
-          least[i] = std::min({least[i], f.peak, l.peak});
+          auto it = leans.find({mlp, loss});
+          const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss), cluster, &out.plans);
           options.push_back({i, base, f, l});
-        } catch (const UserError& e) {
-          out.rejected.push_back({configs[i].what + ", tiles " + std::to_string(mlp) + "/" + std::to_string(loss),
-                                  reason_of(e)});
         }
-      }
+    } catch (const UserError& e) {
+      out.rejected.push_back({configs[i].what, reason_of(e)});
+    }
   }
   for (size_t i = 0; i < configs.size(); ++i)
     if (applies[i] && least[i] != INT64_MAX && least[i] > budget)
@@ -541,6 +713,25 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
     out.infeasible = least_all == INT64_MAX ? "no configuration applies"
                                             : "the least memory any plan needs is " + gib(least_all) + " per rank (" +
                                                   where + ", every layer checkpointed, tiled)";
+    // The longest sequence that fits these ranks (when some does).
+    int64_t fits = 0, top_sp = 0;
+    const int64_t step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
+    const int lean_zero = ranks > 1 ? *std::max_element(opts.zero.begin(), opts.zero.end()) : 0;
+    for (size_t i = 0; i < configs.size(); ++i)
+      if (applies[i]) top_sp = std::max(top_sp, configs[i].base.mesh.sp);
+    for (size_t i = 0; i < configs.size() && least_all != INT64_MAX; ++i) {
+      if (!applies[i] || configs[i].base.mesh.zero != lean_zero || configs[i].base.mesh.sp != top_sp) continue;
+      const int64_t st = (step + configs[i].base.mesh.sp - 1) / configs[i].base.mesh.sp * configs[i].base.mesh.sp;
+      for (bool tiled : {false, true})
+        fits = std::max(fits, longest_fitting_seq(
+                                  [&](int64_t seq) {
+                                    ModelRequest r = req;
+                                    r.seq = seq;
+                                    return score(build, r, frugal(configs[i], seq, tiled), cluster, nullptr).peak;
+                                  },
+                                  budget, st, req.seq, &out.plans));
+    }
+    if (fits > 0) out.infeasible += "; on " + std::to_string(ranks) + " ranks at most " + std::to_string(fits) + " tokens fit";
     // The fewest ranks that would fit: the same frugal schedule on more.
     for (int64_t more = ranks * 2; more <= ranks * 64 && least_all != INT64_MAX; more *= 2) {
       try {
@@ -561,5 +752,7 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req_in, const
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }
+
+}  // namespace
 
 }  // namespace halyard

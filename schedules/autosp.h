@@ -98,6 +98,7 @@ struct SearchOptions {
   int64_t seq_limit = int64_t{1} << 26;  // longest sequence tried
   size_t keep = 5;              // how many runner-up plans to report
   int remat_plans = 60;         // plan() calls per recompute search before it settles for its bound
+  std::vector<int> zero = {1, 3};  // ZeRO stages to consider on more than one rank (3 is planned only)
 };
 
 struct SearchResult {
@@ -120,10 +121,27 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cl
 // legal Ulysses degree); throws UserError naming why it cannot apply.
 Schedule family_schedule(const std::string& family, const ModelBuilder& build, const ModelRequest& req, int64_t ranks);
 
-// The longest sequence (a multiple of `step`) at which `schedule_for(seq)` fits
-// `budget` per rank; 0 when none does. Memory grows with the sequence, so a
-// doubling then bisection finds it.
+// The longest sequence (a multiple of `step`, at most `limit`) at which
+// peak_at(seq) <= budget; 0 when none does. Memory grows with the sequence
+// and nearly linearly, so a secant step from two probes, then bisection
+// around it, finds it in a few plans.
 int64_t longest_fitting_seq(const std::function<int64_t(int64_t seq)>& peak_at, int64_t budget, int64_t step,
                             int64_t limit, int* plans = nullptr);
+
+// A family's longest trainable sequence on `ranks` ranks with `budget` bytes
+// per rank, and its plan there.
+struct FamilyResult {
+  std::string family;
+  bool applies = true;
+  std::string reason;     // why not, when it does not apply or fit at all
+  Schedule schedule;      // at the longest sequence (autosp: the chosen one)
+  int64_t longest = 0;    // tokens per row
+  int64_t peak_bytes = 0;
+  double step_s = 0, tokens_per_s = 0;
+  bool modelled = false;  // planned only (ZeRO-3: llama_train runs ZeRO 0 and 1)
+};
+// `family`: one of families() or "default" (one rank, nothing recomputed).
+FamilyResult family_longest(const std::string& family, const ModelBuilder& build, const ModelRequest& req,
+                            const Cluster& cluster, int64_t ranks, int64_t budget, const SearchOptions& opts);
 
 }  // namespace halyard

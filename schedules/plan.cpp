@@ -160,13 +160,18 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   if (req.seq <= 0 || req.batch <= 0)
     throw UserError("error: plan of \"" + req.config + "\" with batch " + std::to_string(req.batch) + ", seq " +
                     std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
+  if (req.precision != "f32" && req.precision != "bf16-mixed")
+    throw UserError("error: plan precision \"" + req.precision + "\".\nlegal: f32, or bf16-mixed (GPU clusters, planned only).");
+  // Bytes of a value as the precision stores it (the graph is built in f32).
+  const double held = req.precision == "bf16-mixed" ? 0.5 : 1.0;
+  auto stored = [held](int64_t b) { return static_cast<int64_t>(static_cast<double>(b) * held); };
   Plan p;
   p.schedule = schedule;
   p.cluster = cluster;
   p.request = req;
   const int64_t sp = schedule.mesh.sp;
   p.local_seq = local_seq(req.seq, sp);
-  BuiltModel m = build(req.config, req.batch, p.local_seq);
+  BuiltModel m = build(req.config, req.batch, p.local_seq, req.layers);
   RebuiltGraph sharded = shard_sequence(*m.graph, m.loss.id, schedule, sp);
   RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, schedule.seq_tile, schedule.loss_tile());
   m.graph = std::move(tiled.graph);
@@ -213,8 +218,9 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
       c.bytes_per_rank = c.kind == "all_to_all" ? static_cast<int64_t>(static_cast<double>(std::max(in, out)) * share)
                          : c.kind == "all_gather" ? static_cast<int64_t>(static_cast<double>(out) * share)
                                                   : static_cast<int64_t>(2 * static_cast<double>(out) * share);
+      if (c.kind != "all_reduce") c.bytes_per_rank = stored(c.bytes_per_rank);  // the loss and counts stay f32
       c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
-      if (c.kind != "all_reduce") staging = std::max(staging, 2 * std::max(in, out));
+      if (c.kind != "all_reduce") staging = std::max(staging, stored(2 * std::max(in, out)));
       p.collectives.push_back(c);
       continue;
     }
@@ -227,7 +233,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     sc.flops = op_flops(g, root);
     for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
     for (int x : st.extra_outputs) sc.flops += op_flops(g, g.node(x));
-    sc.bytes = bytes;
+    sc.bytes = stored(bytes);
     sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
     const Scratch k =
@@ -239,7 +245,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   }
   // The gradients are summed over the mesh after the backward (ZeRO-1:
   // reduce-scattered, and the updated parameters all-gathered).
-  const int64_t param_bytes = 4 * p.num_params;
+  const int64_t param_bytes = stored(4 * p.num_params);  // what the gradient reduction moves
   if (ranks > 1) {
     const double share = static_cast<double>(ranks - 1) / static_cast<double>(ranks);
     auto add = [&](const char* op, const char* kind, double bytes) {
@@ -247,7 +253,11 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
       c.time_s = cluster.collective_time(kind, bytes, ranks);
       p.collectives.push_back(c);
     };
-    if (schedule.mesh.zero) {
+    if (schedule.mesh.zero == 3) {  // parameters gathered for the forward and again for the backward
+      add("reduce_scatter_grads", "all_reduce", static_cast<double>(param_bytes) * share);
+      add("all_gather_params_forward", "all_gather", static_cast<double>(param_bytes) * share);
+      add("all_gather_params_backward", "all_gather", static_cast<double>(param_bytes) * share);
+    } else if (schedule.mesh.zero) {
       add("reduce_scatter_grads", "all_reduce", static_cast<double>(param_bytes) * share);
       add("all_gather_params", "all_gather", static_cast<double>(param_bytes) * share);
     } else {
@@ -262,11 +272,25 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
 
   // Memory of one rank, as runtime::Model and the training loop allocate it.
   MemoryBreakdown& mem = p.memory;
-  for (const Value& v : p.model.params) mem.parameters += round_up(value_bytes(v.type()));
+  int64_t layer = 0;  // one layer's parameters
+  for (const Value& v : p.model.params) {
+    const int64_t b = round_up(stored(value_bytes(v.type())));
+    mem.parameters += b;
+    if (g.node(v.id).name.rfind("model.layers.0.", 0) == 0) layer += b;
+  }
   mem.gradients = mem.parameters;
-  mem.optimizer_state = schedule.mesh.zero ? 2 * param_bytes / ranks + param_bytes / ranks : 2 * param_bytes;
-  mem.activations = std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes);
-  mem.kernel_scratch = heap_scratch + mapped_scratch;
+  if (schedule.mesh.zero == 3) {  // sharded; two layers' parameters gathered ahead, one layer's gradients
+    mem.parameters = mem.parameters / ranks + 2 * layer;
+    mem.gradients = mem.gradients / ranks + layer;
+  }
+  if (req.precision == "bf16-mixed") {  // f32 master weights and two moments
+    mem.optimizer_state = 12 * p.num_params / (schedule.mesh.zero ? ranks : 1);
+  } else {  // two moments, and with ZeRO-1 the updated shard before it is gathered
+    const int64_t f32 = 4 * p.num_params;
+    mem.optimizer_state = schedule.mesh.zero ? 2 * f32 / ranks + f32 / ranks : 2 * f32;
+  }
+  mem.activations = stored(std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes));
+  mem.kernel_scratch = stored(heap_scratch + mapped_scratch);
   mem.collective_buffers = staging;
   const int64_t tokens = req.batch * p.local_seq;
   mem.data = 3 * round_up(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
@@ -278,9 +302,9 @@ std::string Plan::report() const {
   std::ostringstream os;
   char line[512];
   const Graph& g = *model.graph;
-  std::snprintf(line, sizeof line, "plan: %s, batch %lld x seq %lld (%lld tokens per row on each rank), %s\n",
+  std::snprintf(line, sizeof line, "plan: %s, batch %lld x seq %lld (%lld tokens per row on each rank), %s, %s\n",
                 request.config.c_str(), static_cast<long long>(request.batch), static_cast<long long>(request.seq),
-                static_cast<long long>(local_seq), schedule.str().c_str());
+                static_cast<long long>(local_seq), request.precision.c_str(), schedule.str().c_str());
   os << line;
   std::snprintf(line, sizeof line, "cluster: %s (%lld ranks, %lld per node): %s\n", cluster.name.c_str(),
                 static_cast<long long>(cluster.ranks), static_cast<long long>(cluster.ranks_per_node), cluster.source.c_str());
@@ -339,6 +363,7 @@ std::string Plan::summary_json() const {
   j["schedule"] = schedule.name;
   j["schedule_spec"] = nlohmann::json::parse(schedule.to_json());
   j["config"] = request.config;
+  j["precision"] = request.precision;
   j["cluster"] = cluster.name;
   j["mesh"] = {{"dp", schedule.mesh.dp}, {"sp", schedule.mesh.sp}, {"zero", schedule.mesh.zero}};
   j["seq"] = request.seq;

@@ -39,14 +39,25 @@ struct BuiltModel {
   int64_t vocab = 0;
   int64_t ignore_index = -100;
   std::string config_json;
+  int64_t layers = 0;  // repeated layers (model.layers.N) the model has
 };
 
-using ModelBuilder = std::function<BuiltModel(const std::string& config_path, int64_t batch, int64_t seq)>;
+// Builds a model at one rank's slice of the sequence; `layers` > 0 builds
+// that many of its repeated layers instead of the config's (what the
+// search extrapolates from: every layer is the same).
+using ModelBuilder =
+    std::function<BuiltModel(const std::string& config_path, int64_t batch, int64_t seq, int64_t layers)>;
 
 struct ModelRequest {
   std::string config;  // path to the model's config.json
   int64_t batch = 1;
   int64_t seq = 0;  // global tokens per row
+  // "f32": what Halyard's CPU libraries run. "bf16-mixed" (planned only, for
+  // GPU clusters): activations, parameters and gradients in bf16 (half the
+  // bytes of every value), f32 master weights and AdamW moments (12 bytes
+  // per parameter, sharded by ZeRO-1).
+  std::string precision = "f32";
+  int64_t layers = 0;  // build this many layers instead of the config's (0: as configured)
 };
 
 struct StageCost {

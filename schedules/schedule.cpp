@@ -261,7 +261,9 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         else if (m.key() == "sp") s.mesh.sp = integer(*m, "mesh.sp", 1);
         else if (m.key() == "zero") {
           s.mesh.zero = static_cast<int>(integer(*m, "mesh.zero", 0));
-          if (s.mesh.zero > 1) bad(what, "mesh.zero " + std::to_string(s.mesh.zero) + ".\nlegal: 0 or 1 (ZeRO-1).");
+          if (s.mesh.zero == 2 || s.mesh.zero > 3)
+            bad(what, "mesh.zero " + std::to_string(s.mesh.zero) + ".\nlegal: 0, 1 (ZeRO-1: optimizer state sharded), or "
+                      "3 (parameters and gradients sharded too: planned only; llama_train runs 0 or 1).");
         } else bad(what, "unknown mesh axis \"" + m.key() + "\".\nlegal: dp, sp, zero.");
       }
     } else if (key == "values" && v.is_array()) {

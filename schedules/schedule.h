@@ -27,7 +27,9 @@
 namespace halyard {
 
 // The ranks a step runs on: dp data-parallel replicas of sp ranks that split
-// each sequence. zero = 1 shards the optimizer state over all dp x sp ranks.
+// each sequence. zero = 1 shards the optimizer state over all dp x sp ranks;
+// zero = 3 also the parameters and gradients (planned only: the runtime
+// runs 0 and 1).
 struct Mesh {
   int64_t dp = 1, sp = 1;
   int zero = 0;

@@ -50,6 +50,7 @@
 // (exact, runtime/measure.h) and "step_s" (rank 0's wall time of train_step
 // plus the optimizer), next to "loss", "tokens_per_s" and the other keys.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -84,7 +85,7 @@ struct Options {
   int steps = 30, warmup = 5, threads = 0, save_every = 0, token_width = 0;
   double clip = 1.0, lr = 3e-3, comm_timeout = runtime::kDefaultCommTimeoutS;
   unsigned seed = 0;
-  bool zero = false, data_given = false;
+  bool zero = false, zero_given = false, data_given = false;
   int64_t seq = 0;
   int sp = 0;  // 0: every rank along the sequence
   std::string save_dir, resume_dir, tokens, step_check, metrics_path, config;
@@ -114,7 +115,7 @@ std::string parse(int argc, char** argv, Options& o) {
       else if (k == "--metrics") o.metrics_path = v;
       else if (k == "--config") o.config = v;
       else if (k == "--seq") o.seq = std::stoll(v);
-      else if (k == "--zero") o.zero = std::stoi(v) != 0;
+      else if (k == "--zero") o.zero = std::stoi(v) != 0, o.zero_given = true;
       else if (k == "--sp") o.sp = std::stoi(v);
       else if (k == "--comm-timeout") o.comm_timeout = std::stod(v);
       else
@@ -182,6 +183,25 @@ nlohmann::ordered_json plan_of(const runtime::ModelSpec& spec) {
   return plan;
 }
 
+// The mesh a library's plan was made for (AutoSP chooses it): {dp, sp, zero},
+// or {0, 0, 0} when the library carries no plan.
+std::array<int, 3> planned_mesh(const runtime::ModelSpec& spec) {
+  const nlohmann::ordered_json plan = plan_of(spec);
+  if (plan.is_null() || !plan.contains("mesh")) return {0, 0, 0};
+  const auto& m = plan["mesh"];
+  return {m.value("dp", 0), m.value("sp", 0), m.value("zero", 0)};
+}
+
+// Without --sp: the linked library whose plan is for exactly these ranks
+// (dp x sp, as SCHEDULE autosp chose), else every rank along the sequence.
+int default_sp(int ranks) {
+  for (int i = 0; i < halyard_linked_model_count; ++i) {
+    const auto [dp, sp, zero] = planned_mesh(*halyard_linked_models[i]);
+    if (dp * sp == ranks && dp > 1) return sp;
+  }
+  return ranks;
+}
+
 // --config and --seq are compiled into the library: check, never apply.
 void check_matches_library(const Options& o, const runtime::ModelSpec& spec) {
   if (o.seq != 0 && o.seq != spec.seq)
@@ -229,7 +249,7 @@ int train(const Options& o) {
   std::unique_ptr<runtime::Communicator> comm, group;
   if (std::getenv("OMPI_COMM_WORLD_SIZE")) comm = runtime::make_mpi_communicator(o.comm_timeout);
   const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
-  const int sp = o.sp > 0 ? o.sp : ranks;
+  const int sp = o.sp > 0 ? o.sp : default_sp(ranks);
   const bool lead = rank == 0;
   try {
     if (ranks % sp != 0)
@@ -243,6 +263,9 @@ int train(const Options& o) {
     runtime::Model::set_num_threads(threads);
     const runtime::ModelSpec& spec = model_for(sp);
     check_matches_library(o, spec);
+    // The optimizer state as the plan has it, unless --zero says otherwise.
+    Options run = o;
+    if (!o.zero_given && planned_mesh(spec)[2] == 1 && ranks > 1) run.zero = true;
     // On every rank, before any collective: a broken plan fails them all alike.
     const nlohmann::ordered_json plan = plan_of(spec);
     const std::string plan_line = plan.is_null() ? "" : runtime::describe_plan(plan);
@@ -309,9 +332,9 @@ int train(const Options& o) {
     // Plain AdamW keeps the whole state on every rank (the summed gradients
     // are the same everywhere, so every rank takes the same step); ZeRO-1
     // keeps 1/ranks of it.
-    runtime::AdamW opt(o.zero ? std::vector<int64_t>(sizes.size(), 0) : sizes, decay);
+    runtime::AdamW opt(run.zero ? std::vector<int64_t>(sizes.size(), 0) : sizes, decay);
     std::unique_ptr<runtime::ZeroAdamW> zero;
-    if (o.zero) {
+    if (run.zero) {
       if (!comm) throw runtime::Error("error: --zero 1 shards the optimizer state over ranks, but this is one rank.\n"
                                       "fix: launch with mpirun -np 2 or 4, or pass --zero 0.");
       zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
@@ -330,7 +353,7 @@ int train(const Options& o) {
                   comm ? (std::string(", ") + comm->backend()).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
-                  o.zero ? ", ZeRO-1 optimizer state" : "");
+                  run.zero ? ", ZeRO-1 optimizer state" : "");
     int first = 1;
     if (!o.resume_dir.empty()) {
       int64_t loaded;
@@ -357,7 +380,7 @@ int train(const Options& o) {
       if (metrics.is_open() && o.resume_dir.empty()) {
         nlohmann::ordered_json head;
         head["plan"] = plan;
-        head["launch"] = {{"ranks", ranks}, {"dp", dp}, {"sp", sp}, {"zero", o.zero ? 1 : 0}, {"threads_per_rank", threads}};
+        head["launch"] = {{"ranks", ranks}, {"dp", dp}, {"sp", sp}, {"zero", run.zero ? 1 : 0}, {"threads_per_rank", threads}};
         metrics << head.dump() << "\n" << std::flush;
       }
     }

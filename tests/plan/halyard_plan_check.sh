@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# halyard-plan as a user runs it: the tiny Llama's longest sequence on 4 CPU
+# ranks with every output file, checked for content; bad arguments are errors
+# that name the problem; llama_aot's SCHEDULE autosp names what would fit when
+# nothing does.
+#   halyard_plan_check.sh <halyard-plan> <llama_aot> <source dir>
+set -euo pipefail
+plan=$1 aot=$2 src=$3
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$plan" --model tiny --cluster local-cpu --ranks 4 --memory-per-rank 128MiB --seq max --zero 1 \
+  --families default,dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,autosp \
+  --json "$dir/r.json" --trace "$dir/t.json" --plot "$dir/p.png" --schedule-out "$dir/s.json" >"$dir/out.txt"
+grep -q "autosp chose, at seq" "$dir/out.txt" || fail "no choice printed"
+grep -q "longest trainable sequence" "$dir/out.txt" || fail "no family table"
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+r = json.load(open(f"{d}/r.json"))
+fams = {f["family"]: f for f in r["families"]}
+assert set(fams) == {"default", "dp_zero3", "ulysses", "ulysses_checkpoint", "ulysses_sac", "autosp"}, fams.keys()
+best = fams["autosp"]["longest_seq"]
+for name, f in fams.items():
+    assert f["applies"], (name, f["reason"])
+    assert f["peak_bytes_per_rank"] <= r["memory_per_rank_bytes"], name
+    assert f["longest_seq"] <= best, (name, f["longest_seq"], best)  # the search reaches at least every family
+assert r["autosp"]["plan"]["predicted_peak_bytes_per_rank"] <= r["memory_per_rank_bytes"]
+t = json.load(open(f"{d}/t.json"))
+tracks = {e["tid"] for e in t["traceEvents"] if e["ph"] == "X"}
+assert tracks == {1, 2}, tracks  # compute and communication
+s = json.load(open(f"{d}/s.json"))
+assert s["mesh"]["sp"] * s["mesh"]["dp"] == 4 and s["mesh"]["zero"] in (0, 1), s["mesh"]
+png = open(f"{d}/p.png", "rb").read()
+assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+PY
+
+# The pinned schedule plans again, through llama_aot.
+"$aot" --name pinned --config "$src/examples/llama/configs/tiny.json" --seq 4096 --schedule "$dir/s.json" \
+  --cluster local-cpu --plan-only >"$dir/pinned.txt" || fail "the written schedule does not plan"
+
+expect_error() {  # expect_error <text> <command...>
+  local want=$1
+  shift
+  if "$@" >"$dir/err.txt" 2>&1; then fail "succeeded: $*"; fi
+  grep -q -- "$want" "$dir/err.txt" || { cat "$dir/err.txt"; fail "no \"$want\" in the error of: $*"; }
+}
+expect_error 'no model preset "llama-9"' "$plan" --model llama-9
+expect_error '"1e9" is not a whole number' "$plan" --model tiny --ranks 1e9
+expect_error '"-4" is not a whole number' "$plan" --model tiny --seq -4
+expect_error "is not a size" "$plan" --model tiny --memory-per-rank 80XB
+expect_error 'no family "zero9"' "$plan" --model tiny --families zero9
+expect_error 'give one of --model NAME and --config FILE' "$plan"
+expect_error 'the least memory any plan needs is' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" \
+  --seq 65536 --schedule autosp --ranks 2 --memory-per-rank 268435456 --cluster local-cpu --plan-only
+grep -q "ranks would fit" "$dir/err.txt" || fail "the infeasible build does not name the ranks that would fit"
+"$plan" --help | grep -q "usage: halyard-plan" || fail "--help"
+echo "halyard-plan: ok"
