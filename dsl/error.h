@@ -6,6 +6,7 @@
 // maintains; one firing on user input is a bug in Halyard, never the user's.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,10 @@ class UserError : public std::runtime_error {
 };
 
 [[noreturn]] void internal_error(const char* file, int line, const std::string& what);
+
+// A command-line count, strictly: a whole number >= 1 and nothing else
+// ("1e9", "-1", "4x" are errors naming `flag`, not 1, 0 or 4).
+int64_t parse_count(const std::string& flag, const std::string& text);
 
 }  // namespace halyard
 

@@ -16,6 +16,19 @@ void internal_error(const char* file, int line, const std::string& what) {
   std::abort();
 }
 
+int64_t parse_count(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  long long n = 0;
+  try {
+    n = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || n < 1 || text[0] < '0' || text[0] > '9')
+    throw UserError("error: " + flag + " \"" + text + "\" is not a whole number >= 1.");
+  return n;
+}
+
 const std::vector<std::string>& known_axes() {
   static const std::vector<std::string> axes = {
       "batch", "seq", "kv_seq", "heads", "kv_heads", "head_dim", "model", "ffn", "vocab"};

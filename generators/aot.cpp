@@ -29,21 +29,6 @@ struct Options {
   std::string plugin_dir;
 };
 
-// A whole number >= 1, strictly (halyard_add_model passes bytes).
-int64_t count(const std::string& flag, const std::string& v) {
-  size_t used = 0;
-  long long n = 0;
-  try {
-    n = std::stoll(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (v.empty() || used != v.size() || n < 1)
-    throw UserError("error: " + flag + " \"" + v + "\" is not a whole number >= 1.\nlegal: e.g. " + flag +
-                    " 4 (ranks), or bytes for --memory-per-rank (MEMORY_PER_RANK 2147483648).");
-  return n;
-}
-
 // SCHEDULE autosp: the search chooses the schedule (schedules/autosp.h).
 Schedule choose(const Options& o, const ModelBuilder& build, const Cluster& cluster) {
   SearchOptions so;
@@ -91,8 +76,8 @@ Options parse(int argc, char** argv) {
     else if (k == "--cluster") o.cluster = next();
     else if (k == "--plan-json") o.plan_json = next();
     else if (k == "--schedule-out") o.schedule_out = next();
-    else if (k == "--ranks") o.ranks = count(k, next());
-    else if (k == "--memory-per-rank") o.memory_per_rank = count(k, next());
+    else if (k == "--ranks") o.ranks = parse_count(k, next());
+    else if (k == "--memory-per-rank") o.memory_per_rank = parse_count(k, next());  // bytes
     else if (k == "--runtime-only") o.runtime_only = true;
     else if (k == "--plan-only") o.plan_only = true;
     else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --schedule-out --ranks --memory-per-rank --runtime-only --plan-only");

@@ -442,23 +442,20 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
   const int64_t sp = f.schedule.mesh.sp;
   const int64_t base_step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
   const int64_t step = (base_step + sp - 1) / sp * sp;
-  f.longest = longest_fitting_seq(
-      [&](int64_t seq) {
-        ModelRequest r = req;
-        r.seq = seq;
-        return score(build, r, f.schedule, c, nullptr).peak;
-      },
-      budget, step, opts.seq_limit);
-  if (f.longest == 0 && f.schedule.mesh.zero == 1) {  // what its users do when the states do not fit: ZeRO-3
-    f.schedule.mesh.zero = 3;
-    f.modelled = true;
-    f.longest = longest_fitting_seq(
+  auto longest = [&] {
+    return longest_fitting_seq(
         [&](int64_t seq) {
           ModelRequest r = req;
           r.seq = seq;
           return score(build, r, f.schedule, c, nullptr).peak;
         },
         budget, step, opts.seq_limit);
+  };
+  f.longest = longest();
+  if (f.longest == 0 && f.schedule.mesh.zero == 1) {  // what its users do when the states do not fit: ZeRO-3
+    f.schedule.mesh.zero = 3;
+    f.modelled = true;
+    f.longest = longest();
   }
   if (f.longest == 0) {
     f.applies = false, f.reason = std::to_string(step) + " tokens do not fit " + gib(budget) + " per rank";

@@ -66,17 +66,12 @@ const char* const kUsage = R"(usage: halyard-plan (--model NAME | --config confi
   throw UserError("error: " + msg + "\n" + kUsage);
 }
 
-int64_t parse_count(const std::string& flag, const std::string& v) {
-  size_t used = 0;
-  long long n = 0;
+int64_t count(const std::string& flag, const std::string& v) {
   try {
-    n = std::stoll(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
+    return parse_count(flag, v);
+  } catch (const UserError& e) {
+    usage_error(std::string(e.what()).substr(7));
   }
-  if (used != v.size() || v.empty() || n < 1 || !std::isdigit(static_cast<unsigned char>(v[0])))
-    usage_error(flag + " \"" + v + "\" is not a whole number >= 1.");
-  return n;
 }
 
 // "80GiB", "512MiB", "1.5TiB", "80GB" (decimal), or plain bytes.
@@ -223,14 +218,14 @@ int run(int argc, char** argv) {
     if (k == "--model") model = v;
     else if (k == "--config") config = v;
     else if (k == "--cluster") cluster_name = v;
-    else if (k == "--ranks") ranks = parse_count(k, v);
+    else if (k == "--ranks") ranks = count(k, v);
     else if (k == "--memory-per-rank") memory = parse_size(k, v);
-    else if (k == "--seq") seq_arg = v == "max" ? v : std::to_string(parse_count(k, v));
-    else if (k == "--batch") batch = parse_count(k, v);
+    else if (k == "--seq") seq_arg = v == "max" ? v : std::to_string(count(k, v));
+    else if (k == "--batch") batch = count(k, v);
     else if (k == "--families") family_list = v;
     else if (k == "--precision") precision = v;
     else if (k == "--zero") zero_list = v;
-    else if (k == "--seq-step") seq_step = parse_count(k, v);
+    else if (k == "--seq-step") seq_step = count(k, v);
     else if (k == "--json") json_path = v;
     else if (k == "--trace") trace_path = v;
     else if (k == "--plot") plot_path = v;
