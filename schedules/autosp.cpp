@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <numeric>
 #include <queue>
 #include <set>
 
@@ -34,10 +33,11 @@ std::string module_pattern(const std::string& label) {
   return end == p.size() ? label : p + "*" + label.substr(end);
 }
 
-// The first line of an error, without "error: ".
+// An error's text on one line (a row of a rejection table), without "error: ".
 std::string reason_of(const UserError& e) {
   std::string s = e.what();
   if (s.rfind("error: ", 0) == 0) s = s.substr(7);
+  std::replace(s.begin(), s.end(), '\n', ' ');
   return s;
 }
 
