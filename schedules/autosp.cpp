@@ -57,13 +57,17 @@ int64_t layers_of(const ModelBuilder& build, const std::string& config) {
 // Builds with this many layers stand for a deep model (see score()).
 constexpr int64_t kProbeLayers = 3;
 
+// A model scored from probe builds rather than planned at full depth.
+bool deep(const ModelBuilder& build, const ModelRequest& req) {
+  return req.layers == 0 && layers_of(build, req.config) > kProbeLayers + 3;
+}
+
 // A schedule's predicted peak and step. Every layer of the model is the
 // same, so for a deep model they are those of a 3-layer build plus (L - 3)
 // times what a fourth layer adds: two small plans instead of one of L
 // layers. (autosp() plans its choice at full depth before it answers.)
 Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule& s, const Cluster& c, int* plans) {
-  const int64_t layers = req.layers > 0 ? req.layers : layers_of(build, req.config);
-  if (layers <= kProbeLayers + 3) {
+  if (!deep(build, req)) {
     const Plan p = plan(build, req, s, c);
     if (plans) ++*plans;
     return {p.memory.total(), p.step_s};
@@ -72,15 +76,56 @@ Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule&
   a.layers = kProbeLayers, b.layers = kProbeLayers + 1;
   const Plan pa = plan(build, a, s, c), pb = plan(build, b, s, c);
   if (plans) *plans += 2;
-  const int64_t more = layers - kProbeLayers;
-  return {pa.memory.total() + more * (pb.memory.total() - pa.memory.total()), pa.step_s + static_cast<double>(more) * (pb.step_s - pa.step_s)};
+  const int64_t more = layers_of(build, req.config) - kProbeLayers;
+  return {pa.memory.total() + more * (pb.memory.total() - pa.memory.total()),
+          pa.step_s + static_cast<double>(more) * (pb.step_s - pa.step_s)};
 }
 
 // The request a search builds groups from: few layers when the model is deep.
 ModelRequest probe(const ModelBuilder& build, ModelRequest req) {
-  if (req.layers == 0 && layers_of(build, req.config) > kProbeLayers + 3) req.layers = kProbeLayers;
+  if (deep(build, req)) req.layers = kProbeLayers;
   return req;
 }
+
+// Rules of the families a user would otherwise pick.
+std::vector<ValueRule> sac_rules() {  // AutoSP's SAC: attention outputs kept, matmuls and cheap ops recomputed
+  std::vector<ValueRule> r = inline_cheap_rules();
+  for (const ValueRule& c : checkpoint_rules()) r.push_back(c);
+  return r;
+}
+
+Schedule mesh_schedule(const std::string& name, int64_t ranks, int64_t sp, const std::string& strategy) {
+  Schedule s;
+  s.name = name;
+  s.mesh = {ranks / sp, sp, ranks > 1 ? 1 : 0};
+  if (sp > 1) s.split_sequence = "sp", s.attention = {{"*", strategy}};
+  return s;
+}
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> d;
+  for (int64_t k = 1; k <= n; ++k)
+    if (n % k == 0) d.push_back(k);
+  return d;
+}
+
+// Tile candidates for a region of `local` tokens: whole, or a quarter or a
+// sixteenth (multiples of 8, at least 64 tokens).
+std::vector<int64_t> tile_options(int64_t local) {
+  std::vector<int64_t> t = {0};
+  for (int64_t parts : {4, 16}) {
+    const int64_t tile = (local / parts + 7) / 8 * 8;
+    if (tile >= 64 && tile < local && std::find(t.begin(), t.end(), tile) == t.end()) t.push_back(tile);
+  }
+  return t;
+}
+
+int64_t tokens_per_step(const ModelRequest& req, const Schedule& s) { return req.batch * req.seq * s.mesh.dp; }
+
+int64_t default_seq_step(int64_t ranks) { return std::min<int64_t>(1024, std::max<int64_t>(8 * ranks, 256)); }
+
+// `step` rounded up to a multiple of sp (every rank gets as many tokens).
+int64_t step_for(int64_t step, int64_t sp) { return (step + sp - 1) / sp * sp; }
 
 
 }  // namespace
@@ -90,11 +135,10 @@ std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Sc
   std::map<std::pair<std::string, std::string>, size_t> index;
   // Values read by a node of another layer: what full checkpointing keeps.
   std::vector<bool> leaves_layer(static_cast<size_t>(g.size()), false);
-  auto layer = [](const std::string& label) { return label.substr(0, label.find('.', std::string("model.layers.").size())); };
   for (const Node& n : g.nodes())
     if (!n.backward && !n.name.empty())
       for (int i : n.inputs)
-        if (layer(g.node(i).name) != layer(n.name)) leaves_layer[static_cast<size_t>(i)] = true;
+        if (layer_of(g.node(i).name) != layer_of(n.name)) leaves_layer[static_cast<size_t>(i)] = true;
   for (const Node& n : g.nodes()) {
     if (n.backward || n.name.empty()) continue;
     const OpClass cls = op_info(n.op).cls;
@@ -191,7 +235,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   // Incumbents, so that a capped search still answers: every decision
   // recomputed; full checkpointing (every layer's values recomputed, the
   // rest kept); the op table's checkpointing (SAC: keep what checkpointing
-  // keeps); and a greedy fill by bytes saved per second added.
+  // keeps); and, below, a greedy fill by bytes saved per second added.
   for (int policy = 0; policy < 3; ++policy) {
     std::vector<bool> d = start;
     for (size_t j : decide)
@@ -219,7 +263,8 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
         break;
       }
     }
-    // Then give back what is not needed, the most expensive first.
+    // Then give back what is not needed, one group at a time in the order
+    // they were taken.
     if (best) {
       d = best->first;
       for (auto it = worth.begin(); it != worth.end(); ++it) {
@@ -268,56 +313,12 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   return r;
 }
 
-}  // namespace halyard
-
-namespace halyard {
-namespace {
-
-// Rules of the families a user would otherwise pick.
-std::vector<ValueRule> layer_checkpoint_rules() {  // each layer's input saved, the rest recomputed
+std::vector<ValueRule> layer_checkpoint_rules() {
   std::vector<ValueRule> r = inline_cheap_rules();
   r.push_back({"model.layers.*", "recompute", ""});
   r.push_back({"model.layers.*.mlp.residual", "save", ""});
   return r;
 }
-
-std::vector<ValueRule> sac_rules() {  // AutoSP's SAC: attention outputs kept, matmuls and cheap ops recomputed
-  std::vector<ValueRule> r = inline_cheap_rules();
-  for (const ValueRule& c : checkpoint_rules()) r.push_back(c);
-  return r;
-}
-
-Schedule mesh_schedule(const std::string& name, int64_t ranks, int64_t sp, const std::string& strategy) {
-  Schedule s;
-  s.name = name;
-  s.mesh = {ranks / sp, sp, ranks > 1 ? 1 : 0};
-  if (sp > 1) s.split_sequence = "sp", s.attention = {{"*", strategy}};
-  return s;
-}
-
-std::vector<int64_t> divisors(int64_t n) {
-  std::vector<int64_t> d;
-  for (int64_t k = 1; k <= n; ++k)
-    if (n % k == 0) d.push_back(k);
-  return d;
-}
-
-// Tile candidates for a region of `local` tokens: whole, or a quarter or a
-// sixteenth (multiples of 8, at least 64 tokens).
-std::vector<int64_t> tile_options(int64_t local) {
-  std::vector<int64_t> t = {0};
-  for (int64_t parts : {4, 16}) {
-    const int64_t tile = (local / parts + 7) / 8 * 8;
-    if (tile >= 64 && tile < local && std::find(t.begin(), t.end(), tile) == t.end()) t.push_back(tile);
-  }
-  return t;
-}
-
-int64_t tokens_per_step(const ModelRequest& req, const Schedule& s) { return req.batch * req.seq * s.mesh.dp; }
-
-int64_t default_seq_step(int64_t ranks) { return std::min<int64_t>(1024, std::max<int64_t>(8 * ranks, 256)); }
-
-}  // namespace
 
 int64_t longest_fitting_seq(const std::function<int64_t(int64_t)>& peak_at, int64_t budget, int64_t step, int64_t limit,
                             int* plans) {
@@ -351,12 +352,10 @@ int64_t longest_fitting_seq(const std::function<int64_t(int64_t)>& peak_at, int6
                                    : std::min(limit, 4 * b);
     a = b, b = std::min(limit, std::max(next, b + step));
   }
-  if (hi == 0) {  // still growing: double
-    while (hi == 0) {
-      if (lo >= limit) return limit;
-      const int64_t next = std::min(limit, 2 * lo);
-      (peak(next) <= budget ? lo : hi) = next;
-    }
+  while (hi == 0) {  // still growing: double
+    if (lo >= limit) return limit;
+    const int64_t next = std::min(limit, 2 * lo);
+    (peak(next) <= budget ? lo : hi) = next;
   }
   // Just above the secant's estimate first, then bisect.
   if (hi - lo > step && peak(lo + step) > budget) return lo;
@@ -371,15 +370,28 @@ int64_t longest_fitting_seq(const std::function<int64_t(int64_t)>& peak_at, int6
 
 const std::vector<Family>& families() {
   static const std::vector<Family> f = {
-      {"dp_zero3", "data parallel over every rank, parameters, gradients and optimizer state sharded (ZeRO-3, "
-                   "modelled: Halyard runs ZeRO-1), no sequence split, nothing recomputed"},
-      {"ulysses", "Ulysses over the largest legal sp, ZeRO-1, nothing recomputed, no tiles"},
-      {"ulysses_checkpoint", "Ulysses, each layer's input saved and the layer recomputed (full checkpointing)"},
-      {"ulysses_sac", "Ulysses with AutoSP's sequence-aware checkpointing: attention outputs and the residual "
-                      "stream kept, matmuls and cheap ops recomputed"},
-      {"autosp", "Halyard's search: mesh, strategy, tiles, ZeRO stage and recompute set chosen by plan()"},
+      {"default", "one rank, nothing recomputed", "the whole sequence on one rank, every value saved"},
+      {"dp_zero3", "DP + ZeRO-3, no SP",
+       "data parallel over every rank, parameters, gradients and optimizer state sharded (ZeRO-3, planned only: "
+       "llama_train runs ZeRO-1), no sequence split, nothing recomputed"},
+      {"ulysses", "Ulysses", "Ulysses over the largest legal sp, ZeRO-1, nothing recomputed, no tiles"},
+      {"ulysses_checkpoint", "Ulysses + full checkpointing",
+       "Ulysses, each layer's input saved and the layer recomputed (full checkpointing)"},
+      {"ulysses_sac", "Ulysses + AutoSP's SAC",
+       "Ulysses with AutoSP's sequence-aware checkpointing: attention outputs and the residual stream kept, matmuls "
+       "and cheap ops recomputed"},
+      {"autosp", "Halyard autosp", "Halyard's search: mesh, strategy, tiles, ZeRO stage and recompute set chosen by plan()"},
   };
   return f;
+}
+
+const Family& family_named(const std::string& name) {
+  std::string names;
+  for (const Family& f : families()) {
+    if (f.name == name) return f;
+    names += (names.empty() ? "" : ", ") + f.name;
+  }
+  throw UserError("error: no family \"" + name + "\".\nlegal: " + names + ".");
 }
 
 Schedule family_schedule(const std::string& family, const ModelBuilder& build, const ModelRequest& req, int64_t ranks) {
@@ -388,9 +400,8 @@ Schedule family_schedule(const std::string& family, const ModelBuilder& build, c
     if (family == "dp_zero3" && ranks > 1) s.mesh.zero = 3;
     return s;
   }
-  if (family != "ulysses" && family != "ulysses_checkpoint" && family != "ulysses_sac")
-    throw UserError("error: family \"" + family + "\" has no fixed schedule.\nlegal: default, dp_zero3, ulysses, "
-                    "ulysses_checkpoint, ulysses_sac (autosp is a search).");
+  if (family_named(family).name == "autosp")
+    throw UserError("error: family \"autosp\" is a search, not a fixed schedule.\nlegal: autosp() or family_longest().");
   // The largest Ulysses degree the model takes (its heads bound it).
   std::string why;
   for (int64_t sp = ranks; sp > 1; --sp) {
@@ -440,8 +451,7 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
   Cluster c = cluster;
   c.ranks = std::max(c.ranks, on);
   const int64_t sp = f.schedule.mesh.sp;
-  const int64_t base_step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
-  const int64_t step = (base_step + sp - 1) / sp * sp;
+  const int64_t step = step_for(opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks), sp);
   auto longest = [&] {
     return longest_fitting_seq(
         [&](int64_t seq) {
@@ -470,56 +480,11 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
 
 namespace {
 SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const Cluster& cluster,
-                    const SearchOptions& opts);
-}  // namespace
-
-SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cluster& cluster, const SearchOptions& opts) {
-  const int64_t budget = opts.memory_per_rank > 0 ? opts.memory_per_rank : cluster.memory_per_rank_bytes;
-  SearchOptions o = opts;
-  for (int attempt = 0;; ++attempt) {
-    SearchResult r = search(build, req, cluster, o);
-    if (!r.feasible || (req.layers == 0 && layers_of(build, req.config) <= kProbeLayers + 3)) return r;
-    // The choice planned at full depth: the extrapolation from a few layers
-    // is checked, and the search repeated with less memory if it missed.
-    ModelRequest full = req;
-    full.seq = r.seq;
-    const Plan p = plan(build, full, r.best().schedule, cluster);
-    ++r.plans;
-    Candidate& c = r.ranked.front();
-    c.peak_bytes = p.memory.total(), c.step_s = p.step_s;
-    c.tokens_per_s = static_cast<double>(tokens_per_step(full, c.schedule)) / c.step_s;
-    if (c.peak_bytes <= budget || attempt == 2) {
-      if (c.peak_bytes > budget) r.feasible = false, r.infeasible = "the extrapolated plan misses at full depth";
-      return r;
-    }
-    o.memory_per_rank = (o.memory_per_rank > 0 ? o.memory_per_rank : budget) - (c.peak_bytes - budget) - (int64_t{1} << 20);
-  }
-}
-
-namespace {
-SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const Cluster& cluster,
                     const SearchOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
   SearchResult out;
-  const int64_t ranks = opts.ranks > 0 ? opts.ranks : cluster.ranks;
-  const int64_t budget = opts.memory_per_rank > 0 ? opts.memory_per_rank : cluster.memory_per_rank_bytes;
-  if (budget <= 0)
-    throw UserError("error: autosp needs the memory of each rank, and cluster \"" + cluster.name +
-                    "\" does not state it.\nlegal: MEMORY_PER_RANK bytes (or --memory-per-rank 80GiB), or a cluster "
-                    "with memory_per_rank_bytes.");
-  if (ranks < 1) throw UserError("error: autosp on " + std::to_string(ranks) + " ranks.\nlegal: ranks >= 1.");
-  for (int z : opts.zero)
-    if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
-  if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
-  std::vector<int64_t> sps = opts.sp.empty() ? divisors(ranks) : opts.sp;
-  for (int64_t sp : sps)
-    if (sp < 1 || ranks % sp != 0)
-      throw UserError("error: autosp sp degree " + std::to_string(sp) + " does not divide " + std::to_string(ranks) +
-                      " ranks.\nlegal: " + [&] {
-                        std::string s;
-                        for (int64_t d : divisors(ranks)) s += (s.empty() ? "" : ", ") + std::to_string(d);
-                        return s;
-                      }() + ".");
+  const int64_t ranks = opts.ranks, budget = opts.memory_per_rank;
+  const std::vector<int64_t> sps = opts.sp.empty() ? divisors(ranks) : opts.sp;
 
   // The configurations: a mesh and a strategy per attention (every strategy
   // of the schedule vocabulary), with the cheap ops computed inside their
@@ -549,8 +514,6 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     if (mlp > 0 || loss > 0) s.values.push_back(recompute_seq_tiles_rule());
     return s;
   };
-  // The least-memory schedule of a configuration: every layer checkpointed,
-  // both regions in sixteenths.
   // The least-memory schedules of a configuration: every layer checkpointed,
   // with both regions in sixteenths or whole (tiles cost a partial weight
   // gradient per tile, which short sequences of wide models do not repay).
@@ -576,28 +539,30 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     }
   }
 
-  if (opts.max_seq) {
-    const int64_t step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
-    // Splitting the sequence further only shortens what each rank holds: the
-    // longest comes from the largest degree that applies.
-    int64_t top_sp = 0;
+  // The longest sequence (up to `limit`) that the frugal schedules fit, at
+  // the largest degree that applies: splitting the sequence further only
+  // shortens what each rank holds. `zero` < 0 takes every ZeRO stage.
+  const int64_t step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
+  auto longest_frugal = [&](int64_t limit, int zero) {
+    int64_t top_sp = 0, longest = 0;
     for (size_t i = 0; i < configs.size(); ++i)
       if (applies[i]) top_sp = std::max(top_sp, configs[i].base.mesh.sp);
-    int64_t longest = 0;
     for (size_t i = 0; i < configs.size(); ++i) {
-      if (!applies[i] || configs[i].base.mesh.sp != top_sp) continue;
-      const int64_t st = (step + top_sp - 1) / top_sp * top_sp;
-      for (bool tiled : {false, true}) {
-        const int64_t l = longest_fitting_seq(
-            [&](int64_t seq) {
-              ModelRequest r = req;
-              r.seq = seq;
-              return score(build, r, frugal(configs[i], seq, tiled), cluster, nullptr).peak;
-            },
-            budget, st, opts.seq_limit, &out.plans);
-        longest = std::max(longest, l);
-      }
+      if (!applies[i] || configs[i].base.mesh.sp != top_sp || (zero >= 0 && configs[i].base.mesh.zero != zero)) continue;
+      for (bool tiled : {false, true})
+        longest = std::max(longest, longest_fitting_seq(
+                                        [&](int64_t seq) {
+                                          ModelRequest r = req;
+                                          r.seq = seq;
+                                          return score(build, r, frugal(configs[i], seq, tiled), cluster, nullptr).peak;
+                                        },
+                                        budget, step_for(step, top_sp), limit, &out.plans));
     }
+    return longest;
+  };
+
+  if (opts.max_seq) {
+    const int64_t longest = longest_frugal(opts.seq_limit, -1);
     if (longest == 0) {
       out.infeasible = "no plan fits even " + std::to_string(step) + " tokens";
       req.seq = step;
@@ -711,23 +676,8 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                                             : "the least memory any plan needs is " + gib(least_all) + " per rank (" +
                                                   where + ", every layer checkpointed, tiled)";
     // The longest sequence that fits these ranks (when some does).
-    int64_t fits = 0, top_sp = 0;
-    const int64_t step = opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks);
     const int lean_zero = ranks > 1 ? *std::max_element(opts.zero.begin(), opts.zero.end()) : 0;
-    for (size_t i = 0; i < configs.size(); ++i)
-      if (applies[i]) top_sp = std::max(top_sp, configs[i].base.mesh.sp);
-    for (size_t i = 0; i < configs.size() && least_all != INT64_MAX; ++i) {
-      if (!applies[i] || configs[i].base.mesh.zero != lean_zero || configs[i].base.mesh.sp != top_sp) continue;
-      const int64_t st = (step + configs[i].base.mesh.sp - 1) / configs[i].base.mesh.sp * configs[i].base.mesh.sp;
-      for (bool tiled : {false, true})
-        fits = std::max(fits, longest_fitting_seq(
-                                  [&](int64_t seq) {
-                                    ModelRequest r = req;
-                                    r.seq = seq;
-                                    return score(build, r, frugal(configs[i], seq, tiled), cluster, nullptr).peak;
-                                  },
-                                  budget, st, req.seq, &out.plans));
-    }
+    const int64_t fits = least_all == INT64_MAX ? 0 : longest_frugal(req.seq, lean_zero);
     if (fits > 0) out.infeasible += "; on " + std::to_string(ranks) + " ranks at most " + std::to_string(fits) + " tokens fit";
     // The fewest ranks that would fit: the same frugal schedule on more.
     for (int64_t more = ranks * 2; more <= ranks * 64 && least_all != INT64_MAX; more *= 2) {
@@ -751,5 +701,47 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
 }
 
 }  // namespace
+
+SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cluster& cluster, const SearchOptions& opts) {
+  const int64_t ranks = opts.ranks > 0 ? opts.ranks : cluster.ranks;
+  const int64_t budget = opts.memory_per_rank > 0 ? opts.memory_per_rank : cluster.memory_per_rank_bytes;
+  if (budget <= 0)
+    throw UserError("error: autosp needs the memory of each rank, and cluster \"" + cluster.name +
+                    "\" does not state it.\nlegal: MEMORY_PER_RANK bytes (or --memory-per-rank 80GiB), or a cluster "
+                    "with memory_per_rank_bytes.");
+  if (ranks < 1) throw UserError("error: autosp on " + std::to_string(ranks) + " ranks.\nlegal: ranks >= 1.");
+  for (int z : opts.zero)
+    if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
+  if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
+  for (int64_t sp : opts.sp)
+    if (sp < 1 || ranks % sp != 0)
+      throw UserError("error: autosp sp degree " + std::to_string(sp) + " does not divide " + std::to_string(ranks) +
+                      " ranks.\nlegal: " + [&] {
+                        std::string s;
+                        for (int64_t d : divisors(ranks)) s += (s.empty() ? "" : ", ") + std::to_string(d);
+                        return s;
+                      }() + ".");
+
+  SearchOptions o = opts;
+  o.ranks = ranks, o.memory_per_rank = budget;
+  for (int attempt = 0;; ++attempt) {
+    SearchResult r = search(build, req, cluster, o);
+    if (!r.feasible || !deep(build, req)) return r;
+    // The choice planned at full depth: the extrapolation from a few layers
+    // is checked, and the search repeated with less memory if it missed.
+    ModelRequest full = req;
+    full.seq = r.seq;
+    const Plan p = plan(build, full, r.best().schedule, cluster);
+    ++r.plans;
+    Candidate& c = r.ranked.front();
+    c.peak_bytes = p.memory.total(), c.step_s = p.step_s;
+    c.tokens_per_s = static_cast<double>(tokens_per_step(full, c.schedule)) / c.step_s;
+    if (c.peak_bytes <= budget || attempt == 2) {
+      if (c.peak_bytes > budget) r.feasible = false, r.infeasible = "the extrapolated plan misses at full depth";
+      return r;
+    }
+    o.memory_per_rank -= (c.peak_bytes - budget) + (int64_t{1} << 20);
+  }
+}
 
 }  // namespace halyard

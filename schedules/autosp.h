@@ -69,13 +69,22 @@ struct RematResult {
 // calls it returns the best found so far with the proven lower bound.
 RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
                         int64_t budget, std::vector<RematGroup> groups = {}, int max_plans = 400);
-// The families a user would otherwise pick, for comparison tables. Each is a
-// function of the ranks: the largest Ulysses degree the model takes.
+
+// Full checkpointing: cheap values inside their consumers, every layer's
+// values recomputed but its output (the residual stream) kept.
+std::vector<ValueRule> layer_checkpoint_rules();
+
+// The families a user would otherwise pick, for comparison tables: default
+// (one rank), dp_zero3, ulysses, ulysses_checkpoint, ulysses_sac, and autosp.
+// The Ulysses ones take the largest degree the model allows on the ranks.
 struct Family {
-  std::string name;         // "ulysses + full checkpointing"
+  std::string name;         // "ulysses_checkpoint"
+  std::string title;        // "Ulysses + full checkpointing"
   std::string description;  // what it keeps and recomputes
 };
-const std::vector<Family>& families();  // dp_zero3, ulysses, ulysses_checkpoint, ulysses_sac, autosp
+const std::vector<Family>& families();
+// The family of that name; throws UserError listing the names.
+const Family& family_named(const std::string& name);
 
 struct Candidate {
   Schedule schedule;
@@ -140,7 +149,7 @@ struct FamilyResult {
   double step_s = 0, tokens_per_s = 0;
   bool modelled = false;  // planned only (ZeRO-3: llama_train runs ZeRO 0 and 1)
 };
-// `family`: one of families() or "default" (one rank, nothing recomputed).
+// `family`: one of families().
 FamilyResult family_longest(const std::string& family, const ModelBuilder& build, const ModelRequest& req,
                             const Cluster& cluster, int64_t ranks, int64_t budget, const SearchOptions& opts);
 

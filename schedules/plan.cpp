@@ -19,13 +19,6 @@ constexpr int64_t kAlign = 128;  // the runtime's allocation alignment
 int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
-// "model.layers.3.self_attn" -> "model.layers.3"; "lm_head" stays.
-std::string layer_of(const std::string& name) {
-  const std::string p = "model.layers.";
-  if (name.rfind(p, 0) != 0) return name;
-  const size_t dot = name.find('.', p.size());
-  return dot == std::string::npos ? name : name.substr(0, dot);
-}
 
 std::string collective_kind(Op op) {
   switch (op) {
@@ -108,6 +101,13 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
 }
 
 }  // namespace
+
+std::string layer_of(const std::string& name) {
+  const std::string p = "model.layers.";
+  if (name.rfind(p, 0) != 0) return name;
+  const size_t dot = name.find('.', p.size());
+  return dot == std::string::npos ? name : name.substr(0, dot);
+}
 
 std::string stage_kind(const Graph& g, const Node& root) {
   switch (root.op) {

@@ -124,6 +124,10 @@ struct Plan {
 // Throws UserError for a schedule the model cannot take.
 Plan plan(const ModelBuilder& build, const ModelRequest& request, const Schedule& schedule, const Cluster& cluster);
 
+// The layer a value's label belongs to: "model.layers.3.self_attn" ->
+// "model.layers.3"; a label outside the layers is its own ("lm_head").
+std::string layer_of(const std::string& label);
+
 // The kernel kind a stage's root belongs to (the time model's classes).
 std::string stage_kind(const Graph& g, const Node& root);
 

@@ -140,16 +140,6 @@ std::string tokens(int64_t n) {
   return s;
 }
 
-std::string family_title(const std::string& f) {
-  if (f == "default") return "one rank, nothing recomputed";
-  if (f == "dp_zero3") return "DP + ZeRO-3, no SP";
-  if (f == "ulysses") return "Ulysses";
-  if (f == "ulysses_checkpoint") return "Ulysses + full checkpointing";
-  if (f == "ulysses_sac") return "Ulysses + AutoSP's SAC";
-  if (f == "autosp") return "Halyard autosp";
-  return f;
-}
-
 // What a schedule decided, in a few words.
 std::string summary(const Schedule& s, const RematResult* r) {
   std::string out = "dp=" + std::to_string(s.mesh.dp) + " sp=" + std::to_string(s.mesh.sp);
@@ -213,7 +203,7 @@ int run(int argc, char** argv) {
       std::cout << kUsage;
       return 0;
     }
-    if (i + 1 >= argc) usage_error(k == "--model" || k == "--config" || k.rfind("--", 0) == 0 ? k + " needs a value." : "unknown argument \"" + k + "\".");
+    if (i + 1 >= argc) usage_error(k.rfind("--", 0) == 0 ? k + " needs a value." : "unknown argument \"" + k + "\".");
     const std::string v = argv[++i];
     if (k == "--model") model = v;
     else if (k == "--config") config = v;
@@ -239,10 +229,11 @@ int run(int argc, char** argv) {
   if (family_list != "none") {
     std::string f;
     for (std::istringstream is(family_list); std::getline(is, f, ',');) {
-      const bool known = f == "default" || std::any_of(families().begin(), families().end(),
-                                                        [&](const Family& x) { return x.name == f; });
-      if (!known) usage_error("--families: no family \"" + f + "\".\nlegal: default, dp_zero3, ulysses, ulysses_checkpoint, ulysses_sac, autosp, or none.");
-      fams.push_back(f);
+      try {
+        fams.push_back(family_named(f).name);
+      } catch (const UserError& e) {
+        usage_error("--families: " + std::string(e.what()).substr(7));
+      }
     }
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -332,15 +323,15 @@ int run(int argc, char** argv) {
     nlohmann::json ft = nlohmann::json::array();
     for (const FamilyResult& f : table) {
       if (!f.applies) {
-        std::printf("  %-30s %s\n", family_title(f.family).c_str(), f.reason.c_str());
+        std::printf("  %-30s %s\n", family_named(f.family).title.c_str(), f.reason.c_str());
       } else {
         char ratio[32] = "";
         if (ours > 0 && f.family != "autosp") std::snprintf(ratio, sizeof ratio, "%.2fx", static_cast<double>(ours) / static_cast<double>(f.longest));
-        std::printf("  %-30s %-42s %9s %11s %10.3f %10.0f %9s\n", family_title(f.family).c_str(),
+        std::printf("  %-30s %-42s %9s %11s %10.3f %10.0f %9s\n", family_named(f.family).title.c_str(),
                     summary(f.schedule, nullptr).c_str(), tokens(f.longest).c_str(), mib(f.peak_bytes).c_str(),
                     f.step_s, f.tokens_per_s, ratio);
       }
-      ft.push_back({{"family", f.family}, {"title", family_title(f.family)}, {"applies", f.applies}, {"reason", f.reason},
+      ft.push_back({{"family", f.family}, {"title", family_named(f.family).title}, {"applies", f.applies}, {"reason", f.reason},
                     {"longest_seq", f.longest}, {"peak_bytes_per_rank", f.peak_bytes}, {"step_s", f.step_s},
                     {"tokens_per_s", f.tokens_per_s}, {"modelled_only", f.modelled},
                     {"schedule", f.applies ? nlohmann::json::parse(f.schedule.to_json()) : nlohmann::json()}});
@@ -362,13 +353,11 @@ int run(int argc, char** argv) {
     top = std::max<int64_t>(top * 2, 8192);
     for (const FamilyResult& f : table) {
       if (!f.applies) continue;
-      PlotSeries line{family_title(f.family), {}, {}};
+      PlotSeries line{family_named(f.family).title, {}, {}};
       // autosp's line: the least-memory plan of its chosen mesh (what bounds its length).
       Schedule s = f.schedule;
       if (f.family == "autosp") {
-        s.values = inline_cheap_rules();
-        s.values.push_back({"model.layers.*", "recompute", ""});
-        s.values.push_back({"model.layers.*.mlp.residual", "save", ""});
+        s.values = layer_checkpoint_rules();
         s.values.push_back(recompute_seq_tiles_rule());
       }
       for (int64_t seq = 1024; seq <= top; seq *= 2) {

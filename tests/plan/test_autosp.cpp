@@ -200,7 +200,7 @@ TEST(Autosp, SearchRejectsWhatCannotApplyWithItsReason) {
   EXPECT_TRUE(short_seq);
 }
 
-TEST(Autosp, TighterMemoryBuysSequenceSplitAndRecompute) {
+TEST(Autosp, TighterMemoryIsNeverFasterAndFits) {
   SearchOptions o;
   o.ranks = 4;
   o.memory_per_rank = int64_t{1} << 34;
@@ -233,7 +233,7 @@ TEST(Autosp, LongestSequenceFits) {
   const SearchResult r = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
   ASSERT_TRUE(r.feasible) << r.infeasible;
   EXPECT_LE(r.best().peak_bytes, o.memory_per_rank);
-  // The next step of the search does not fit any family's least-memory schedule.
+  // 160 MiB per rank holds well beyond 4,096 tokens on 4 ranks.
   EXPECT_GT(r.seq, 4096);
 }
 
