@@ -24,6 +24,14 @@ class UserError : public std::runtime_error {
 // ("1e9", "-1", "4x" are errors naming `flag`, not 1, 0 or 4).
 int64_t parse_count(const std::string& flag, const std::string& text);
 
+// A command-line integer in [lo, hi], strictly (no exponent, sign only when
+// lo < 0, nothing after the digits); the error names `flag` and the range.
+int64_t parse_integer(const std::string& flag, const std::string& text, int64_t lo, int64_t hi);
+
+// A finite command-line number >= lo (> lo when !lo_inclusive), strictly:
+// "3e-4" and "0.5" are numbers, "nan", "inf", "1x" and "" are errors naming `flag`.
+double parse_real(const std::string& flag, const std::string& text, double lo, bool lo_inclusive);
+
 }  // namespace halyard
 
 #define HALYARD_CHECK(cond, msg)                                              \

@@ -25,6 +25,8 @@ enum class Op {
   Contract,          // (a, b) -> attrs.out_axes: sum over shared axes not kept
   Add,               // (a, b), same type
   Mul,               // (a, b), same type
+  BiasAdd,           // (x, b): b's axes a subset of x's; b repeats over x's other axes
+  BiasAddGrad,       // (dy) -> attrs.out_axes: dy summed over its other axes
   Silu,              // (x)
   SiluGrad,          // (x, dy)
   RmsNorm,           // (x, w[A]) over axis A
@@ -75,7 +77,7 @@ struct Attrs {
   RopeScaling rope_scaling;           // Rope
   bool inverse = false;               // Rope: rotate by -angle (its transpose)
   int64_t ignore_index = -100;        // CrossEntropy*
-  std::vector<std::string> out_axes;  // Contract: output layout
+  std::vector<std::string> out_axes;  // Contract, BiasAddGrad: output layout
   std::string axis;                   // RmsNormGradW: the normalized axis
   int64_t size = 0;                   // EmbeddingGrad: vocab size; SliceSeq: tile length; PadSeq: full length
   int64_t offset = 0;                 // SliceSeq, PadSeq: where the tile starts along seq

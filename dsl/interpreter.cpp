@@ -123,6 +123,28 @@ struct Fibers {
   int64_t base(int64_t f) const { return (f / inner) * len * inner + f % inner; }
 };
 
+// For each element of `big` (row-major), the flat index of the element of
+// `small` at the same coordinates along small's axes (all of them big's).
+std::vector<int64_t> broadcast_index(const TensorType& big, const TensorType& small) {
+  const auto small_strides = strides_of(small);
+  std::vector<int64_t> stride(big.axes.size(), 0);  // big axis -> its stride in small (0: repeated)
+  for (size_t i = 0; i < big.axes.size(); ++i)
+    if (int k = small.index_of(big.axes[i].name); k >= 0) stride[i] = small_strides[static_cast<size_t>(k)];
+  std::vector<int64_t> out(static_cast<size_t>(big.numel()));
+  std::vector<int64_t> idx(big.axes.size(), 0);
+  int64_t at = 0;
+  for (size_t o = 0; o < out.size(); ++o) {
+    out[o] = at;
+    for (int d = big.rank() - 1; d >= 0; --d) {
+      at += stride[static_cast<size_t>(d)];
+      if (++idx[static_cast<size_t>(d)] < big.axes[static_cast<size_t>(d)].size) break;
+      at -= stride[static_cast<size_t>(d)] * big.axes[static_cast<size_t>(d)].size;
+      idx[static_cast<size_t>(d)] = 0;
+    }
+  }
+  return out;
+}
+
 std::vector<double> rope_inv_freq(int64_t dim, const Attrs& a) {
   std::vector<double> f(static_cast<size_t>(dim / 2));
   const RopeScaling& s = a.rope_scaling;
@@ -401,6 +423,18 @@ void Interpreter<T>::eval(const Node& n) {
       out.resize(numel);
       for (size_t i = 0; i < numel; ++i) out[i] = n.op == Op::Add ? F(0)[i] + F(1)[i] : F(0)[i] * F(1)[i];
       return;
+    case Op::BiasAdd: {  // y[i] = x[i] + b[i along b's axes]
+      const auto at = broadcast_index(n.type, type(1));
+      out.resize(numel);
+      for (size_t i = 0; i < numel; ++i) out[i] = F(0)[i] + F(1)[static_cast<size_t>(at[i])];
+      return;
+    }
+    case Op::BiasAddGrad: {  // db[j] = sum of dy[i] over the elements i whose bias element is j
+      const auto at = broadcast_index(type(0), n.type);
+      out.assign(numel, T(0));
+      for (size_t i = 0; i < at.size(); ++i) out[static_cast<size_t>(at[i])] += F(0)[i];
+      return;
+    }
     case Op::Silu:
     case Op::SiluGrad:
       out.resize(numel);

@@ -72,6 +72,13 @@ std::deque<OpInfo> make_builtin_rows() {
         r.flops = per_element(1);
       }));
   set(Op::Mul, with(row("mul", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(1); }));
+  // A bias is a parameter without the token axes: its add is pointwise per
+  // token; its gradient sums over the tokens, so (like a weight gradient)
+  // it is not token-local: each sequence tile and each sp rank holds a
+  // partial sum, added by autodiff's accumulation and the step's gradient
+  // all-reduce.
+  set(Op::BiasAdd, with(row("bias_add", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(1); }));
+  set(Op::BiasAddGrad, with(row("bias_add_grad", C::Heavy), [](OpInfo& r) { r.flops = per_input_element(1, 0); }));
   set(Op::Silu, with(row("silu", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(4); }));
   set(Op::SiluGrad, with(row("silu_grad", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(8); }));
   set(Op::RmsNorm, with(row("rms_norm", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(4); }));

@@ -136,6 +136,44 @@ TensorType contract_type(const Checker& c, const Attrs& attrs) {
   return r;
 }
 
+// bias_add(x, b): b's axes are some of x's, each with x's size and split.
+// bias_add_grad(dy): the kept axes (attrs.out_axes) are some of dy's.
+TensorType bias_type(const Checker& c, const Attrs& attrs) {
+  c.is_float_operand(0);
+  const TensorType& x = c.t(0);
+  TensorType bias{x.dtype, {}};
+  if (c.op == Op::BiasAdd) {
+    c.is_float_operand(1);
+    c.same_dtype(0, 1);
+    bias = c.t(1);
+  } else {
+    for (const std::string& name : attrs.out_axes) {
+      if (!x.has(name))
+        c.fail("bias axis \"" + name + "\" is not an axis of " + c.label(0) + ".",
+               "bias axes among [" + join(x.axis_names()) + "].");
+      if (bias.has(name)) c.fail("bias axis \"" + name + "\" is listed twice.", "each axis once.");
+      bias.axes.push_back(x.axes[static_cast<size_t>(x.index_of(name))]);
+    }
+  }
+  const std::string what = c.op == Op::BiasAdd ? "bias " + c.label(1) : "the bias";
+  if (bias.rank() == 0 || bias.rank() >= x.rank())
+    c.fail(what + " has " + std::to_string(bias.rank()) + " axes and " + c.label(0) + " has " +
+               std::to_string(x.rank()) + ": a bias repeats over at least one axis of x and has at least one of its own.",
+           "a bias over some of [" + join(x.axis_names()) + "], e.g. f32[" + x.axes.back().name + "=" +
+               std::to_string(x.axes.back().size) + "]; for tensors of one type use add.");
+  for (const Axis& a : bias.axes) {
+    const int i = x.index_of(a.name);
+    if (i < 0)
+      c.fail("axis \"" + a.name + "\" of " + what + " is not an axis of " + c.label(0) + ".",
+             "a bias over some of [" + join(x.axis_names()) + "].");
+    const Axis& xa = x.axes[static_cast<size_t>(i)];
+    if (xa != a)
+      c.fail("axis \"" + a.name + "\" is " + extent(xa) + " in " + c.label(0) + " but " + extent(a) + " in " + what + ".",
+             "the bias's axes with x's sizes (and splits).");
+  }
+  return c.op == Op::BiasAdd ? x : bias;
+}
+
 TensorType attention_type(const Checker& c) {
   for (size_t i = 0; i < 3; ++i) c.is_float_operand(i);
   c.same_dtype(0, 1);
@@ -321,6 +359,10 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       c.is_float_operand(1);
       c.same_type(0, 1);
       return c.t(0);
+    case Op::BiasAdd:
+    case Op::BiasAddGrad:
+      c.arity(op == Op::BiasAdd ? 2 : 1);
+      return bias_type(c, attrs);
     case Op::Silu:
       c.arity(1);
       c.is_float_operand(0);
@@ -482,6 +524,13 @@ Value contract(Value a, Value b, const std::vector<std::string>& over) {
 
 Value add(Value a, Value b) { return a.graph->add(Op::Add, {a, b}); }
 Value mul(Value a, Value b) { return a.graph->add(Op::Mul, {a, b}); }
+Value bias_add(Value x, Value b) { return x.graph->add(Op::BiasAdd, {x, b}); }
+
+Value bias_add_grad(Value dy, const std::vector<std::string>& bias_axes) {
+  Attrs a;
+  a.out_axes = bias_axes;
+  return dy.graph->add(Op::BiasAddGrad, {dy}, a);
+}
 Value silu(Value x) { return x.graph->add(Op::Silu, {x}); }
 
 Value rms_norm(Value x, Value w, double eps) {

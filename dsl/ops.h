@@ -27,6 +27,10 @@ Value contract(Value a, Value b, const std::vector<std::string>& over);
 Value contract_to(Value a, Value b, const std::vector<std::string>& out_axes);
 Value add(Value a, Value b);
 Value mul(Value a, Value b);
+// x + b where b's axes are some of x's (same sizes, any order): b repeats
+// over x's other axes, as a projection's bias does over the tokens
+// (bias_add(q f32[batch, seq, heads, head_dim], q_bias f32[heads, head_dim])).
+Value bias_add(Value x, Value b);
 inline Value operator+(Value a, Value b) { return add(a, b); }
 inline Value operator*(Value a, Value b) { return mul(a, b); }
 Value silu(Value x);
@@ -50,6 +54,8 @@ Value embedding_grad(Value dy, Value ids, int64_t vocab);
 Value silu_grad(Value x, Value dy);
 Value rms_norm_grad_x(Value x, Value w, Value dy, double eps);
 Value rms_norm_grad_w(Value x, Value dy, const std::string& axis, double eps);
+// dy summed over every axis but `bias_axes` (the result's axes, in that order).
+Value bias_add_grad(Value dy, const std::vector<std::string>& bias_axes);
 // The softmax statistics the backward reuses: lse[b, i, h] = log sum_j exp(score).
 Value attention_lse(Value q, Value k, Value positions);
 Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse);

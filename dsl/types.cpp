@@ -2,6 +2,8 @@
 #include "dsl/types.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -27,6 +29,42 @@ int64_t parse_count(const std::string& flag, const std::string& text) {
   if (text.empty() || used != text.size() || n < 1 || text[0] < '0' || text[0] > '9')
     throw UserError("error: " + flag + " \"" + text + "\" is not a whole number >= 1.");
   return n;
+}
+
+int64_t parse_integer(const std::string& flag, const std::string& text, int64_t lo, int64_t hi) {
+  size_t used = 0;
+  long long n = 0;
+  bool ok = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) || (text[0] == '-' && lo < 0));
+  if (ok) {
+    try {
+      n = std::stoll(text, &used);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  if (!ok || used != text.size() || n < lo || n > hi)
+    throw UserError("error: " + flag + " \"" + text + "\" is not a whole number from " + std::to_string(lo) + " to " +
+                    std::to_string(hi) + ".");
+  return n;
+}
+
+double parse_real(const std::string& flag, const std::string& text, double lo, bool lo_inclusive) {
+  size_t used = 0;
+  double x = 0;
+  bool ok = !text.empty() && !std::isspace(static_cast<unsigned char>(text[0]));
+  if (ok) {
+    try {
+      x = std::stod(text, &used);
+    } catch (const std::exception&) {
+      ok = false;
+    }
+  }
+  if (!ok || used != text.size() || !std::isfinite(x) || x < lo || (!lo_inclusive && x == lo)) {
+    std::ostringstream bound;
+    bound << (lo_inclusive ? ">= " : "> ") << lo;
+    throw UserError("error: " + flag + " \"" + text + "\" is not a finite number " + bound.str() + ".");
+  }
+  return x;
 }
 
 const std::vector<std::string>& known_axes() {

@@ -28,6 +28,13 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       if (want(0)) d[0] = dy;
       if (want(1)) d[1] = dy;
       break;
+    case Op::BiasAdd:
+      // y[.., h, d] = x[.., h, d] + b[h, d]  =>  dx = dy;  db = sum of dy over x's other axes
+      // (over tokens: on a sequence tile or an sp rank a partial sum, which
+      // autodiff's accumulation and the step's gradient all-reduce complete)
+      if (want(0)) d[0] = dy;
+      if (want(1)) d[1] = bias_add_grad(dy, type(1).axis_names());
+      break;
     case Op::Mul:
       if (want(0)) d[0] = dy * in(1);
       if (want(1)) d[1] = dy * in(0);

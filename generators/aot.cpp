@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "dsl/autodiff.h"
@@ -30,7 +31,9 @@ struct Options {
 };
 
 // SCHEDULE autosp: the search chooses the schedule (schedules/autosp.h).
-Schedule choose(const Options& o, const ModelBuilder& build, const Cluster& cluster) {
+// `why` receives what a user needs to trust the choice, for the plan JSON:
+// the budget, the runners-up, the rejections and what one rank would need.
+Schedule choose(const Options& o, const ModelBuilder& build, const Cluster& cluster, nlohmann::ordered_json& why) {
   SearchOptions so;
   so.ranks = o.ranks > 0 ? o.ranks : o.sp > 0 ? o.sp : cluster.ranks;
   so.memory_per_rank = o.memory_per_rank;
@@ -53,6 +56,21 @@ Schedule choose(const Options& o, const ModelBuilder& build, const Cluster& clus
                 static_cast<long long>(r.ranked[i].schedule.seq_tile), static_cast<long long>(r.ranked[i].schedule.loss_tile()),
                 static_cast<double>(r.ranked[i].peak_bytes) / 1048576, r.ranked[i].step_s);
   for (const Rejection& x : r.rejected) std::printf("  rejected: %s: %s\n", x.what.c_str(), x.reason.c_str());
+  why = {{"ranks", so.ranks}, {"memory_per_rank_bytes", budget}, {"plans_scored", r.plans}, {"seconds", r.seconds}};
+  why["runners_up"] = nlohmann::ordered_json::array();
+  for (size_t i = 1; i < r.ranked.size(); ++i)
+    why["runners_up"].push_back({{"schedule", r.ranked[i].schedule.str()},
+                                 {"peak_bytes", r.ranked[i].peak_bytes},
+                                 {"step_s", r.ranked[i].step_s}});
+  why["rejected"] = nlohmann::ordered_json::array();
+  for (const Rejection& x : r.rejected) why["rejected"].push_back({{"what", x.what}, {"reason", x.reason}});
+  // One rank, no split: what it would need saving everything, and with every
+  // layer checkpointed (the least a plain single-device run gets).
+  for (const char* preset : {"default", "checkpoint"}) {
+    Schedule one = Schedule::named(preset);
+    one.mesh.dp = one.mesh.sp = 1;
+    why["one_rank_peak_bytes"][preset] = plan(build, {o.config, o.batch, o.seq}, one, cluster).memory.total();
+  }
   return r.best().schedule;
 }
 
@@ -69,9 +87,9 @@ Options parse(int argc, char** argv) {
     else if (k == "--schedule") o.schedule = next();
     else if (k == "--target") o.target = next();
     else if (k == "--out") o.out = next();
-    else if (k == "--batch") o.batch = std::stoll(next());
-    else if (k == "--seq") o.seq = std::stoll(next());
-    else if (k == "--sp") o.sp = std::stoll(next());
+    else if (k == "--batch") o.batch = parse_count(k, next());
+    else if (k == "--seq") o.seq = parse_count(k, next());
+    else if (k == "--sp") o.sp = parse_count(k, next());
     else if (k == "--plugin-dir") o.plugin_dir = next();
     else if (k == "--cluster") o.cluster = next();
     else if (k == "--plan-json") o.plan_json = next();
@@ -174,7 +192,8 @@ int run(const Options& o, const ModelBuilder& build) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   const Cluster cluster = Cluster::named(o.cluster);
-  Schedule sched = o.schedule == "autosp" ? choose(o, build, cluster) : Schedule::named(o.schedule);
+  nlohmann::ordered_json why;  // SCHEDULE autosp's reasons, kept in the plan JSON
+  Schedule sched = o.schedule == "autosp" ? choose(o, build, cluster, why) : Schedule::named(o.schedule);
   // The mesh is the schedule's; --sp (halyard_add_model's SP) may set it.
   if (o.sp > 0 && sched.mesh.sp > 1 && o.sp != sched.mesh.sp)
     throw UserError("error: --sp " + std::to_string(o.sp) + " but schedule \"" + sched.name + "\" says mesh sp=" +
@@ -199,7 +218,9 @@ int run(const Options& o, const ModelBuilder& build) {
   const Program& fwd_prog = p.forward_program;
   if (!o.plan_json.empty()) {
     std::ofstream pj(o.plan_json);
-    pj << p.to_json() << "\n";
+    auto plan_json = nlohmann::ordered_json::parse(p.to_json());
+    if (!why.is_null()) plan_json["autosp"] = why;
+    pj << plan_json.dump() << "\n";
     if (!pj) throw UserError("error: cannot write the plan to \"" + o.plan_json + "\".");
   }
 
@@ -292,6 +313,12 @@ int run(const Options& o, const ModelBuilder& build) {
   c << "};\n";
   emit_program(c, g, train, train_prog, o.name, "train");
   emit_program(c, g, fwd, fwd_prog, o.name, "forward");
+  std::string summary = p.summary_json();
+  if (!why.is_null()) {  // llama_train prints why this plan, before step 1
+    auto j = nlohmann::ordered_json::parse(summary);
+    j["autosp"] = why;
+    summary = j.dump();
+  }
   c << "\nconst ModelSpec spec = {\n  " << cpp_string(o.name) << ",\n  " << cpp_string(m.config_json) << ",\n  "
     << cpp_string(sched.str()) << ",\n  " << cpp_string(target.to_string()) << ",\n  " << o.batch << ", " << o.seq
     << ", " << m.vocab << ", " << sp << ", " << local << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
@@ -299,7 +326,7 @@ int run(const Options& o, const ModelBuilder& build) {
     << train_prog.calls.size() + (train_prog.reduce_grads ? 1 : 0) << ", "
     << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
     << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
-    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  " << cpp_string(p.summary_json()) << ",\n};\n}  // namespace\n\n"
+    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  " << cpp_string(summary) << ",\n};\n}  // namespace\n\n"
     << "const halyard::runtime::ModelSpec& halyard_models::" << o.name << "() { return spec; }\n";
   std::printf("halyard_aot %s: done in %.1fs\n", o.name.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

@@ -183,6 +183,23 @@ Func Ctx::lower(int id) {
     case Op::Mul:
       f(vs) = at(in(0), e) * at(in(1), e);
       break;
+    case Op::BiasAdd:  // the bias is indexed by its own axes of x's index: it repeats over the others
+      f(vs) = at(in(0), e) + at(in(1), e);
+      break;
+    case Op::BiasAddGrad: {  // db[bias axes] = sum of dy over its other axes (the tokens)
+      const TensorType& yt = type(in(0));
+      std::vector<std::string> other;
+      for (const Axis& a : yt.axes)
+        if (!n.type.has(a.name)) other.push_back(a.name);
+      Region region;
+      for (auto it = other.rbegin(); it != other.rend(); ++it) region.push_back({0, static_cast<int>(yt.size(*it))});
+      RDom r(region, "r_bias" + tag);
+      Env er = e;
+      for (size_t k = 0; k < other.size(); ++k) er[other[other.size() - 1 - k]] = r[static_cast<int>(k)];
+      f(vs) = cast(T, 0);
+      f(vs) += at(in(0), er);
+      break;
+    }
     case Op::Silu: {  // x * sigmoid(x)
       Expr x = at(in(0), e);
       f(vs) = x / (1 + exp(-x));

@@ -158,6 +158,23 @@ void schedule_attention(StageFuncs& F, int vec, const KernelTiles& tiles) {
   }
 }
 
+// A bias gradient db[heads, head_dim] sums dy over every token. Halide puts
+// a reduction's loops outside the pure ones; here the outermost bias axis
+// goes outside them instead, in parallel (each thread owns whole rows of
+// db, so no two threads add into one element), the tokens in the middle,
+// the innermost bias axis vectorized (contiguous in dy).
+void schedule_bias_grad(StageFuncs& F, int vec) {
+  Func out = F.out;
+  const auto args = out.args();  // innermost first
+  pointwise(out, vec);
+  Halide::Stage sum = out.update();
+  std::vector<VarOrRVar> order = {args.front()};
+  for (const auto& r : sum.get_schedule().rvars()) order.push_back(RVar(r.var));
+  for (size_t k = 1; k < args.size(); ++k) order.push_back(args[k]);
+  sum.reorder(order).vectorize(args.front(), vec, kGuard);
+  if (args.size() > 1) sum.parallel(args.back());
+}
+
 }  // namespace
 
 void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target& t, const KernelTiles& tiles) {
@@ -180,6 +197,8 @@ void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
   }
   if (F.is_contract) {
     schedule_contract(F, g, st, vec);
+  } else if (g.node(st.root).op == Op::BiasAddGrad) {
+    schedule_bias_grad(F, vec);
   } else if (F.attn.kind >= 0) {
     schedule_attention(F, vec, tiles);
   } else {

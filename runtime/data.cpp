@@ -83,15 +83,28 @@ TokenFile TokenFile::from_text(const std::string& path) { return map(path, 1); }
 const std::string& TokenFile::path() const { return m_->path; }
 int TokenFile::bytes_per_token() const { return m_->width; }
 bool TokenFile::is_text() const { return m_->width == 1; }
-int64_t TokenFile::size() const { return m_->bytes / m_->width; }
+int64_t TokenFile::size() const { return count_ >= 0 ? count_ : m_->bytes / m_->width; }
+
+TokenFile TokenFile::slice(int64_t begin, int64_t end) const {
+  if (begin < 0 || end < begin || end > size())
+    throw Error("error: " + kind(m_->width) + " " + quote(m_->path) + " holds " + num(size()) +
+                " tokens; a slice [" + num(begin) + ", " + num(end) + ") is not inside it.\nfix: slice within [0, " +
+                num(size()) + "].");
+  TokenFile view = *this;
+  view.first_ = first_ + begin;
+  view.count_ = end - begin;
+  return view;
+}
 
 void TokenFile::read(int64_t start, int64_t n, int32_t* out) const {
   const int64_t size = this->size();
+  int64_t end = 0;  // start + n, which a bad range may overflow
   if (start < 0 || n < 0 || start > size || n > size - start)
     throw Error("error: " + kind(m_->width) + " " + quote(m_->path) + " holds " + num(size) +
                 " tokens; read(start " + num(start) + ", n " + num(n) + ") asks for tokens [" + num(start) + ", " +
-                num(start + n) + ").\nfix: read a range inside [0, " + num(size) + ").");
-  const uint8_t* p = m_->data + start * m_->width;
+                (__builtin_add_overflow(start, n, &end) ? std::string("beyond int64") : num(end)) +
+                ").\nfix: read a range inside [0, " + num(size) + ").");
+  const uint8_t* p = m_->data + (first_ + start) * m_->width;
   switch (m_->width) {
     case 1:
       for (int64_t i = 0; i < n; ++i) out[i] = p[i];
@@ -105,8 +118,8 @@ void TokenFile::read(int64_t start, int64_t n, int32_t* out) const {
         const uint32_t v = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
                            (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
         if (v > static_cast<uint32_t>(std::numeric_limits<int32_t>::max()))
-          throw Error("error: uint32 token file " + quote(m_->path) + " byte offset " + num((start + i) * 4) +
-                      " (token " + num(start + i) + "): id " + std::to_string(v) +
+          throw Error("error: uint32 token file " + quote(m_->path) + " byte offset " + num((first_ + start + i) * 4) +
+                      " (token " + num(first_ + start + i) + "): id " + std::to_string(v) +
                       " does not fit int32 (max 2147483647).\nfix: check the token width and the file's tokenizer.");
         out[i] = static_cast<int32_t>(v);
       }
@@ -155,7 +168,8 @@ void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* p
       const int32_t id = row[static_cast<size_t>(t)];
       if (id >= vocab_)
         throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
-                    num((at + t) * file_.bytes_per_token()) + " (token " + num(at + t) + "): id " + num(id) +
+                    num((file_.first_token() + at + t) * file_.bytes_per_token()) + " (token " +
+                    num(file_.first_token() + at + t) + "): id " + num(id) +
                     " is not below the model's vocab " + num(vocab_) + " (legal ids 0.." + num(vocab_ - 1) +
                     ").\nfix: tokenize with the model's tokenizer, or check the token width.");
     }

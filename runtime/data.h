@@ -52,8 +52,14 @@ class TokenFile {
   // Bytes per token: 2 or 4 (1 for text).
   int bytes_per_token() const;
   bool is_text() const;
-  // Number of tokens.
+  // Number of tokens (of this view).
   int64_t size() const;
+  // A view of tokens [begin, end) of this one, sharing its mapping: a held-out
+  // validation split is the file's tail, the training split the rest.
+  // Positions in errors stay those of the whole file.
+  TokenFile slice(int64_t begin, int64_t end) const;
+  // Where this view starts in the file, in tokens (0 unless sliced).
+  int64_t first_token() const { return first_; }
   // Copies tokens [start, start + n) to out. A range outside [0, size()), or
   // an id that does not fit int32 (a uint32 id >= 2^31), throws naming the
   // file and the numbers.
@@ -64,6 +70,7 @@ class TokenFile {
   static TokenFile map(const std::string& path, int bytes_per_token);
   explicit TokenFile(std::shared_ptr<const Mapping> m) : m_(std::move(m)) {}
   std::shared_ptr<const Mapping> m_;  // shared: copies of a TokenFile share one mapping
+  int64_t first_ = 0, count_ = -1;     // the view; count_ -1: the whole file
 };
 
 // This rank's place in a dp x sp mesh: rank r of the P ranks along the

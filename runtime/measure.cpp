@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -318,6 +319,90 @@ std::string describe_plan(const nlohmann::ordered_json& plan) {
   }
   if (memory.empty() && step.empty()) return "";
   return "plan: " + memory + (memory.empty() || step.empty() ? "" : ", ") + step;
+}
+
+namespace {
+
+// "model.layers.*.mlp.gate_proj op:contract" -> "mlp.gate_proj": the module a
+// rule names, without the layer wildcard and the op (several ops of one module
+// read as one).
+std::string module_of(const std::string& match) {
+  std::string m = match.substr(0, match.find(' '));
+  const std::string layers = "model.layers.*.";
+  if (m.rfind(layers, 0) == 0) m = m.substr(layers.size());
+  return m;
+}
+
+std::string mib_text(double bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.1f MiB", bytes / (1 << 20));
+  return s;
+}
+
+}  // namespace
+
+std::string describe_schedule(const nlohmann::ordered_json& plan) {
+  if (!plan.is_object() || !plan.contains("schedule_spec") || !plan["schedule_spec"].is_object()) return "";
+  const auto& spec = plan["schedule_spec"];
+  std::string out = "schedule \"" + plan.value("schedule", std::string("?")) + "\": ";
+  if (spec.contains("mesh") && spec["mesh"].is_object()) {
+    const auto& m = spec["mesh"];
+    out += "mesh dp=" + std::to_string(m.value("dp", 1)) + " x sp=" + std::to_string(m.value("sp", 1)) +
+           ", ZeRO-" + std::to_string(m.value("zero", 0));
+  }
+  std::vector<std::string> strategies;
+  if (spec.contains("attention") && spec["attention"].is_array())
+    for (const auto& a : spec["attention"])
+      if (a.is_object() && a.contains("strategy") && a["strategy"].is_string()) {
+        std::string st = a["strategy"].get<std::string>();
+        if (std::find(strategies.begin(), strategies.end(), st) == strategies.end()) strategies.push_back(st);
+      }
+  std::string attention;
+  for (const auto& st : strategies) attention += (attention.empty() ? "" : "+") + st;
+  out += "; attention " + (attention.empty() ? std::string("on one rank") : attention);
+  std::string tiles;
+  for (const char* key : {"seq_tile", "loss_seq_tile"})
+    if (spec.contains(key) && spec[key].is_number_integer())
+      tiles += (tiles.empty() ? "" : ", ") + std::string(key == std::string("seq_tile") ? "mlp " : "loss ") +
+               std::to_string(spec[key].get<int64_t>()) + " tokens";
+  out += "; sequence tiles: " + (tiles.empty() ? std::string("none") : tiles) + "\n";
+  // The last rule naming a module wins, as in the schedule itself.
+  std::vector<std::string> order;
+  std::map<std::string, std::string> keep;
+  if (spec.contains("values") && spec["values"].is_array())
+    for (const auto& v : spec["values"]) {
+      if (!v.is_object() || !v.contains("keep") || !v.contains("match") || !v["match"].is_string()) continue;
+      const std::string m = module_of(v["match"].get<std::string>());
+      if (m == "*" || m.rfind("op:", 0) == 0 || m.rfind("class:", 0) == 0) continue;
+      if (!keep.count(m)) order.push_back(m);
+      keep[m] = v["keep"].is_string() ? v["keep"].get<std::string>() : "";
+    }
+  std::string recomputed, kept;
+  for (const auto& m : order) {
+    std::string& list = keep[m] == "recompute" ? recomputed : kept;
+    list += (list.empty() ? "" : ", ") + m;
+  }
+  if (!recomputed.empty()) out += "  recomputed in the backward: " + recomputed + "\n";
+  if (!kept.empty()) out += "  kept from the forward: " + kept + "\n";
+  if (plan.contains("autosp") && plan["autosp"].is_object()) {
+    const auto& a = plan["autosp"];
+    char head[160];
+    std::snprintf(head, sizeof head, "  chosen by AutoSP for %lld ranks x %s (%d plans scored in %.1f s)",
+                  static_cast<long long>(a.value("ranks", 0)), mib_text(a.value("memory_per_rank_bytes", 0.0)).c_str(),
+                  a.value("plans_scored", 0), a.value("seconds", 0.0));
+    out += head;
+    if (a.contains("one_rank_peak_bytes") && a["one_rank_peak_bytes"].is_object()) {
+      const auto& one = a["one_rank_peak_bytes"];
+      out += "; one rank alone would need " + mib_text(one.value("default", 0.0)) + " saving everything, " +
+             mib_text(one.value("checkpoint", 0.0)) + " with every layer checkpointed";
+    }
+    out += "\n";
+    if (a.contains("rejected") && a["rejected"].is_array())
+      for (const auto& r : a["rejected"])
+        if (r.is_object())
+          out += "  rejected: " + r.value("what", std::string()) + ": " + r.value("reason", std::string()) + "\n";
+  }
+  return out;
 }
 
 }  // namespace halyard::runtime

@@ -1,5 +1,10 @@
 // Safetensors reader and writer; the contract is in safetensors.h.
 //
+// Reading maps the file (runtime/file_io.h): the header is parsed through a
+// mapping of the whole file, tensor data is copied or converted through
+// windows of kMappedChunkBytes mapped one at a time, so that reading adds at
+// most one window to resident memory beyond what the caller keeps.
+//
 // Validation runs in file order (prefix, header, each entry, then the layout of
 // the whole buffer) so that the first problem reported is the most basic one: a
 // truncated file says "truncated", not "tensor x has the wrong size".
@@ -295,18 +300,19 @@ std::vector<uint8_t> to_bytes(const std::vector<T>& values) {
   return bytes;
 }
 
-// Writes all of [p, p+n), retrying short writes; returns 0 or an errno.
-int write_all(int fd, const uint8_t* p, size_t n) {
-  while (n > 0) {
-    ssize_t k = ::write(fd, p, n);
-    if (k < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    p += k;
-    n -= static_cast<size_t>(k);
+// The error for a tensor a file does not hold, listing (the first ten of) those it does.
+template <typename Map>
+[[noreturn]] void throw_no_tensor(const std::string& origin, const std::string& name, const Map& tensors) {
+  std::string msg = "error: " + origin + "\nhas no tensor " + quote(name) + ".\n";
+  if (tensors.empty()) throw Error(msg + "it holds no tensors at all.");
+  msg += "it has " + std::to_string(tensors.size()) + (tensors.size() == 1 ? " tensor: " : " tensors: ");
+  size_t shown = 0;
+  for (const auto& [n, t] : tensors) {
+    if (shown == 10) break;
+    msg += (shown++ ? ", " : "") + quote(n);
   }
-  return 0;
+  if (tensors.size() > shown) msg += ", ... (" + std::to_string(tensors.size() - shown) + " more)";
+  throw Error(msg);
 }
 
 }  // namespace
@@ -386,35 +392,19 @@ float f16_to_f32(uint16_t h) {
 
 float bf16_to_f32(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
 
-Safetensors Safetensors::read(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    fail_file(path, std::string("cannot open it: ") + std::strerror(errno) + ".");
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
-    ::close(fd);
-    fail_file(path, "is a directory; pass the path of a .safetensors file.");
-  }
-  std::vector<uint8_t> bytes;
-  if (st.st_size > 0) bytes.reserve(static_cast<size_t>(st.st_size));
-  uint8_t chunk[1 << 16];
-  for (;;) {
-    ssize_t k = ::read(fd, chunk, sizeof chunk);
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0) {
-      int e = errno;
-      ::close(fd);
-      fail_file(path, std::string("reading it failed: ") + std::strerror(e) + ".");
-    }
-    if (k == 0) break;
-    bytes.insert(bytes.end(), chunk, chunk + k);
-  }
-  ::close(fd);
-  return parse(bytes, path);
-}
 
-Safetensors Safetensors::parse(std::span<const uint8_t> file, const std::string& what) {
+namespace {
+
+// A validated file: its metadata and each tensor's type and byte range in the
+// data buffer (Tensor::bytes left empty), in header order.
+struct FileIndex {
+  std::map<std::string, std::string> metadata;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::vector<Span> spans;  // spans[i] is tensors[i]'s range, relative to data_start
+  uint64_t data_start = 0;
+};
+
+FileIndex index_file(std::span<const uint8_t> file, const std::string& what) {
   const uint64_t file_bytes = file.size();
   if (file_bytes < 8) {
     fail_file(what, "the file is " + std::to_string(file_bytes) +
@@ -453,25 +443,68 @@ Safetensors Safetensors::parse(std::span<const uint8_t> file, const std::string&
 
   const uint64_t data_start = 8 + header_bytes;
   const uint64_t buffer_bytes = file_bytes - data_start;
-  Safetensors st;
-  st.source_ = what;
-  std::vector<Span> spans;
+  FileIndex index;
+  index.data_start = data_start;
   for (const auto& [name, entry] : header.items()) {
     if (name == kMetadataKey) {
       check_metadata(entry, what);
       if (entry.is_object()) {
-        for (const auto& [k, v] : entry.items()) st.metadata[k] = v.get<std::string>();
+        for (const auto& [k, v] : entry.items()) index.metadata[k] = v.get<std::string>();
       }
       continue;
     }
     Span span{};
-    Tensor t = check_entry(name, entry, buffer_bytes, data_start, file_bytes, what, span);
-    const uint8_t* p = file.data() + data_start + span.begin;
-    t.bytes.assign(p, p + (span.end - span.begin));
-    spans.push_back(span);
-    st.tensors_.emplace(name, std::move(t));
+    index.tensors.emplace_back(name, check_entry(name, entry, buffer_bytes, data_start, file_bytes, what, span));
+    index.spans.push_back(span);
   }
-  check_layout(std::move(spans), buffer_bytes, what);
+  check_layout(index.spans, buffer_bytes, what);
+  return index;
+}
+
+// Conversions, scans and copies map this many bytes of a file at a time, each
+// window unmapped after: what reading a file adds to resident memory beyond
+// its result stays this small, whatever the tensor's size.
+constexpr size_t kMappedChunkBytes = size_t{2} << 20;
+
+}  // namespace
+
+Safetensors Safetensors::read(const std::string& path) {
+  // Mapped, not read into a buffer, and copied a window at a time: the file's
+  // bytes are resident once (in the tensors), not twice.
+  MappedFile file(path, "safetensors file");
+  FileIndex index = index_file(file.bytes(), path);
+  // Parsing touched the header through the whole-file mapping (and the kernel
+  // may have mapped data pages around it); the data is read through windows.
+  file.release(0, file.bytes().size());
+  Safetensors st;
+  st.source_ = path;
+  st.metadata = std::move(index.metadata);
+  for (size_t i = 0; i < index.tensors.size(); ++i) {
+    auto& [name, t] = index.tensors[i];
+    t.bytes.resize(index.spans[i].end - index.spans[i].begin);
+    size_t done = 0;
+    file.for_each_window(index.data_start + index.spans[i].begin, t.bytes.size(), kMappedChunkBytes,
+                         [&](const uint8_t* p, size_t k) {
+                           std::memcpy(t.bytes.data() + done, p, k);
+                           done += k;
+                           return true;
+                         });
+    st.tensors_.emplace(std::move(name), std::move(t));
+  }
+  return st;
+}
+
+Safetensors Safetensors::parse(std::span<const uint8_t> file, const std::string& what) {
+  FileIndex index = index_file(file, what);
+  Safetensors st;
+  st.source_ = what;
+  st.metadata = std::move(index.metadata);
+  for (size_t i = 0; i < index.tensors.size(); ++i) {
+    auto& [name, t] = index.tensors[i];
+    const uint8_t* p = file.data() + index.data_start + index.spans[i].begin;
+    t.bytes.assign(p, p + (index.spans[i].end - index.spans[i].begin));
+    st.tensors_.emplace(std::move(name), std::move(t));
+  }
   return st;
 }
 
@@ -484,17 +517,7 @@ bool Safetensors::contains(const std::string& name) const { return tensors_.coun
 const Tensor& Safetensors::at(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it != tensors_.end()) return it->second;
-  std::string msg = "error: " + origin() + "\nhas no tensor " + quote(name) + ".\n";
-  if (tensors_.empty()) throw Error(msg + "it holds no tensors at all.");
-  msg += "it has " + std::to_string(tensors_.size()) +
-         (tensors_.size() == 1 ? " tensor: " : " tensors: ");
-  size_t shown = 0;
-  for (const auto& [n, t] : tensors_) {
-    if (shown == 10) break;
-    msg += (shown++ ? ", " : "") + quote(n);
-  }
-  if (tensors_.size() > shown) msg += ", ... (" + std::to_string(tensors_.size() - shown) + " more)";
-  throw Error(msg);
+  throw_no_tensor(origin(), name, tensors_);
 }
 
 std::vector<std::string> Safetensors::names() const {
@@ -503,28 +526,37 @@ std::vector<std::string> Safetensors::names() const {
   return out;
 }
 
-void Safetensors::put(const std::string& name, Tensor t) {
-  std::string who = "error: " + origin() + "\nput(" + quote(name) + ")";
+namespace {
+
+// What put() and write_safetensors() check of a tensor; `who` opens the message.
+void check_tensor(const std::string& who, const std::string& name, Dtype dtype, const std::vector<int64_t>& shape,
+                  size_t nbytes) {
   if (name.empty()) throw Error(who + ": tensor names must be non-empty.");
   if (name == kMetadataKey) {
     throw Error(who + ": the name \"__metadata__\" is reserved for the metadata map; pick another.");
   }
-  for (int64_t d : t.shape) {
+  const std::string type = std::string(dtype_name(dtype)) + shape_string(shape);
+  for (int64_t d : shape) {
     if (d < 0) {
-      throw Error(who + " " + type_string(t) + ": dimension " + std::to_string(d) +
-                  " is negative; dimensions must be >= 0.");
+      throw Error(who + " " + type + ": dimension " + std::to_string(d) + " is negative; dimensions must be >= 0.");
     }
   }
-  std::optional<uint64_t> expected = checked_byte_size(t.shape, t.dtype);
+  std::optional<uint64_t> expected = checked_byte_size(shape, dtype);
   if (!expected) {
-    throw Error(who + " " + type_string(t) + ": numel * " + std::to_string(dtype_size(t.dtype)) +
+    throw Error(who + " " + type + ": numel * " + std::to_string(dtype_size(dtype)) +
                 " bytes does not fit in 63 bits.");
   }
-  if (t.bytes.size() != *expected) {
-    throw Error(who + " " + type_string(t) + ": got " + std::to_string(t.bytes.size()) +
-                " bytes, but " + std::to_string(*expected / dtype_size(t.dtype)) + " elements of " +
-                std::string(dtype_name(t.dtype)) + " need " + std::to_string(*expected) + ".");
+  if (nbytes != *expected) {
+    throw Error(who + " " + type + ": got " + std::to_string(nbytes) + " bytes, but " +
+                std::to_string(*expected / dtype_size(dtype)) + " elements of " + std::string(dtype_name(dtype)) +
+                " need " + std::to_string(*expected) + ".");
   }
+}
+
+}  // namespace
+
+void Safetensors::put(const std::string& name, Tensor t) {
+  check_tensor("error: " + origin() + "\nput(" + quote(name) + ")", name, t.dtype, t.shape, t.bytes.size());
   tensors_.insert_or_assign(name, std::move(t));
 }
 
@@ -532,7 +564,7 @@ namespace {
 
 // The 8-byte length and the padded JSON header: keys sorted (std::map order),
 // tensors back to back in that order.
-std::string encode_header(const std::map<std::string, Tensor>& tensors,
+std::string encode_header(const std::map<std::string, TensorView>& tensors,
                           const std::map<std::string, std::string>& metadata,
                           const std::string& origin) {
   Json header = Json::object();
@@ -606,6 +638,46 @@ bool is_int_dtype(Dtype t) { return !is_float_dtype(t) && t != Dtype::BOOL; }
 
 }  // namespace
 
+void convert_to_f32(Dtype t, const uint8_t* p, size_t n, float* out) {
+  switch (t) {
+    case Dtype::F32:
+      if (n) std::memcpy(out, p, n * sizeof(float));
+      break;
+    case Dtype::F64:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(load<double>(p + 8 * i));
+      break;
+    case Dtype::F16:
+      for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load<uint16_t>(p + 2 * i));
+      break;
+    default:  // BF16
+      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load<uint16_t>(p + 2 * i));
+      break;
+  }
+}
+
+namespace {
+
+// The index of the first NaN or infinity among n elements of dtype t at p, or
+// -1: an exponent of all ones, tested on the bits (no conversion).
+int64_t find_non_finite(Dtype t, const uint8_t* p, size_t n) {
+  auto scan = [&](auto bits_type, auto mask) -> int64_t {
+    using Bits = decltype(bits_type);
+    for (size_t i = 0; i < n; ++i) {
+      if ((load<Bits>(p + sizeof(Bits) * i) & mask) == mask) return static_cast<int64_t>(i);
+    }
+    return -1;
+  };
+  switch (t) {
+    case Dtype::F64: return scan(uint64_t{}, uint64_t{0x7ff0000000000000});
+    case Dtype::F32: return scan(uint32_t{}, uint32_t{0x7f800000});
+    case Dtype::F16: return scan(uint16_t{}, uint16_t{0x7c00});
+    case Dtype::BF16: return scan(uint16_t{}, uint16_t{0x7f80});
+    default: return -1;
+  }
+}
+
+}  // namespace
+
 std::vector<double> Safetensors::to_f64(const std::string& name) const {
   const Tensor& t = at(name);
   if (!is_float_dtype(t.dtype)) {
@@ -632,10 +704,9 @@ std::vector<float> Safetensors::to_f32(const std::string& name) const {
     throw Error("error: " + origin() + "\ntensor " + quote(name) + " is " + type_string(t) +
                 "; to_f32 reads F32, F64, F16 or BF16 tensors (use to_i32 for integers).");
   }
-  // Every F32/F16/BF16 value is exact in f64, so going through to_f64 rounds
-  // only once, F64 -> f32, to nearest even as static_cast does.
-  std::vector<double> wide = to_f64(name);
-  return std::vector<float>(wide.begin(), wide.end());
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  convert_to_f32(t.dtype, t.bytes.data(), out.size(), out.data());
+  return out;
 }
 
 std::vector<int32_t> Safetensors::to_i32(const std::string& name) const {
@@ -669,60 +740,105 @@ std::vector<int32_t> Safetensors::to_i32(const std::string& name) const {
   return out;
 }
 
+namespace {
+
+std::map<std::string, TensorView> views_of(const std::map<std::string, Tensor>& tensors) {
+  std::map<std::string, TensorView> out;
+  for (const auto& [name, t] : tensors) out.emplace(name, TensorView{t.dtype, t.shape, t.bytes});
+  return out;
+}
+
+}  // namespace
+
 std::vector<uint8_t> Safetensors::serialize() const {
-  std::string header = encode_header(tensors_, metadata, origin());
+  std::string header = encode_header(views_of(tensors_), metadata, origin());
   std::vector<uint8_t> out(header.begin(), header.end());
   for (const auto& [name, t] : tensors_) out.insert(out.end(), t.bytes.begin(), t.bytes.end());
   return out;
 }
 
 void Safetensors::write(const std::string& path) const {
+  // put() has checked every tensor; only the header can still fail (names
+  // that are not UTF-8), and encode_header reports that with our origin.
+  encode_header(views_of(tensors_), metadata, origin());
+  write_safetensors(path, views_of(tensors_), metadata);
+}
+
+FileDigest write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
+                             const std::map<std::string, std::string>& metadata) {
+  const std::string origin = "safetensors file " + quote(path);
+  for (const auto& [name, v] : tensors) {
+    check_tensor("error: " + origin + "\ntensor " + quote(name), name, v.dtype, v.shape, v.bytes.size());
+  }
   // Encoding the header first means a bad object fails before any file is
   // touched; tensor bytes are then streamed, never copied into one buffer.
-  const std::string header = encode_header(tensors_, metadata, origin());
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  auto fail = [&](const std::string& step, int err, bool remove_tmp) {
-    if (remove_tmp) ::unlink(tmp.c_str());
-    std::string hint;
-    if (err == ENOENT || err == ENOTDIR) hint = "\nthe directory " + quote(dir) + " does not exist; create it first.";
-    if (err == EISDIR) hint = "\n" + quote(path) + " is a directory; pass a file path.";
-    throw Error("error: safetensors file " + quote(path) + "\ncannot write it: " + step + ": " +
-                std::strerror(err) + "." + hint + "\nany previous file at this path is unchanged.");
-  };
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("creating the temporary file " + quote(tmp), errno, false);
-  int err = write_all(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size());
-  for (auto it = tensors_.begin(); err == 0 && it != tensors_.end(); ++it) {
-    err = write_all(fd, it->second.bytes.data(), it->second.bytes.size());
+  const std::string header = encode_header(tensors, metadata, origin);
+  WriteFailureScope injected_failures;  // HALYARD_TEST_FAIL_WRITE_AFTER_BYTES, see file_io.h
+  AtomicFile out(path, "safetensors file");
+  out.write(header.data(), header.size());
+  for (const auto& [name, v] : tensors) out.write(v.bytes.data(), v.bytes.size());
+  return out.commit();
+}
+
+// ---- MappedSafetensors -------------------------------------------------------
+
+MappedSafetensors::MappedSafetensors(const std::string& path)
+    : path_(path), file_(std::make_shared<const MappedFile>(path, "safetensors file")) {
+  FileIndex index = index_file(file_->bytes(), path);
+  metadata_ = std::move(index.metadata);
+  for (size_t i = 0; i < index.tensors.size(); ++i) {
+    auto& [name, t] = index.tensors[i];
+    const Span& s = index.spans[i];
+    tensors_.emplace(std::move(name), TensorView{t.dtype, std::move(t.shape),
+                                                 file_->bytes().subspan(index.data_start + s.begin, s.end - s.begin)});
   }
-  if (err != 0) {
-    ::close(fd);
-    fail("writing " + quote(tmp), err, true);
+  // The header has been parsed into our own objects; its pages (and any data
+  // pages the kernel mapped around them) are not needed: data is read through windows.
+  file_->release(0, file_->bytes().size());
+}
+
+const TensorView& MappedSafetensors::at(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it != tensors_.end()) return it->second;
+  throw_no_tensor("safetensors file " + quote(path_), name, tensors_);
+}
+
+std::vector<std::string> MappedSafetensors::names() const {
+  std::vector<std::string> out;
+  for (const auto& [n, t] : tensors_) out.push_back(n);
+  return out;
+}
+
+void MappedSafetensors::read_f32(const std::string& name, float* out) const {
+  const TensorView& v = at(name);
+  if (!is_float_dtype(v.dtype)) {
+    throw Error("error: safetensors file " + quote(path_) + "\ntensor " + quote(name) + " is " +
+                std::string(dtype_name(v.dtype)) + shape_string(v.shape) +
+                "; read_f32 reads F32, F64, F16 or BF16 tensors.");
   }
-  if (::fsync(fd) != 0) {
-    err = errno;
-    ::close(fd);
-    fail("fsync of " + quote(tmp), err, true);
-  }
-  if (::close(fd) != 0) fail("closing " + quote(tmp), errno, true);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    fail("renaming " + quote(tmp) + " over it", errno, true);
-  }
-  // Without this the rename itself may not survive a crash.
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    int rc = ::fsync(dfd);
-    err = errno;
-    ::close(dfd);
-    // Some filesystems cannot fsync a directory; the data is in place regardless.
-    if (rc != 0 && err != EINVAL && err != ENOTSUP) {
-      throw Error("error: safetensors file " + quote(path) + "\nwas written, but fsync of its "
-                  "directory " + quote(dir) + " failed: " + std::strerror(err) +
-                  ".\nthe new file may not survive a crash.");
-    }
-  }
+  const size_t size = dtype_size(v.dtype);
+  size_t done = 0;  // elements
+  file_->for_each_window(static_cast<size_t>(v.bytes.data() - file_->bytes().data()), v.bytes.size(),
+                         kMappedChunkBytes / size * size, [&](const uint8_t* p, size_t k) {
+                           convert_to_f32(v.dtype, p, k / size, out + done);
+                           done += k / size;
+                           return true;
+                         });
+}
+
+int64_t MappedSafetensors::first_non_finite(const std::string& name) const {
+  const TensorView& v = at(name);
+  if (!is_float_dtype(v.dtype)) return -1;
+  const size_t size = dtype_size(v.dtype);
+  int64_t done = 0, found = -1;  // elements
+  file_->for_each_window(static_cast<size_t>(v.bytes.data() - file_->bytes().data()), v.bytes.size(),
+                         kMappedChunkBytes / size * size, [&](const uint8_t* p, size_t k) {
+                           const int64_t at = find_non_finite(v.dtype, p, k / size);
+                           if (at >= 0) found = done + at;
+                           done += static_cast<int64_t>(k / size);
+                           return at < 0;
+                         });
+  return found;
 }
 
 }  // namespace halyard::runtime

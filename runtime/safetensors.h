@@ -14,17 +14,28 @@
 // Writing is deterministic (keys sorted, tensors laid out contiguously in name
 // order, header padded with spaces to a multiple of 8) and atomic: the bytes go
 // to a temporary file in the target's directory, which is fsync'ed and renamed
-// over the target; a failed write leaves any old file untouched.
+// over the target; a failed write leaves any old file untouched and throws
+// WriteError (runtime/file_io.h), which also carries the errno and the path.
+//
+// Memory: Safetensors holds every tensor's bytes (read() maps the file and
+// copies each tensor once, never holding the file twice). For checkpoints of
+// any size, MappedSafetensors keeps the file mapped and converts one tensor at
+// a time straight into the caller's f32 buffer through 2 MiB windows of the
+// file, each unmapped after use, and write_safetensors streams tensors from
+// the caller's memory: neither holds a second copy of the data.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "runtime/file_io.h"
 
 namespace halyard::runtime {
 
@@ -49,6 +60,13 @@ struct Tensor {
 
 // Prints a tensor's type as `F32[2, 3]` (a scalar is `F32[]`).
 std::string type_string(const Tensor& t);
+
+// A tensor whose bytes live elsewhere (the caller's memory, or a mapped file).
+struct TensorView {
+  Dtype dtype = Dtype::F32;
+  std::vector<int64_t> shape;
+  std::span<const uint8_t> bytes;  // numel * dtype_size(dtype) bytes, little-endian
+};
 
 class Safetensors {
  public:
@@ -95,6 +113,48 @@ class Safetensors {
   std::string source_;  // path or `what` this was read from; empty if built in memory
   std::map<std::string, Tensor> tensors_;
 };
+
+// Writes a file of these tensors and metadata with exactly the bytes and the
+// atomicity of Safetensors::write, streaming each tensor from where it lives.
+// Checks what put() checks first, so a bad tensor fails before any file is
+// touched. Returns the size and XXH64 of the bytes written.
+FileDigest write_safetensors(const std::string& path, const std::map<std::string, TensorView>& tensors,
+                             const std::map<std::string, std::string>& metadata);
+
+// A safetensors file mapped read-only, validated exactly as Safetensors::read
+// validates (errors open with `error: safetensors file "<path>"`); tensor
+// bytes are read from the mapping only when asked for.
+class MappedSafetensors {
+ public:
+  explicit MappedSafetensors(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
+  // A missing name raises an error that lists the available names.
+  const TensorView& at(const std::string& name) const;
+  std::vector<std::string> names() const;  // sorted
+
+  // Converts the float tensor `name` (F32, F64, F16 or BF16, as to_f32 does)
+  // into out[0, numel) through 2 MiB windows of the file, each unmapped once
+  // converted: the resident memory this adds stays one window whatever the
+  // tensor's size. Other dtypes raise an error naming the tensor.
+  void read_f32(const std::string& name, float* out) const;
+  // The index of the first NaN or infinity of the float tensor `name`, or -1
+  // (also -1 for integer and BOOL tensors, which hold neither).
+  int64_t first_non_finite(const std::string& name) const;
+
+ private:
+  std::string path_;
+  std::shared_ptr<const MappedFile> file_;  // shared: the object stays movable
+  std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// n elements of a float dtype (F32, F64, F16 or BF16) at p, converted to f32
+// as to_f32 converts them: F32, F16 and BF16 exactly, F64 rounded to nearest
+// even. `t` must be a float dtype (callers check; others convert as BF16).
+void convert_to_f32(Dtype t, const uint8_t* p, size_t n, float* out);
 
 // Conversions of single 16-bit floats, exact (every F16 and BF16 value is an f32).
 float f16_to_f32(uint16_t bits);

@@ -110,7 +110,7 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double (1e400)
     throw UserError("error: cluster \"" + what + "\" is not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw UserError("error: cluster \"" + what + "\" must be a JSON object.");

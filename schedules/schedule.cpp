@@ -233,7 +233,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number past double (1e400)
     throw UserError("error: schedule \"" + what + "\" is not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw UserError("error: schedule \"" + what + "\" must be a JSON object.");
@@ -260,12 +260,17 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         if (m.key() == "dp") s.mesh.dp = integer(*m, "mesh.dp", 1);
         else if (m.key() == "sp") s.mesh.sp = integer(*m, "mesh.sp", 1);
         else if (m.key() == "zero") {
-          s.mesh.zero = static_cast<int>(integer(*m, "mesh.zero", 0));
-          if (s.mesh.zero == 2 || s.mesh.zero > 3)
-            bad(what, "mesh.zero " + std::to_string(s.mesh.zero) + ".\nlegal: 0, 1 (ZeRO-1: optimizer state sharded), or "
+          const int64_t zero = integer(*m, "mesh.zero", 0);  // checked before the cast: 2^32 + 1 is not 1
+          if (zero == 2 || zero > 3)
+            bad(what, "mesh.zero " + std::to_string(zero) + ".\nlegal: 0, 1 (ZeRO-1: optimizer state sharded), or "
                       "3 (parameters and gradients sharded too: planned only; llama_train runs 0 or 1).");
+          s.mesh.zero = static_cast<int>(zero);
         } else bad(what, "unknown mesh axis \"" + m.key() + "\".\nlegal: dp, sp, zero.");
       }
+      int64_t ranks = 0;
+      if (__builtin_mul_overflow(s.mesh.dp, s.mesh.sp, &ranks))
+        bad(what, "mesh dp=" + std::to_string(s.mesh.dp) + " x sp=" + std::to_string(s.mesh.sp) +
+                      ": the rank count dp * sp overflows 64 bits.\nlegal: the ranks the step runs on, dp * sp of them.");
     } else if (key == "values" && v.is_array()) {
       for (const auto& r : v) {
         if (!r.is_object() || !r.contains("match") || !r["match"].is_string())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything Halyard needs to build and test, idempotently: Debian
 # packages (compilers' friends: Eigen, GoogleTest, Google Benchmark, OpenMPI,
-# nlohmann-json) and a project-local venv (.venv) holding the official Halide
+# nlohmann-json; clang 16 with its sanitizer and libFuzzer runtimes for
+# scripts/sanitize.sh; bible-kjv, the text the main job trains on) and a project-local venv (.venv) holding the official Halide
 # 21.0.0 wheel plus recent cmake and ninja (Halide 21's CMake package needs
 # CMake >= 3.28; Debian 12 ships 3.25). A second run checks and does nothing.
 #
@@ -13,7 +14,9 @@ venv="$root/.venv"
 
 apt_packages=(build-essential pkg-config python3-venv python3-dev
   libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libopenmpi-dev openmpi-bin nlohmann-json3-dev ninja-build)
+  libopenmpi-dev openmpi-bin nlohmann-json3-dev ninja-build
+  clang-16 libclang-rt-16-dev  # scripts/sanitize.sh: ASan, UBSan, libFuzzer
+  bible-kjv)  # the main job's corpus: the King James Bible (public domain), 4.3 MB of text
 
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -253,9 +253,7 @@ Axis log2_axis(double lo, double hi) {
   return axis;
 }
 
-}  // namespace
-
-void write_line_plot_png(const std::string& path, const PlotSpec& spec) {
+Canvas draw_chart(const PlotSpec& spec) {
   const int W = std::max(spec.width, 320), H = std::max(spec.height, 240);
   auto usable = [&](double x, double y) { return std::isfinite(x) && std::isfinite(y) && (!spec.log_x || x > 0); };
   auto tx = [&](double x) { return spec.log_x ? std::log2(x) : x; };
@@ -359,11 +357,37 @@ void write_line_plot_png(const std::string& path, const PlotSpec& spec) {
     }
   }
 
+  return cv;
+}
+
+void write_png(const std::string& path, const Canvas& cv) {
   const std::vector<uint8_t> png = encode_png(cv);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(reinterpret_cast<const char*>(png.data()), std::streamsize(png.size()));
   out.close();
   if (!out) throw std::runtime_error("write_line_plot_png: cannot write " + path);
+}
+
+}  // namespace
+
+void write_line_plot_png(const std::string& path, const PlotSpec& spec) { write_png(path, draw_chart(spec)); }
+
+void write_line_plots_png(const std::string& path, const std::vector<PlotSpec>& panels) {
+  std::vector<Canvas> charts;
+  int W = 0, H = 0;
+  for (const PlotSpec& spec : panels) {
+    charts.push_back(draw_chart(spec));
+    W = std::max(W, charts.back().width());
+    H += charts.back().height();
+  }
+  Canvas all(std::max(W, 1), std::max(H, 1));
+  int at = 0;
+  for (const Canvas& c : charts) {
+    for (int y = 0; y < c.height(); ++y)
+      for (int x = 0; x < c.width(); ++x) all.set(x, at + y, c.get(x, y));
+    at += c.height();
+  }
+  write_png(path, all);
 }
 
 }  // namespace halyard

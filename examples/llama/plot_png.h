@@ -29,4 +29,8 @@ struct PlotSpec {
 // Writes an RGB PNG; throws std::runtime_error naming the path when the file cannot be written.
 void write_line_plot_png(const std::string& path, const PlotSpec& spec);
 
+// Several charts stacked top to bottom in one PNG (a training run's loss,
+// throughput and memory against step, say).
+void write_line_plots_png(const std::string& path, const std::vector<PlotSpec>& panels);
+
 }  // namespace halyard

@@ -3,12 +3,7 @@
 // by halyard_add_model -> a plain C++ loop), on one rank or with sequence
 // parallelism over MPI ranks:
 //
-//   mpirun -np 4 llama_train [--config tiny.json] [--seq 1024] [--steps N] ...
-//   llama_train [--steps N] [--lr X] [--warmup N] [--seed S] [--threads T]
-//               [--data TEXT | --tokens FILE --token-width 16|32]
-//               [--save DIR] [--save-every N] [--resume DIR] [--step-check OUT]
-//               [--clip MAX_NORM (1.0; 0 = off)] [--metrics FILE.jsonl]
-//               [--sp N] [--zero 0|1] [--comm-timeout SECONDS (60)]
+//   mpirun -np 4 llama_train [--steps N] [--lr X] ...   (llama_train --help: every option)
 //
 // The binary links one library per sp degree (all built for the same config
 // and global seq; halyard_add_llama_train in examples/llama/CMakeLists.txt
@@ -57,13 +52,16 @@
 #include <numeric>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "dsl/error.h"
 #include "examples/llama/linked_models.h"
 #include "examples/llama/llama_config.h"
 #include "runtime/adamw.h"
@@ -81,65 +79,129 @@ using namespace halyard;
 
 namespace {
 
+const char* kUsage = R"(usage: llama_train [options]          (one rank)
+       mpirun -np N llama_train [options] (N ranks: dp x sp mesh)
+
+training
+  --steps N            steps to train (30)
+  --lr X               peak learning rate (3e-3); warmup, then cosine decay to 0.1 x peak
+  --warmup N           warmup steps (5)
+  --clip MAX_NORM      global gradient-norm clipping (1.0; 0 = off)
+  --seed S             initial weights and the batches drawn (0)
+  --threads T          threads per rank (0 = cores / ranks)
+data
+  --data TEXT          a text file, one byte per token (the bundled corpus)
+  --tokens FILE --token-width 16|32
+                       a headerless little-endian uint16/uint32 token file
+  --val-every N        every N steps (and after the last), the loss on held-out
+                       data; 0 = no validation split (0)
+  --val-fraction F     the file's tail held out for validation (0.05), 0 < F < 1
+  --val-batches K      batches averaged for each validation loss (2)
+checkpoints and output
+  --save DIR           write a checkpoint after the last step (DIR is checked to
+                       be writable before step 1)
+  --save-every N       ... and every N steps
+  --save-shard-bytes B the largest file of a checkpoint (5e9, as Hugging Face's
+                       max_shard_size): larger models are saved in shards with
+                       model.safetensors.index.json
+  --resume DIR         continue from a checkpoint (or load an HF folder)
+  --step-check OUT     with --resume: one forward+backward, loss and gradients
+                       written to OUT.safetensors under HF names; no update
+  --metrics FILE       one JSON line per step (appended)
+mesh and checks
+  --sp N               ranks along the sequence (default: the library's plan)
+  --zero 0|1           ZeRO-1 sharded optimizer state (default: the plan's)
+  --config FILE        checked against the config the library was built for
+  --seq N              checked against the library's sequence length
+  --comm-timeout S     a dead or stuck rank fails the others after S s (60)
+  --help               this text
+)";
+
+// The bundled corpus: in the source tree this binary was built from, or, in an
+// installed tree (cmake --install), at <prefix>/share/halyard/data next to
+// <prefix>/bin, wherever the tree was moved.
+std::string default_corpus() {
+  const std::string in_source = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
+  std::error_code ec;
+  if (std::filesystem::exists(in_source, ec)) return in_source;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return in_source;
+  return (exe.parent_path().parent_path() / "share/halyard/data/corpus.txt").string();
+}
+
 struct Options {
-  int steps = 30, warmup = 5, threads = 0, save_every = 0, token_width = 0;
-  double clip = 1.0, lr = 3e-3, comm_timeout = runtime::kDefaultCommTimeoutS;
+  int steps = 30, warmup = 5, threads = 0, save_every = 0, token_width = 0, val_every = 0, val_batches = 2;
+  double clip = 1.0, lr = 3e-3, comm_timeout = runtime::kDefaultCommTimeoutS, val_fraction = 0.05;
   unsigned seed = 0;
-  bool zero = false, zero_given = false, data_given = false;
-  int64_t seq = 0;
+  bool zero = false, zero_given = false, data_given = false, help = false;
+  int64_t seq = 0, save_shard_bytes = runtime::kDefaultMaxShardBytes;
   int sp = 0;  // 0: every rank along the sequence
   std::string save_dir, resume_dir, tokens, step_check, metrics_path, config;
-  std::string data = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
+  std::string data = default_corpus();
 };
 
-// Returns an error message, or "" when the options are usable.
+// Returns an error message, or "" when the options are usable. Numbers are
+// strict (dsl/error.h): "--steps 1e9" and "--steps -1" are errors, not 1 and 0.
 std::string parse(int argc, char** argv, Options& o) {
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
-    if (i + 1 >= argc) return "error: " + k + " needs a value.";
+    if (k == "--help" || k == "-h") {
+      o.help = true;
+      return "";
+    }
+    if (i + 1 >= argc) return "error: " + k + " needs a value.\n(llama_train --help lists the options)";
     std::string v = argv[++i];
+    auto integer = [&](int64_t lo, int64_t hi) { return static_cast<int>(parse_integer(k, v, lo, hi)); };
     try {
-      if (k == "--steps") o.steps = std::stoi(v);
-      else if (k == "--lr") o.lr = std::stod(v);
-      else if (k == "--warmup") o.warmup = std::stoi(v);
-      else if (k == "--seed") o.seed = static_cast<unsigned>(std::stoul(v));
-      else if (k == "--threads") o.threads = std::stoi(v);
+      if (k == "--steps") o.steps = integer(1, kMaxInt);
+      else if (k == "--lr") o.lr = parse_real(k, v, 0, true);
+      else if (k == "--warmup") o.warmup = integer(0, kMaxInt);
+      else if (k == "--seed") o.seed = static_cast<unsigned>(parse_integer(k, v, 0, std::numeric_limits<unsigned>::max()));
+      else if (k == "--threads") o.threads = integer(0, 4096);
       else if (k == "--data") o.data = v, o.data_given = true;
       else if (k == "--save") o.save_dir = v;
-      else if (k == "--save-every") o.save_every = std::stoi(v);
+      else if (k == "--save-every") o.save_every = integer(0, kMaxInt);
+      else if (k == "--save-shard-bytes") o.save_shard_bytes = parse_count(k, v);
       else if (k == "--resume") o.resume_dir = v;
       else if (k == "--tokens") o.tokens = v;
-      else if (k == "--token-width") o.token_width = std::stoi(v);
+      else if (k == "--token-width") o.token_width = integer(16, 32);
       else if (k == "--step-check") o.step_check = v;
-      else if (k == "--clip") o.clip = std::stod(v);
+      else if (k == "--clip") o.clip = parse_real(k, v, 0, true);
       else if (k == "--metrics") o.metrics_path = v;
       else if (k == "--config") o.config = v;
-      else if (k == "--seq") o.seq = std::stoll(v);
-      else if (k == "--zero") o.zero = std::stoi(v) != 0, o.zero_given = true;
-      else if (k == "--sp") o.sp = std::stoi(v);
-      else if (k == "--comm-timeout") o.comm_timeout = std::stod(v);
+      else if (k == "--seq") o.seq = parse_count(k, v);
+      else if (k == "--zero") o.zero = integer(0, 1) != 0, o.zero_given = true;
+      else if (k == "--sp") o.sp = integer(1, 1 << 20);
+      else if (k == "--comm-timeout") o.comm_timeout = parse_real(k, v, 0, false);
+      else if (k == "--val-every") o.val_every = integer(0, kMaxInt);
+      else if (k == "--val-fraction") o.val_fraction = parse_real(k, v, 0, false);
+      else if (k == "--val-batches") o.val_batches = integer(1, 1 << 20);
       else
         return "error: unknown option \"" + k + "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
-               "--token-width --save --save-every --resume --step-check --clip --metrics --config --seq --sp --zero "
-               "--comm-timeout";
-    } catch (const std::exception&) {
-      return "error: " + k + " \"" + v + "\" is not a number.";
+               "--token-width --val-every --val-fraction --val-batches --save --save-every --save-shard-bytes --resume "
+               "--step-check "
+               "--clip --metrics --config --seq --sp --zero --comm-timeout --help";
+    } catch (const UserError& e) {
+      return e.what();
     }
   }
-  if (o.save_every < 0 || (o.save_every > 0 && o.save_dir.empty()))
+  if (o.save_every > 0 && o.save_dir.empty())
     return "error: --save-every " + std::to_string(o.save_every) +
-           " needs --save DIR and a count >= 1 (0 saves only at the end).";
+           " needs --save DIR (0 saves only at the end).";
   if (!o.tokens.empty() && o.data_given)
     return "error: --data \"" + o.data + "\" and --tokens \"" + o.tokens +
            "\" both name the training data.\nfix: pass --data for a text file or --tokens for a token file, not both.";
   if (o.tokens.empty() != (o.token_width == 0) || (o.token_width != 0 && o.token_width != 16 && o.token_width != 32))
     return "error: --tokens needs --token-width and --token-width needs --tokens (got --tokens \"" + o.tokens +
            "\", --token-width " + std::to_string(o.token_width) + ").\nlegal widths: 16 (uint16 ids), 32 (uint32 ids)";
+  if (!(o.val_fraction < 1))
+    return "error: --val-fraction " + std::to_string(o.val_fraction) +
+           " leaves nothing to train on.\nlegal: a fraction between 0 and 1, e.g. 0.05.";
   if (!o.step_check.empty() && o.resume_dir.empty())
     return "error: --step-check \"" + o.step_check +
            "\" needs --resume DIR: the weights must be ones another framework can load.\n"
            "fix: pass a checkpoint directory or an HF folder (model.safetensors + config.json).";
-  if (!(o.comm_timeout > 0)) return "error: --comm-timeout " + std::to_string(o.comm_timeout) + "\nlegal: seconds > 0.";
   return "";
 }
 
@@ -210,8 +272,15 @@ void check_matches_library(const Options& o, const runtime::ModelSpec& spec) {
                          ".\nfix: pass --seq " + std::to_string(spec.seq) +
                          ", or rebuild with halyard_add_model(... SEQ " + std::to_string(o.seq) + ").");
   if (o.config.empty()) return;
-  const auto given = nlohmann::json::parse(llama::LlamaConfig::load(o.config).to_json());
   const auto built = nlohmann::json::parse(spec.config_json);
+  // --config is read with Llama's config reader; another model's trainer
+  // (examples/qwen2: qwen2_train) cannot check it, and refuses rather than guess.
+  if (const std::string type = built.value("model_type", std::string("llama")); type != "llama")
+    throw runtime::Error("error: --config \"" + o.config + "\" given to the model library \"" + spec.name +
+                         "\", a \"" + type + "\" model: this trainer checks --config only against Llama "
+                         "libraries.\nfix: omit --config; the library's config is compiled in "
+                         "(halyard_add_model CONFIG ...).");
+  const auto given = nlohmann::json::parse(llama::LlamaConfig::load(o.config).to_json());
   for (auto it = built.begin(); it != built.end(); ++it)
     if (!given.contains(it.key()) || given[it.key()] != *it)
       throw runtime::Error("error: --config \"" + o.config + "\" does not match the model library \"" + spec.name +
@@ -242,6 +311,80 @@ std::string joined(const std::vector<int64_t>& v, const char* sep) {
   return s;
 }
 
+// Stops every rank together when any of them failed a check (`error` is this
+// rank's failure, "" when it passed): one small all-reduce on the world
+// communicator, so a check that fails on rank 0 alone (an unwritable --save
+// directory, say) does not leave the other ranks waiting in the next
+// collective until --comm-timeout.
+void agree(runtime::Communicator* comm, const std::string& error) {
+  if (!comm) {
+    if (!error.empty()) throw runtime::Error(error);
+    return;
+  }
+  std::vector<double> failed(static_cast<size_t>(comm->size()), 0.0);
+  failed[static_cast<size_t>(comm->rank())] = error.empty() ? 0.0 : 1.0;
+  comm->all_reduce_sum(failed.data(), static_cast<int64_t>(failed.size()));
+  if (!error.empty()) throw runtime::Error(error);
+  for (size_t r = 0; r < failed.size(); ++r)
+    if (failed[r] > 0)
+      throw runtime::Error("error: stopped: rank " + std::to_string(r) + " failed a check (its message says which).");
+}
+
+// "" when `dir` exists or can be created and a file can be written in it;
+// otherwise the error, found before step 1 rather than after the last.
+std::string save_dir_error(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string probe = dir + "/.halyard-write-check";
+  if (!ec) {
+    std::ofstream f(probe, std::ios::binary | std::ios::trunc);
+    f << "ok";
+    f.close();
+    if (!f) ec = std::make_error_code(std::errc::io_error);
+    if (f && std::filesystem::exists(probe)) std::filesystem::remove(probe, ec);
+    else if (!ec) ec = std::make_error_code(std::errc::permission_denied);
+  }
+  if (!ec) return "";
+  return "error: --save \"" + dir + "\" cannot be written: " + ec.message() +
+         ".\nIt was checked before step 1, so no training is lost.\nfix: pass a directory this user can create and "
+         "write (a checkpoint there holds the parameters, AdamW state and config).";
+}
+
+std::string number_text(double x) { return std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "+inf" : "-inf") : std::to_string(x); }
+
+// The first non-finite value of any parameter (the cause, when there is one)
+// or gradient on this rank, as "grad/model.layers.0.mlp.up_proj.weight[1234]
+// = NaN", or "".
+std::string first_non_finite(runtime::Model& m) {
+  for (const bool grad : {false, true})
+    for (int i = 0; i < m.num_params(); ++i) {
+      const float* x = grad ? m.grad(i) : m.param(i);
+      const int64_t n = m.param_spec(i).numel;
+      for (int64_t j = 0; j < n; ++j)
+        if (!std::isfinite(x[j])) {
+          return std::string(grad ? "grad/" : "") + m.param_spec(i).name + "[" + std::to_string(j) +
+                 "] = " + number_text(x[j]);
+        }
+    }
+  return "";
+}
+
+// A non-finite loss or gradient stops the run before the optimizer applies it,
+// so the parameters and every checkpoint stay finite. Every rank checks (the
+// loss is global; ZeRO's gradients are each rank's own) and they stop together.
+void check_finite(runtime::Communicator* comm, int rank, int step, double loss, runtime::Model& m, double lr) {
+  std::string bad = std::isfinite(loss) ? "" : "the loss is " + number_text(loss);
+  const std::string where = first_non_finite(m);
+  if (bad.empty() && where.empty()) return agree(comm, "");
+  if (bad.empty()) bad = "a gradient is not finite";
+  char lr_text[32];
+  std::snprintf(lr_text, sizeof lr_text, "%g", lr);
+  agree(comm, "error: step " + std::to_string(step) + ", rank " + std::to_string(rank) + ": " + bad +
+                  (where.empty() ? "" : "; the first non-finite tensor is " + where) +
+                  ".\nThis step was not applied and no checkpoint holding non-finite values is written.\n"
+                  "fix: lower --lr (" + lr_text + " now), keep --clip on, or --resume from the last checkpoint.");
+}
+
 int train(const Options& o) {
   // mpirun sets OMPI_COMM_WORLD_SIZE; a plain launch is one rank without MPI.
   // Ranks form a dp x sp mesh: groups of sp consecutive ranks split each
@@ -261,6 +404,8 @@ int train(const Options& o) {
     runtime::Communicator* sp_comm = sp == 1 ? nullptr : group ? group.get() : comm.get();
     const int threads = o.threads > 0 ? o.threads : runtime::default_threads_per_rank();
     runtime::Model::set_num_threads(threads);
+    // Rank 0 writes checkpoints: it checks the directory before any work.
+    agree(comm.get(), lead && !o.save_dir.empty() ? save_dir_error(o.save_dir) : "");
     const runtime::ModelSpec& spec = model_for(sp);
     check_matches_library(o, spec);
     // The optimizer state as the plan has it, unless --zero says otherwise.
@@ -276,9 +421,25 @@ int train(const Options& o) {
         o.tokens.empty() ? runtime::TokenFile::from_text(o.data)
                          : runtime::TokenFile::open(o.tokens, o.token_width == 16 ? runtime::TokenWidth::U16
                                                                                   : runtime::TokenWidth::U32);
+    // With --val-every, the file's tail is held out: training never reads it.
+    const int64_t held_out = o.val_every > 0 ? std::llround(static_cast<double>(file.size()) * o.val_fraction) : 0;
+    if (o.val_every > 0 && (held_out < seq + 1 || file.size() - held_out < seq + 1))
+      throw runtime::Error("error: --val-fraction " + std::to_string(o.val_fraction) + " of \"" + file.path() + "\" (" +
+                           std::to_string(file.size()) + " tokens) holds out " + std::to_string(held_out) +
+                           " tokens and leaves " + std::to_string(file.size() - held_out) +
+                           " to train on; each split needs at least seq + 1 = " + std::to_string(seq + 1) +
+                           ".\nfix: use a larger file, or a fraction that leaves both splits a row.");
+    const runtime::TokenFile train_file = held_out > 0 ? file.slice(0, file.size() - held_out) : file;
     // The batch of a step depends on (seed, step) alone, so resuming sees the
     // same data; each rank reads only its slice of every row.
-    const runtime::Batcher batcher(file, batch, seq, spec.vocab, o.seed, runtime::Shard{rank % sp, sp, rank / sp, dp});
+    const runtime::Shard shard{rank % sp, sp, rank / sp, dp};
+    const runtime::Batcher batcher(train_file, batch, seq, spec.vocab, o.seed, shard);
+    // Validation: the same --val-batches windows of the held-out tail every
+    // time, so the curve moves only with the model.
+    std::unique_ptr<runtime::Batcher> val_batcher;
+    if (held_out > 0)
+      val_batcher = std::make_unique<runtime::Batcher>(file.slice(file.size() - held_out, file.size()), batch, seq,
+                                                       spec.vocab, o.seed + 7919u, shard);
     const int64_t n = batcher.local_tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
 
@@ -349,7 +510,7 @@ int train(const Options& o) {
     if (lead)
       std::printf("%s: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
                   "%d kernels, activation arena %.1f MiB per rank%s\n",
-                  spec.name, spec.target, spec.schedule, ranks, dp, spec.sp,
+                  spec.name, spec.target, plan.is_null() ? spec.schedule : plan.value("schedule", "").c_str(), ranks, dp, spec.sp,
                   comm ? (std::string(", ") + comm->backend()).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
@@ -370,11 +531,29 @@ int train(const Options& o) {
                     static_cast<long long>(loaded), first, o.steps);
     }
     std::ofstream metrics;
-    if (lead && !o.metrics_path.empty()) {
-      metrics.open(o.metrics_path, std::ios::app);
-      if (!metrics) throw runtime::Error("error: cannot open metrics file \"" + o.metrics_path + "\" for appending.");
-    }
+    if (lead && !o.metrics_path.empty()) metrics.open(o.metrics_path, std::ios::app);
+    agree(comm.get(), lead && !o.metrics_path.empty() && !metrics
+                          ? "error: cannot open metrics file \"" + o.metrics_path + "\" for appending.\nfix: pass a "
+                            "path in a directory this user can write."
+                          : "");
+    if (lead && !plan.is_null()) std::printf("%s", runtime::describe_schedule(plan).c_str());
     if (lead && !plan_line.empty()) std::printf("%s\n", plan_line.c_str());
+    if (lead && held_out > 0)
+      std::printf("validation: the last %lld tokens of \"%s\" (%.0f%%) held out; loss over %d batch(es) every %d "
+                  "steps\n",
+                  static_cast<long long>(held_out), file.path().c_str(), 100 * o.val_fraction, o.val_batches,
+                  o.val_every);
+    // The mean loss of the held-out batches (a collective: every rank runs it).
+    auto validation_loss = [&]() {
+      double sum = 0;
+      for (int k = 1; k <= o.val_batches; ++k) {
+        val_batcher->fill(k, ids.data(), labels.data(), pos.data());
+        sum += m.train_step(ids.data(), labels.data(), pos.data());  // its gradients are discarded
+      }
+      return sum / o.val_batches;
+    };
+    std::vector<int64_t> last_peak_bytes;
+    double train_s = 0;  // the steps' own time, without validation
     if (!plan.is_null()) {
       // A resumed run appends to its run's metrics, which hold the plan already.
       if (metrics.is_open() && o.resume_dir.empty()) {
@@ -393,6 +572,7 @@ int train(const Options& o) {
       if (lead && std::getenv("HALYARD_PROFILE"))  // every call's time and scratch memory (runtime/model.h)
         std::fprintf(stderr, "profile of step %d:\n%s", step, m.profile().c_str());
       const double frac = runtime::warmup_cosine_lr(step, o.steps, o.warmup, 1.0);  // times --lr
+      check_finite(comm.get(), rank, step, loss, m, o.lr * frac);
       double norm;
       if (zero) {
         norm = zero->step(step, o.lr * frac, m.params_flat(), m.grads_flat(), o.clip);
@@ -401,10 +581,14 @@ int train(const Options& o) {
         opt.step(step, o.lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, o.clip));
       }
       const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_t0).count();
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int done = step - first + 1;
-      const double tps = static_cast<double>(done * batch * seq * dp) / secs;
+      train_s += step_s;
+      const double tps = static_cast<double>(done * batch * seq * dp) / train_s;  // validation not counted
+      const bool validate = val_batcher && (step % o.val_every == 0 || step == o.steps);
+      const double val_loss = validate ? validation_loss() : 0.0;
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const std::vector<int64_t> peak_bytes = peaks(comm.get()), peak = in_mib(peak_bytes);
+      last_peak_bytes = peak_bytes;
       recent.push_back(loss);
       if (recent.size() > 10) recent.pop_front();
       const double mean = std::accumulate(recent.begin(), recent.end(), 0.0) / static_cast<double>(recent.size());
@@ -413,26 +597,51 @@ int train(const Options& o) {
                     "ETA %.0fs\n",
                     step, o.steps, loss, recent.size(), mean, norm, o.lr * frac, tps, joined(peak, "/").c_str(),
                     secs / done * (o.steps - step));
+        if (validate) std::printf("step %4d/%d  validation loss %.4f (held-out text)\n", step, o.steps, val_loss);
         if (metrics.is_open())
           metrics << "{\"step\":" << step << ",\"loss\":" << loss << ",\"grad_norm\":" << norm << ",\"lr\":" << o.lr * frac
                   << ",\"tokens_per_s\":" << tps << ",\"dp\":" << dp << ",\"sp\":" << sp << ",\"peak_rss_mib\":["
                   << joined(peak, ",") << "],\"peak_rss_bytes\":[" << joined(peak_bytes, ",")
-                  << "],\"step_s\":" << step_s << "}\n"
+                  << "],\"step_s\":" << step_s
+                  << (validate ? ",\"val_loss\":" + std::to_string(val_loss) : std::string()) << "}\n"
                   << std::flush;
       }
       if (!o.save_dir.empty() && ((o.save_every > 0 && step % o.save_every == 0) || step == o.steps)) {
-        if (zero) {
-          const runtime::AdamW full = full_state();  // collective
-          if (lead) runtime::save_checkpoint(o.save_dir, m, full, step);
-        } else if (lead) {
-          runtime::save_checkpoint(o.save_dir, m, opt, step);
+        // Rank 0 writes; a failure there (a full disk) stops every rank at
+        // once, and the previous checkpoint stays the one `latest` names.
+        std::string save_error;
+        try {
+          if (zero) {
+            const runtime::AdamW full = full_state();  // collective
+            if (lead) runtime::save_checkpoint(o.save_dir, m, full, step, o.save_shard_bytes);
+          } else if (lead) {
+            runtime::save_checkpoint(o.save_dir, m, opt, step, o.save_shard_bytes);
+          }
+        } catch (const runtime::Error& e) {
+          save_error = e.what();
         }
-        if (comm) comm->barrier();  // nobody resumes from a checkpoint still being written
+        agree(comm.get(), save_error);  // also the barrier: nobody resumes from a checkpoint still being written
         if (lead)
           std::printf("saved step %d to \"%s/%s\"\n", step, o.save_dir.c_str(),
                       runtime::checkpoint_step_name(step).c_str());
       }
       std::fflush(stdout);
+    }
+    if (lead && !last_peak_bytes.empty()) {
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::string line = "done: " + std::to_string(o.steps - first + 1) + " steps in " +
+                         std::to_string(static_cast<long long>(std::llround(secs))) + " s; measured peak per rank " +
+                         joined(in_mib(last_peak_bytes), "/") + " MiB";
+      if (!plan.is_null() && plan.contains("predicted_peak_bytes_per_rank") &&
+          plan["predicted_peak_bytes_per_rank"].is_number()) {
+        const double predicted = plan["predicted_peak_bytes_per_rank"].get<double>();
+        const double most = static_cast<double>(*std::max_element(last_peak_bytes.begin(), last_peak_bytes.end()));
+        char tail[128];
+        std::snprintf(tail, sizeof tail, ", predicted %.1f MiB (highest rank at %.0f%% of the prediction)",
+                      predicted / (1 << 20), 100 * most / predicted);
+        line += tail;
+      }
+      std::printf("%s\n", line.c_str());
     }
   } catch (const std::exception& e) {
     // One write per rank, so that ranks' messages do not interleave.
@@ -451,6 +660,10 @@ int main(int argc, char** argv) {
   if (std::string err = parse(argc, argv, o); !err.empty()) {
     std::cerr << err << "\n";
     return 2;
+  }
+  if (o.help) {
+    std::printf("%s", kUsage);
+    return 0;
   }
   try {
     return train(o);

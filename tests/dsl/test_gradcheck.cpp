@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include "examples/llama/llama_model.h"
+#include "examples/qwen2/qwen2_model.h"
 #include "schedules/schedule.h"
+#include "schedules/tiling.h"
 #include "tests/dsl/gradcheck.h"
 
 namespace halyard {
@@ -49,6 +51,34 @@ TEST(Gradcheck, AddMul) {
   Value a = param(g, "a", DType::f64, {B, S, M});
   Value b = param(g, "b", DType::f64, {B, S, M});
   EXPECT_LE(check_gradients((a + b) * a, {a, b}), kTol);
+}
+
+TEST(Gradcheck, BiasAdd) {
+  Graph g;
+  Value x = param(g, "x", DType::f64, {B, S, H, D});
+  Value b = param(g, "b", DType::f64, {H, D});  // a projection's bias: repeated over batch and seq
+  EXPECT_LE(check_gradients(bias_add(x, b), {x, b}), kTol);
+  Value c = param(g, "c", DType::f64, {D, B});  // axes apart and out of x's order
+  EXPECT_LE(check_gradients(bias_add(x, c) * x, {x, c}), kTol);
+}
+
+// A bias inside a sequence-tiled chain (schedules/tiling.h): each tile adds
+// the whole bias, and its gradient is the sum of the tiles' partial sums.
+TEST(Gradcheck, BiasAddInSequenceTiles) {
+  Graph src;
+  Value x = input(src, "x", DType::f64, {B, S, M});
+  Value labels = input(src, "labels", DType::i32, {B, S});
+  Value w1 = param(src, "w1", DType::f64, {F, M});
+  Value b = param(src, "b", DType::f64, {F});
+  Value w2 = param(src, "w2", DType::f64, {V, F});
+  Value loss = cross_entropy(contract(silu(bias_add(contract(x, w1, {"model"}), b)), w2, {"ffn"}), labels);
+  RebuiltGraph tiled = tile_sequence(src, loss.id, 2);  // seq 5: tiles of 2, 2 and 1
+  int bias_adds = 0;
+  for (const Node& n : tiled.graph->nodes()) bias_adds += n.op == Op::BiasAdd;
+  EXPECT_EQ(bias_adds, 3);
+  GradcheckOptions o;
+  o.ints["labels"] = {1, -100, 6, 0, 3, 2, 5, 2, 2, 5};
+  EXPECT_LE(check_gradients(tiled.loss, tiled.params, o), kTol);
 }
 
 TEST(Gradcheck, Silu) {
@@ -148,6 +178,20 @@ void check_whole_model(const llama::LlamaConfig& c, int per_tensor = 24, GradOpt
 }
 
 TEST(Gradcheck, WholeMicroModel) { check_whole_model(micro_config(false)); }
+
+// Qwen2 (examples/qwen2): Llama's block with q/k/v biases.
+TEST(Gradcheck, Qwen2Block) {
+  Graph g;
+  qwen2::Qwen2Config c;
+  static_cast<llama::LlamaConfig&>(c) = micro_config(false);
+  c.rope_theta = 1e6;
+  Value x = param(g, "x", DType::f64, {{"batch", 2}, {"seq", 5}, {"model", c.hidden_size}});
+  Value pos = input(g, "position_ids", DType::i32, {{"batch", 2}, {"seq", 5}});
+  Value y = qwen2::qwen2_block(c, 0, x, pos, DType::f64);
+  GradcheckOptions o;
+  o.ints["position_ids"] = iota_positions(2, 5);
+  EXPECT_LE(check_gradients(y, g.params(), o), kTol);
+}
 TEST(Gradcheck, WholeMicroModelTiedEmbeddings) { check_whole_model(micro_config(true)); }
 // Activation checkpointing: the backward reads clones recomputed from the residual stream.
 TEST(Gradcheck, WholeMicroModelCheckpointed) {

@@ -13,7 +13,15 @@
 #   stepcheck  --step-check from one checkpoint on 1 rank and on 4 ranks
 #            (sp 4): the same batch, loss and gradients within 1e-5.
 #   errors   a rank count without a library, a config or seq that does not
-#            match the library: exit 2 with the fix.
+#            match the library, numbers that are not strictly numbers, an
+#            unwritable --save directory (on 1 rank and on 2: every rank
+#            stops at once), a validation split too small: exit 2 with the
+#            fix; --help: the usage, exit 0.
+#   nonfinite  --lr 1e30 makes the loss NaN at step 2: exit 2 naming the
+#            step, the rank and the first non-finite tensor; the checkpoint
+#            of step 1 stays the latest, and no later one is written.
+#   validation  --val-every on a text with a held-out tail: validation lines
+#            and "val_loss" in the metrics at the steps asked.
 #   plan     (llama_train_planned: one library, sp 1, with a made-up plan) the
 #            plan line before step 1; --metrics starts with the plan and the
 #            launch, on 1 rank and on dp 2 x ZeRO-1; step lines carry exact
@@ -140,7 +148,43 @@ errors)
   grep -q "does not match the model library" <<<"$out" || fail "--config: $out"
   out=$("$train" --steps 1 --zero 1 2>&1); [ $? -eq 2 ] || fail "--zero on one rank ran"
   grep -q "this is one rank" <<<"$out" || fail "--zero: $out"
-  echo "errors: all five reported with exit 2"
+  for bad in "--steps 1e9" "--steps -1" "--steps 4x" "--lr nan" "--clip -1" "--seed 1.5" "--zero 2" "--threads -2"; do
+    out=$("$train" $bad 2>&1); [ $? -eq 2 ] || fail "$bad ran"
+    grep -qE "is not a (whole|finite) number" <<<"$out" || fail "$bad: $out"
+  done
+  out=$("$train" --help) || fail "--help exited non-zero"
+  grep -q "^usage: llama_train" <<<"$out" && grep -q -- "--val-every N" <<<"$out" || fail "--help: $out"
+  touch "$work/file"
+  out=$("$train" --steps 1 --save "$work/file/ck" 2>&1); [ $? -eq 2 ] || fail "unwritable --save ran"
+  grep -qF "error: --save \"$work/file/ck\" cannot be written: Not a directory." <<<"$out" \
+    && grep -qF "checked before step 1" <<<"$out" || fail "--save: $out"
+  start=$(date +%s)
+  out=$("${mpi[@]}" -np 2 "$train" --steps 1 --save "$work/file/ck" 2>&1) && fail "unwritable --save on 2 ranks ran"
+  grep -qF "rank 1: error: stopped: rank 0 failed a check" <<<"$out" && grep -qF "rank 0: error: --save" <<<"$out" \
+    || fail "--save on 2 ranks: $out"
+  [ $(($(date +%s) - start)) -lt 30 ] || fail "--save on 2 ranks took past 30 s: the other rank waited for a timeout"
+  out=$("$train" --steps 1 --val-every 1 2>&1); [ $? -eq 2 ] || fail "a validation split of 196 tokens ran"
+  grep -qF "each split needs at least seq + 1 = 1025" <<<"$out" || fail "--val-every: $out"
+  echo "errors: all reported with exit 2; --help exits 0"
+  ;;
+nonfinite)
+  out=$("$train" --steps 4 --lr 1e30 --save "$work/ck" --save-every 1 2>&1); [ $? -eq 2 ] || fail "--lr 1e30 ran: $out"
+  grep -qE "^error: step 2, rank 0: the loss is (NaN|[+-]inf); the first non-finite tensor is [a-z_./0-9]+\[[0-9]+\] = (NaN|[+-]inf)\.$" <<<"$out" \
+    || fail "no error naming step 2, rank 0 and a tensor: $out"
+  grep -qF "no checkpoint holding non-finite values is written" <<<"$out" || fail "$out"
+  [ "$(cat "$work/ck/latest")" = "step-00000001" ] || fail "latest is $(cat "$work/ck/latest")"
+  [ ! -e "$work/ck/step-00000002" ] || fail "a checkpoint of step 2 was written"
+  echo "$out" | grep "^error"
+  ;;
+validation)
+  for _ in 1 2 3 4 5 6 7 8 9 10; do cat "$(dirname "$0")/../../examples/llama/data/corpus.txt"; done >"$work/text.txt"
+  out=$("$train" --steps 4 --data "$work/text.txt" --val-every 2 --val-fraction 0.3 --val-batches 1 \
+        --metrics "$work/m.jsonl" 2>&1) || fail "$out"
+  grep -q "^validation: the last 11772 tokens of" <<<"$out" || fail "no validation line: $out"
+  [ "$(grep -c "validation loss" <<<"$out")" = 2 ] || fail "not 2 validation losses: $out"
+  [ "$(grep -c '"val_loss":' "$work/m.jsonl")" = 2 ] && grep -q '"step":4,.*"val_loss":' "$work/m.jsonl" \
+    || fail "metrics: $(cat "$work/m.jsonl")"
+  grep "validation loss" <<<"$out"
   ;;
 plan)
   out=$("$train" --steps 2 --save "$work/ck" --metrics "$work/one.jsonl") || fail "1 rank: $out"

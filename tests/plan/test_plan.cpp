@@ -146,6 +146,12 @@ TEST(Schedule, IllegalRulesNameTheValueTheRuleAndTheLegalChoices) {
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"sp": 4}})", "s"); }),
               ::testing::HasSubstr("mesh sp=4 without split_sequence"));
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"tp": 2}})", "s"); }), ::testing::HasSubstr("legal: dp, sp, zero"));
+  // Found by fuzzing (tests/fuzz/corpus/schedule): a ZeRO stage past int was
+  // once truncated to 1, and a mesh whose rank count overflows was accepted.
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"zero": 4294967297}})", "s"); }),
+              ::testing::HasSubstr("mesh.zero 4294967297"));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"mesh": {"dp": 4611686018427387904, "sp": 4}, "split_sequence": "sp"})", "s"); }),
+              ::testing::HasSubstr("overflows 64 bits"));
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"kernel_tiles": {"attention_keys": 12}})", "s"); }),
               ::testing::HasSubstr("a multiple of 8 up to 256"));
 }

@@ -210,5 +210,28 @@ TEST(DescribePlan, NamesAKeyThatIsNotANumber) {
               HasSubstr("error: the plan's \"memory_per_rank\" is [1,2], not an object."));
 }
 
+TEST(DescribeSchedule, SaysWhatIsRecomputedAndWhyAutoSPChoseIt) {
+  const auto plan = nlohmann::ordered_json::parse(R"json({
+    "schedule": "autosp",
+    "schedule_spec": {"mesh": {"dp": 1, "sp": 4, "zero": 1}, "attention": [{"match": "*", "strategy": "ulysses"}],
+                      "loss_seq_tile": 128,
+                      "values": [{"match": "op:silu", "compute": "inline"},
+                                 {"match": "model.layers.*.mlp.gate_proj op:contract", "keep": "save"},
+                                 {"match": "model.layers.*.mlp.gate_proj op:contract", "keep": "recompute"},
+                                 {"match": "model.layers.*.self_attn op:attention", "keep": "save"},
+                                 {"match": "lm_head op:contract", "keep": "recompute"}]},
+    "autosp": {"ranks": 4, "memory_per_rank_bytes": 125829120, "plans_scored": 80, "seconds": 0.3,
+               "one_rank_peak_bytes": {"default": 477102080, "checkpoint": 277872640},
+               "rejected": [{"what": "ulysses at sp=2 (dp=2)", "reason": "181.0 MiB > 120.0 MiB per rank"}]}})json");
+  EXPECT_EQ(describe_schedule(plan),
+            "schedule \"autosp\": mesh dp=1 x sp=4, ZeRO-1; attention ulysses; sequence tiles: loss 128 tokens\n"
+            "  recomputed in the backward: mlp.gate_proj, lm_head\n"
+            "  kept from the forward: self_attn\n"
+            "  chosen by AutoSP for 4 ranks x 120.0 MiB (80 plans scored in 0.3 s); one rank alone would need "
+            "455.0 MiB saving everything, 265.0 MiB with every layer checkpointed\n"
+            "  rejected: ulysses at sp=2 (dp=2): 181.0 MiB > 120.0 MiB per rank\n");
+  EXPECT_EQ(describe_schedule(nlohmann::ordered_json::parse(R"({"schedule": "default"})")), "");
+}
+
 }  // namespace
 }  // namespace halyard::runtime

@@ -1,12 +1,17 @@
 // Tests for runtime/safetensors: round trips, exact float conversions, reading
 // files laid out the way Python's safetensors writes them, one test per kind of
 // malformed file (each checking the message names the file, the numbers and the
-// fix), and the atomic writer leaving an old file intact when a write fails.
+// fix), and the atomic writer leaving an old file intact when a write fails
+// (file size limit, or HALYARD_TEST_FAIL_WRITE_AFTER_BYTES). Also the pieces
+// checkpoints are built from: XXH64 against the reference's vectors, the
+// streaming writer, and MappedSafetensors (conversion through windows, NaN and
+// infinity found past the first window, validation as strict as read()).
 #include "runtime/safetensors.h"
 
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <bit>
@@ -19,10 +24,12 @@
 #include <initializer_list>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "runtime/error.h"
+#include "runtime/file_io.h"
 
 namespace halyard::runtime {
 namespace {
@@ -583,6 +590,160 @@ TEST_F(SafetensorsTest, WriteOverDirectoryFailsAndKeepsIt) {
                   {"cannot write it: renaming", "is a directory"});
   EXPECT_TRUE(fs::is_directory(target / "inner"));
   EXPECT_TRUE(stray_files("ckpt.safetensors").empty()) << "the temp file must be removed";
+}
+
+// ---- checksums, streaming writes, injected write failures -----------------
+
+TEST_F(SafetensorsTest, Xxh64MatchesReferenceVectors) {
+  // Vectors of the reference implementation (xxhsum), seed 0; lengths cover
+  // < 4, 4..7, 8..31, exactly one 32-byte stripe, and beyond.
+  const std::vector<std::pair<std::string, uint64_t>> vectors = {
+      {"", 0xef46db3751d8e999ull},
+      {"a", 0xd24ec4f1a98c6e5bull},
+      {"abc", 0x44bc2cf5ad770999ull},
+      {"1234", 0xd8316e61d84f6ba4ull},
+      {"12345678", 0xd2d02f08cf7cfd4aull},
+      {"123456789012345", 0xc377d78ade001a3cull},
+      {"1234567890123456", 0xb61c33dc6c59f270ull},
+      {"1234567890123456789012345678901", 0x8f367cb873a5376eull},
+      {"12345678901234567890123456789012", 0x40fd1aa52d98274cull},
+      {"The quick brown fox jumps over the lazy dog", 0x0b242d361fda71bcull},
+  };
+  for (const auto& [text, want] : vectors) {
+    Xxh64 whole;
+    whole.update(text.data(), text.size());
+    EXPECT_EQ(whole.digest(), want) << '"' << text << '"';
+    Xxh64 bytewise;  // the same bytes in pieces of 1 byte
+    for (char c : text) bytewise.update(&c, 1);
+    EXPECT_EQ(bytewise.digest(), want) << '"' << text << "\" byte by byte";
+  }
+  EXPECT_EQ(hex64(0x0b242d361fda71bcull), "0b242d361fda71bc");
+  // Long input in uneven pieces equals one pass.
+  Bytes data(100003);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  Xxh64 one, pieces;
+  one.update(data.data(), data.size());
+  for (size_t at = 0, k = 1; at < data.size(); at += k, k = k * 3 % 97 + 1)
+    pieces.update(data.data() + at, std::min(k, data.size() - at));
+  EXPECT_EQ(pieces.digest(), one.digest());
+}
+
+TEST_F(SafetensorsTest, WriteSafetensorsStreamsTheSameBytesAndDigestsThem) {
+  Safetensors st;
+  st.put("b", make_tensor(Dtype::BF16, {3, 5}));
+  st.put("a", make_tensor(Dtype::F32, {1000}));
+  st.metadata["format"] = "pt";
+  std::map<std::string, TensorView> views;
+  for (const std::string& n : st.names()) views[n] = TensorView{st.at(n).dtype, st.at(n).shape, st.at(n).bytes};
+  const std::string path = (dir_ / "streamed.safetensors").string();
+  const FileDigest d = write_safetensors(path, views, st.metadata);
+  EXPECT_EQ(read_bytes(path), st.serialize());
+  const FileDigest again = digest_file(path, "safetensors file");
+  EXPECT_EQ(d.bytes, again.bytes);
+  EXPECT_EQ(d.xxh64, again.xxh64);
+
+  views["a"].bytes = views["a"].bytes.subspan(4);  // one element short
+  expect_contains(error_of([&] { write_safetensors(path, views, {}); }),
+                  {"error: safetensors file \"" + path + "\"", "tensor \"a\" F32[1000]: got 3996 bytes",
+                   "1000 elements of F32 need 4000"});
+  EXPECT_EQ(read_bytes(path), st.serialize()) << "a rejected tensor touches no file";
+}
+
+TEST_F(SafetensorsTest, InjectedWriteFailureLeavesOldFileIntact) {
+  const std::string path = (dir_ / "ckpt.safetensors").string();
+  Safetensors old_st, new_st;
+  old_st.put_f32("w", {2}, {1.0f, 2.0f});
+  old_st.write(path);
+  const Bytes before = read_bytes(path);
+  new_st.put("w", make_tensor(Dtype::F32, {4096}));
+  ::setenv("HALYARD_TEST_FAIL_WRITE_AFTER_BYTES", "1000", 1);
+  const std::string message = error_of([&] { new_st.write(path); });
+  ::unsetenv("HALYARD_TEST_FAIL_WRITE_AFTER_BYTES");
+  expect_contains(message, {"error: safetensors file \"" + path + "\"", "cannot write it: writing",
+                            "No space left on device", "is full; free space there",
+                            "any previous file at this path is unchanged"});
+  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_TRUE(stray_files("ckpt.safetensors").empty()) << "the temp file must be removed";
+  new_st.write(path);  // the budget ends with the write it was set for
+  EXPECT_EQ(read_bytes(path), new_st.serialize());
+}
+
+// ---- mapped reading ----------------------------------------------------------
+
+// A file whose tensors cross the 2 MiB windows of MappedSafetensors at odd offsets.
+Safetensors float_tensors() {
+  Safetensors st;
+  std::vector<float> f(700001);
+  for (size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(i % 1000) / 8.0f - 60.0f;
+  st.put_f32("f32", {static_cast<int64_t>(f.size())}, f);
+  std::vector<double> d(300001);
+  for (size_t i = 0; i < d.size(); ++i) d[i] = 1.0 / static_cast<double>(i + 1);
+  st.put_f64("f64", {static_cast<int64_t>(d.size())}, d);
+  std::vector<uint16_t> h(1500001);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>((i * 2654435761u) & 0x7bff);  // finite F16
+  st.put("f16", u16_tensor(Dtype::F16, h));
+  for (uint16_t& b : h) b = static_cast<uint16_t>(b & 0xbf7f);  // finite BF16
+  st.put("bf16", u16_tensor(Dtype::BF16, h));
+  st.put("small", make_tensor(Dtype::I32, {3}));
+  return st;
+}
+
+TEST_F(SafetensorsTest, MappedReadF32EqualsToF32ForEveryFloatDtype) {
+  const std::string path = (dir_ / "floats.safetensors").string();
+  const Safetensors st = float_tensors();
+  st.write(path);
+  const MappedSafetensors mapped(path);
+  EXPECT_EQ(mapped.names(), st.names());
+  for (const char* name : {"f32", "f64", "f16", "bf16"}) {
+    const std::vector<float> want = st.to_f32(name);
+    std::vector<float> got(want.size(), -1.0f);
+    mapped.read_f32(name, got.data());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0) << name;
+    EXPECT_EQ(mapped.first_non_finite(name), -1) << name;
+    EXPECT_EQ(type_string(Tensor{mapped.at(name).dtype, mapped.at(name).shape, {}}), type_string(st.at(name)));
+  }
+  EXPECT_EQ(mapped.first_non_finite("small"), -1) << "integers hold no NaN";
+  expect_contains(error_of([&] { std::vector<float> out(3); mapped.read_f32("small", out.data()); }),
+                  {"error: safetensors file \"" + path + "\"", "tensor \"small\" is I32[3]",
+                   "reads F32, F64, F16 or BF16"});
+  expect_contains(error_of([&] { mapped.at("nope"); }),
+                  {"has no tensor \"nope\"", "it has 5 tensors: \"bf16\", \"f16\", \"f32\", \"f64\", \"small\""});
+}
+
+TEST_F(SafetensorsTest, MappedFirstNonFiniteFindsNaNAndInfinityPastTheFirstWindow) {
+  const std::string path = (dir_ / "bad.safetensors").string();
+  Safetensors st = float_tensors();
+  auto poke = [&](const std::string& name, size_t i, const void* bits, size_t n) {
+    Tensor t = st.at(name);
+    std::memcpy(t.bytes.data() + i * n, bits, n);
+    st.put(name, t);
+  };
+  const uint32_t f32_nan = 0x7fc00001;
+  const uint64_t f64_ninf = 0xfff0000000000000ull;
+  const uint16_t f16_inf = 0x7c00, bf16_nan = 0xffc1;
+  poke("f32", 600000, &f32_nan, 4);     // past 2 MiB of F32
+  poke("f64", 299999, &f64_ninf, 8);
+  poke("f16", 1234567, &f16_inf, 2);
+  poke("bf16", 5, &bf16_nan, 2);
+  st.write(path);
+  const MappedSafetensors mapped(path);
+  EXPECT_EQ(mapped.first_non_finite("f32"), 600000);
+  EXPECT_EQ(mapped.first_non_finite("f64"), 299999);
+  EXPECT_EQ(mapped.first_non_finite("f16"), 1234567);
+  EXPECT_EQ(mapped.first_non_finite("bf16"), 5);
+}
+
+TEST_F(SafetensorsTest, MappedValidatesLikeRead) {
+  const Bytes truncated = make_file(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 10);
+  const std::string path = (dir_ / "bad.safetensors").string();
+  write_bytes(path, truncated);
+  const std::string mapped = error_of([&] { MappedSafetensors m(path); });
+  EXPECT_EQ(mapped, error_of([&] { Safetensors::read(path); }));
+  expect_contains(mapped, {"error: safetensors file \"" + path + "\"", "truncated"});
+  expect_contains(error_of([&] { MappedSafetensors m((dir_ / "missing").string()); }),
+                  {"cannot open it", "No such file"});
+  write_bytes(path, {});
+  expect_contains(error_of([&] { MappedSafetensors m(path); }), {"the file is 0 bytes"});
 }
 
 // ---- the committed fixture -------------------------------------------------

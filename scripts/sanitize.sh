@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The sanitizer run of the test suite (scripts/test.sh calls it after ctest):
+# configures build-san/ with clang, -DHALYARD_SANITIZE=ON (AddressSanitizer +
+# UndefinedBehaviorSanitizer, any report fatal; see CMakeLists.txt), builds
+# target halyard_sanitize_tests only -- the unit tests that link no generated
+# model library (label "sanitize") and the fuzz targets of tests/fuzz -- and
+# runs `ctest -L 'fuzz|sanitize'`: the tests, every fuzz corpus replayed, and
+# each fuzz target for HALYARD_FUZZ_SECONDS (default 20) under libFuzzer.
+# Extra arguments go to ctest (e.g. -R Safetensors). Needs clang and libFuzzer
+# (scripts/setup.sh installs clang-16 and libclang-rt-16-dev).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck disable=SC1091
+source "$root/.venv/halyard.env"
+cc=${HALYARD_SANITIZE_CC:-clang-16} cxx=${HALYARD_SANITIZE_CXX:-clang++-16}
+if ! command -v "$cxx" >/dev/null; then
+  echo "error: $cxx not found; the sanitizer run needs clang with libFuzzer." >&2
+  echo "fix: bash scripts/setup.sh (it installs clang-16 and libclang-rt-16-dev)." >&2
+  exit 1
+fi
+build="$root/build-san"
+jobs=$(nproc 2>/dev/null || echo 2)
+start=$SECONDS
+"$HALYARD_CMAKE" -S "$root" -B "$build" -G Ninja -DHalide_DIR="$HALYARD_HALIDE_DIR" \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DHALYARD_SANITIZE=ON \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
+  -DHALYARD_FUZZ_SECONDS="${HALYARD_FUZZ_SECONDS:-20}" >"$build.configure.log" 2>&1 \
+  || { cat "$build.configure.log"; exit 1; }
+"$HALYARD_CMAKE" --build "$build" --target halyard_sanitize_tests -j "$jobs"
+echo "[sanitize] configured and built in $((SECONDS - start)) s"
+
+symbolizer=$(command -v "llvm-symbolizer-${cxx##*-}" || command -v llvm-symbolizer || true)
+export ASAN_SYMBOLIZER_PATH=${ASAN_SYMBOLIZER_PATH:-$symbolizer}
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:check_initialization_order=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+cd "$build"
+# Two AutoSP property sweeps and the tiny model's gradcheck take 3 minutes under
+# the sanitizers; the other Autosp and Gradcheck tests run the same code.
+slow='Autosp\.(TighterMemoryIsNeverFasterAndFits|RecomputeSolverEqualsEnumeratingEveryDecision)|Gradcheck\.WholeTinyModel'
+ctest -L 'fuzz|sanitize' -E "$slow" --output-on-failure -j "$jobs" "$@"
+echo "[sanitize] done in $((SECONDS - start)) s"
