@@ -24,6 +24,27 @@ for py in "$root/.venv-bench/bin/python" /usr/bin/python3; do
   if [ -x "$py" ] && "$py" -c "import torch" 2>/dev/null; then torch_py=$py; break; fi
 done
 
+# What the figures were measured on: a ratio means something only next to
+# the machine and the peers' versions.
+echo "== machine"
+cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
+flags=$(lscpu | sed -n 's/^Flags: *//p')
+isa=""
+for f in sse4_1 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16; do
+  grep -qw "$f" <<<"$flags" && isa+="$f "
+done
+echo "cpu: ${cpu:-unknown}; $(nproc) cores visible, $(lscpu | sed -n 's/^Thread(s) per core: *//p') thread(s) per core; bench threads: $threads"
+echo "isa: ${isa:-none of the listed}"
+echo "caches: L1d $(lscpu | sed -n 's/^L1d cache: *//p'), L2 $(lscpu | sed -n 's/^L2 cache: *//p'), L3 $(lscpu | sed -n 's/^L3 cache: *//p')"
+echo "halide host target: $("$root/.venv/bin/python" -c 'import halide; print(halide.get_host_target())' 2>/dev/null || echo unknown)"
+eigen_h=/usr/include/eigen3/Eigen/src/Core/util/Macros.h
+torch_ver="not found"
+if [ -n "$torch_py" ]; then
+  torch_ver=$("$torch_py" -c 'import re, torch; m = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show()); print(torch.__version__, "BLAS", m.group(1) if m else "?")' 2>/dev/null || echo "unknown")
+fi
+echo "peers: Eigen $(sed -n 's/^#define EIGEN_\(WORLD\|MAJOR\|MINOR\)_VERSION \([0-9]*\)/\2/p' "$eigen_h" 2>/dev/null | paste -sd.); PyTorch $torch_ver"
+echo
+
 echo "== matmul (generated kernels vs Eigen, $threads threads)"
 "$bin/matmul_bench" --threads "$threads"
 
