@@ -282,17 +282,35 @@ nlohmann::json calibrate_machine(Communicator* comm, int threads) {
   return out;
 }
 
+namespace {
+
+// "model.layers.*.mlp.gate_proj op:contract" -> "mlp.gate_proj": the module a
+// rule names, without the layer wildcard and the op (several ops of one module
+// read as one).
+std::string module_of(const std::string& match) {
+  std::string m = match.substr(0, match.find(' '));
+  const std::string layers = "model.layers.*.";
+  if (m.rfind(layers, 0) == 0) m = m.substr(layers.size());
+  return m;
+}
+
+// Bytes as MiB with one decimal: "41.2".
+std::string mib(double bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.1f", bytes / (1 << 20));
+  return s;
+}
+
+std::string mib_text(double bytes) { return mib(bytes) + " MiB"; }
+
+}  // namespace
+
 std::string describe_plan(const nlohmann::ordered_json& plan) {
   auto number = [&](const char* key, const nlohmann::ordered_json& v) {
     if (!v.is_number())
       throw Error(std::string("error: the plan's \"") + key + "\" is " + v.dump() +
                   ", not a number.\nfix: the generator that wrote plan_json must write bytes and seconds as numbers.");
     return v.get<double>();
-  };
-  auto mib = [](double bytes) {
-    char s[32];
-    std::snprintf(s, sizeof s, "%.1f", bytes / (1 << 20));
-    return std::string(s);
   };
   if (!plan.is_object()) return "";
   std::string memory, breakdown;
@@ -320,26 +338,6 @@ std::string describe_plan(const nlohmann::ordered_json& plan) {
   if (memory.empty() && step.empty()) return "";
   return "plan: " + memory + (memory.empty() || step.empty() ? "" : ", ") + step;
 }
-
-namespace {
-
-// "model.layers.*.mlp.gate_proj op:contract" -> "mlp.gate_proj": the module a
-// rule names, without the layer wildcard and the op (several ops of one module
-// read as one).
-std::string module_of(const std::string& match) {
-  std::string m = match.substr(0, match.find(' '));
-  const std::string layers = "model.layers.*.";
-  if (m.rfind(layers, 0) == 0) m = m.substr(layers.size());
-  return m;
-}
-
-std::string mib_text(double bytes) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.1f MiB", bytes / (1 << 20));
-  return s;
-}
-
-}  // namespace
 
 std::string describe_schedule(const nlohmann::ordered_json& plan) {
   if (!plan.is_object() || !plan.contains("schedule_spec") || !plan["schedule_spec"].is_object()) return "";

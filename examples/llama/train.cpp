@@ -352,20 +352,18 @@ std::string save_dir_error(const std::string& dir) {
 
 std::string number_text(double x) { return std::isnan(x) ? "NaN" : std::isinf(x) ? (x > 0 ? "+inf" : "-inf") : std::to_string(x); }
 
-// The first non-finite value of any parameter (the cause, when there is one)
-// or gradient on this rank, as "grad/model.layers.0.mlp.up_proj.weight[1234]
-// = NaN", or "".
-std::string first_non_finite(runtime::Model& m) {
-  for (const bool grad : {false, true})
-    for (int i = 0; i < m.num_params(); ++i) {
-      const float* x = grad ? m.grad(i) : m.param(i);
-      const int64_t n = m.param_spec(i).numel;
-      for (int64_t j = 0; j < n; ++j)
-        if (!std::isfinite(x[j])) {
-          return std::string(grad ? "grad/" : "") + m.param_spec(i).name + "[" + std::to_string(j) +
-                 "] = " + number_text(x[j]);
-        }
-    }
+// The first non-finite value of the gradients (or, with `params`, of the
+// parameters) on this rank, as "grad/model.layers.0.mlp.up_proj.weight[1234]
+// = NaN" or "model.norm.weight[3] = +inf"; "" when all are finite.
+std::string first_non_finite(runtime::Model& m, bool params) {
+  for (int i = 0; i < m.num_params(); ++i) {
+    const float* x = params ? m.param(i) : m.grad(i);
+    const int64_t n = m.param_spec(i).numel;
+    for (int64_t j = 0; j < n; ++j)
+      if (!std::isfinite(x[j]))
+        return std::string(params ? "" : "grad/") + m.param_spec(i).name + "[" + std::to_string(j) +
+               "] = " + number_text(x[j]);
+  }
   return "";
 }
 
@@ -374,8 +372,10 @@ std::string first_non_finite(runtime::Model& m) {
 // loss is global; ZeRO's gradients are each rank's own) and they stop together.
 void check_finite(runtime::Communicator* comm, int rank, int step, double loss, runtime::Model& m, double lr) {
   std::string bad = std::isfinite(loss) ? "" : "the loss is " + number_text(loss);
-  const std::string where = first_non_finite(m);
+  std::string where = first_non_finite(m, false);  // every step: one pass over the gradients
   if (bad.empty() && where.empty()) return agree(comm, "");
+  // Something is off: a non-finite parameter, when there is one, is the cause.
+  if (std::string param = first_non_finite(m, true); !param.empty()) where = param;
   if (bad.empty()) bad = "a gradient is not finite";
   char lr_text[32];
   std::snprintf(lr_text, sizeof lr_text, "%g", lr);
