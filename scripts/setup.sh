@@ -51,7 +51,7 @@ if "$py" -c "import halide" 2>/dev/null; then
   halide_dir=$(dirname "$(find "$("$py" -c 'import halide; print(halide.install_dir())')" \
     -path '*/cmake/Halide/HalideConfig.cmake' | head -n 1)")
 else
-  # Fallback named in DESIGN.md: Debian's Halide 14 (needs LLVM 14's CMake files).
+  # The fallback: Debian's Halide 14 (needs LLVM 14's CMake files); CMakeLists.txt then names the version it needs.
   echo "[setup] falling back to Debian's Halide 14 (libhalide14-0-dev); features of Halide 21 will be missing." >&2
   for p in libhalide14-0-dev llvm-14-dev; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || \
