@@ -70,6 +70,9 @@ Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& opt
     std::vector<Value> din = vjp(g, snapshot, dout, needed, fwd);
     for (size_t k = 0; k < snapshot.inputs.size(); ++k) {
       if (!needed[k]) continue;
+      // Ring attention's merge routes its cotangent around its partial
+      // results (dsl/vjp.cpp): those operands get none.
+      if (snapshot.op == Op::AttentionMerge && !din[k].valid()) continue;
       HALYARD_CHECK(din[k].valid(), op_name(snapshot.op) << " gave no cotangent for operand " << k);
       Value& acc = adj[static_cast<size_t>(snapshot.inputs[k])];
       acc = acc.valid() ? add(acc, din[k]) : din[k];

@@ -33,11 +33,14 @@ enum class Op {
   RmsNormGradX,      // (x, w, dy)
   RmsNormGradW,      // (x, dy) -> [A]
   Rope,              // (x, positions): rotate-half RoPE over head_dim
-  Attention,         // (q, k, v, positions): causal grouped-query attention
-  AttentionLse,      // (q, k, positions) -> [batch, seq, heads]: log-sum-exp of each score row
-  AttentionGradQ,    // (q, k, v, positions, out, dout, lse)
-  AttentionGradK,    // (q, k, v, positions, out, dout, lse)
-  AttentionGradV,    // (q, k, v, positions, out, dout, lse)
+  // The attention ops take the keys' positions as an extra last operand when
+  // the keys are another rank's block (ring attention); otherwise the keys
+  // are the queries' own tokens and share their positions.
+  Attention,         // (q, k, v, positions[, key positions]): causal grouped-query attention
+  AttentionLse,      // (q, k, positions[, key positions]) -> [batch, seq, heads]: log-sum-exp of each score row
+  AttentionGradQ,    // (q, k, v, positions, out, dout, lse[, key positions])
+  AttentionGradK,    // (q, k, v, positions, out, dout, lse[, key positions])
+  AttentionGradV,    // (q, k, v, positions, out, dout, lse[, key positions])
   TokenCount,        // (labels) -> scalar: how many labels are not ignore_index
   CrossEntropy,      // (logits, labels, count) -> sum over real tokens of -log p(label) / count
   CrossEntropyGrad,  // (logits, labels, count, dloss)
@@ -52,6 +55,12 @@ enum class Op {
   HeadsToSeq,        // (x[batch, seq, H@A, head_dim]) -> [batch, seq@A, H, head_dim]; sums replicated heads
   GatherSeq,         // (x[batch, seq@A]) -> [batch, seq]: all-gather along seq
   AllReduce,         // (x) -> x summed over the mesh axis, the same on every rank
+  RingShift,         // (x[batch, seq@A, ...]) -> same type: each rank receives the tensor of the rank before it
+                     // along A (attrs.offset = 1; -1 the other way round)
+  // Ring attention (schedules/sharding.h): each rank's queries against every
+  // rank's key block, merged with the online-softmax rule.
+  LseMerge,          // (l_0, ..., l_{n-1}) [batch, seq, heads] -> log sum_j exp(l_j)
+  AttentionMerge,    // (q, positions, L, then per block k_j, v_j, key positions_j, o_j, l_j) -> sum_j exp(l_j - L) o_j
 };
 
 bool is_collective(Op op);
@@ -83,6 +92,10 @@ struct Attrs {
   int64_t offset = 0;                 // SliceSeq, PadSeq: where the tile starts along seq
   std::string mesh_axis;              // collectives: the mesh axis they run over ("sp")
   int64_t degree = 0;                 // collectives: ranks along that mesh axis
+  // Attention on a ring block (with key positions): degree = ranks of the
+  // ring, offset = how many ranks back the block came from (0: its own),
+  // layout = how the sequence is placed on them ("contiguous" or "zigzag").
+  std::string layout;
   bool operator==(const Attrs&) const = default;
 };
 

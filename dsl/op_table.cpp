@@ -1,6 +1,7 @@
 // The op table (see op_table.h): one row per op.
 #include "dsl/op_table.h"
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
 
@@ -9,7 +10,7 @@
 namespace halyard {
 namespace {
 
-constexpr int kBuiltinOps = static_cast<int>(Op::AllReduce) + 1;
+constexpr int kBuiltinOps = static_cast<int>(Op::AttentionMerge) + 1;
 
 double numel(const TensorType& t) { return static_cast<double>(t.numel()); }
 const TensorType& in_type(const Graph& g, const Node& n, size_t k) { return g.node(n.inputs[k]).type; }
@@ -38,9 +39,19 @@ std::function<double(const Graph&, const Node&)> attention_flops(double mads, do
   return [mads, extra](const Graph& g, const Node& n) {
     const TensorType& q = in_type(g, n, 0);
     const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
-    const double pairs = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads")) * s * (s + 1) / 2;
+    // A ring block (keys with positions of their own) costs what its busiest rank sees.
+    const double rows = is_ring_block(n) ? ring_block_pairs_max(q.size("seq"), n.attrs) : s * (s + 1) / 2;
+    const double pairs = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads")) * rows;
     return pairs * (2 * mads * d + extra);
   };
+}
+
+// The positions of rank r's tokens, as chunks [begin, end) of the global
+// sequence: one chunk of s (contiguous), or chunks r and 2P-1-r of s/2 (zigzag).
+std::vector<std::pair<int64_t, int64_t>> rank_chunks(int64_t s, int64_t ranks, int64_t r, bool zigzag) {
+  if (!zigzag) return {{r * s, (r + 1) * s}};
+  const int64_t c = s / 2;
+  return {{r * c, (r + 1) * c}, {(2 * ranks - 1 - r) * c, (2 * ranks - r) * c}};
 }
 
 OpInfo row(const char* name, OpClass cls) {
@@ -112,8 +123,23 @@ std::deque<OpInfo> make_builtin_rows() {
   set(Op::PadSeq, row("pad_seq", C::Cheap));
   set(Op::ConcatSeq, with(row("concat_seq", C::Runtime), [](OpInfo& r) { r.checkpoint_keeps = true; }));
   for (auto [op, name] : {std::pair{Op::SeqToHeads, "seq_to_heads"}, std::pair{Op::HeadsToSeq, "heads_to_seq"},
-                          std::pair{Op::GatherSeq, "gather_seq"}, std::pair{Op::AllReduce, "all_reduce"}})
+                          std::pair{Op::GatherSeq, "gather_seq"}, std::pair{Op::AllReduce, "all_reduce"},
+                          std::pair{Op::RingShift, "ring_shift"}})
     set(op, with(row(name, C::Runtime), [](OpInfo& r) { r.collective = r.checkpoint_keeps = true; }));
+  // Ring attention's merge: per row, a max and a sum of exps over the
+  // blocks; then each block's output scaled and added. Their own stages
+  // (heavy), so that the attention backward reads L from memory, and kept
+  // by checkpointing like the attention output they are.
+  set(Op::LseMerge, with(row("lse_merge", C::Heavy), [](OpInfo& r) {
+        r.checkpoint_keeps = true;
+        r.flops = [](const Graph&, const Node& n) { return 4 * numel(n.type) * static_cast<double>(n.inputs.size()); };
+      }));
+  set(Op::AttentionMerge, with(row("attention_merge", C::Heavy), [](OpInfo& r) {
+        r.checkpoint_keeps = true;
+        r.flops = [](const Graph&, const Node& n) {
+          return 3 * numel(n.type) * static_cast<double>((n.inputs.size() - 3) / 5);
+        };
+      }));
   return t;
 }
 
@@ -191,6 +217,38 @@ std::vector<std::string> op_names(OpClass cls) {
   for (const OpInfo& r : t.rows)
     if (r.cls == cls) out.push_back(r.name);
   return out;
+}
+
+bool is_ring_block(const Node& n) {
+  switch (n.op) {
+    case Op::Attention: return n.inputs.size() == 5;
+    case Op::AttentionLse: return n.inputs.size() == 4;
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK:
+    case Op::AttentionGradV: return n.inputs.size() == 8;
+    default: return false;
+  }
+}
+
+double ring_block_pairs(int64_t s, const Attrs& block, int64_t rank) {
+  const int64_t P = block.degree, from = ((rank - block.offset) % P + P) % P;
+  const bool zigzag = block.layout == "zigzag";
+  // Chunks are aligned: two are the same chunk (causal within it) or
+  // disjoint (every pair visible, or none).
+  double pairs = 0;
+  for (auto [q0, q1] : rank_chunks(s, P, rank, zigzag))
+    for (auto [k0, k1] : rank_chunks(s, P, from, zigzag)) {
+      const double n = static_cast<double>(q1 - q0);
+      if (q0 == k0) pairs += n * (n + 1) / 2;
+      else if (k1 <= q0) pairs += n * static_cast<double>(k1 - k0);
+    }
+  return pairs;
+}
+
+double ring_block_pairs_max(int64_t s, const Attrs& block) {
+  double most = 0;
+  for (int64_t r = 0; r < std::max<int64_t>(block.degree, 1); ++r) most = std::max(most, ring_block_pairs(s, block, r));
+  return most;
 }
 
 double op_flops(const Graph& g, const Node& n) {

@@ -75,6 +75,15 @@ bool is_registered_op(Op op);  // added by register_op, not built in
 Op op_by_name(const std::string& name);
 std::vector<std::string> op_names(OpClass cls);
 
+// Ring attention (schedules/sharding.h): whether a node is an attention op
+// on another rank's key block (its keys have their own positions), and the
+// (query, key) pairs of one row and head that are visible on rank `rank` of
+// `block.degree`, from the block's attrs (how many ranks back it came from,
+// the layout). A block ring_block_pairs_max counts for its busiest rank.
+bool is_ring_block(const Node& n);
+double ring_block_pairs(int64_t local_seq, const Attrs& block, int64_t rank);
+double ring_block_pairs_max(int64_t local_seq, const Attrs& block);
+
 // FLOPs of a node (0 for leaves, views and collectives).
 double op_flops(const Graph& g, const Node& n);
 // Bytes of a node's output, and of all its operands and its output together:

@@ -197,6 +197,14 @@ TensorType attention_type(const Checker& c) {
   return c.t(0);
 }
 
+// A ring block's key positions: integers over the keys' [batch, seq].
+void key_positions(const Checker& c, size_t i) {
+  c.is_int_operand(i, "key positions");
+  c.layout(i, {"batch", "seq"}, "key positions");
+  c.same_size(1, i, "batch", "batch");
+  c.same_size(1, i, "seq", "seq");
+}
+
 // The heads-like axis of an all-to-all operand: heads or kv_heads.
 size_t heads_axis(const Checker& c) {
   const TensorType& x = c.t(0);
@@ -216,50 +224,66 @@ TensorType collective_type(const Checker& c, const Attrs& attrs) {
                std::to_string(p) + ").",
            "e.g. mesh axis \"sp\" of degree 4.");
   TensorType r = c.t(0);
-  auto seq_sharded = [&](bool want) {
+  // Hybrid sequence parallelism splits the sp axis in two, sp = sp_r x sp_u
+  // (ring groups of Ulysses groups): an all-to-all over sp_u takes a seq
+  // split over sp to one split over sp_r, u times longer. Over any other
+  // axis it takes the split seq to the whole one.
+  const std::string before = mesh == kUlyssesAxis ? std::string(kSeqAxis) : mesh;
+  const std::string after = mesh == kUlyssesAxis ? std::string(kRingAxis) : std::string();
+  auto seq_split_over = [&](const std::string& want) {
     const Axis& s = r.axes[1];
-    if (s.sharded() != want || (want && s.shard != mesh))
-      c.fail("axis seq of " + c.label(0) + (want ? " must be split over " + mesh : " must be whole") + " for " +
-                 op_name(c.op) + ".",
-             want ? "a tensor whose seq is split over " + mesh + ", e.g. f32[batch, seq=N@" + mesh + ", ...]."
-                  : "a tensor with an unsplit seq axis.");
+    if (s.shard != want)
+      c.fail("axis seq of " + c.label(0) + (want.empty() ? std::string(" must be whole") : " must be split over " + want) +
+                 " for " + op_name(c.op) + " over " + mesh + ".",
+             want.empty() ? "a tensor with an unsplit seq axis."
+                          : "a tensor whose seq is split over " + want + ", e.g. f32[batch, seq=N@" + want + ", ...].");
+  };
+  auto gathered = [&](const Axis& s) {
+    return after.empty() ? Axis{"seq", s.global, "", 0} : Axis{"seq", s.size * p, after, s.global};
   };
   switch (c.op) {
     case Op::SeqToHeads: {
       c.is_float_operand(0);
       Axis& h = r.axes[heads_axis(c)];
-      seq_sharded(true);
+      seq_split_over(before);
       if (h.sharded()) c.fail(h.name + " of " + c.label(0) + " is already split.", "a tensor whose heads are whole.");
       const int64_t per = heads_per_rank(h.size, p);
       if (per == 0)
         c.fail(h.name + " (" + std::to_string(h.size) + ") cannot be spread over " + std::to_string(p) +
                    " ranks: neither divides the other.",
                "degrees dividing " + std::to_string(h.size) + " or multiples of it.");
-      Axis& s = r.axes[1];
-      s = Axis{"seq", s.global, "", 0};
+      r.axes[1] = gathered(r.axes[1]);
       h = Axis{h.name, per, mesh, h.size};
       return r;
     }
     case Op::HeadsToSeq: {
       c.is_float_operand(0);
       Axis& h = r.axes[heads_axis(c)];
-      seq_sharded(false);
+      seq_split_over(after);
       if (h.shard != mesh) c.fail(h.name + " of " + c.label(0) + " must be split over " + mesh + ".", "");
       Axis& s = r.axes[1];
       if (s.size % p != 0)
         c.fail("seq (" + std::to_string(s.size) + ") is not a multiple of the degree " + std::to_string(p) + ".",
                "pad the sequence to a multiple of the degree.");
-      s = Axis{"seq", s.size / p, mesh, s.size};
+      s = Axis{"seq", s.size / p, before, after.empty() ? s.size : s.global};
       h = Axis{h.name, h.global, "", 0};
       return r;
     }
     case Op::GatherSeq: {
       c.is_int_operand(0, "positions");
       c.layout(0, {"batch", "seq"}, "positions");
-      seq_sharded(true);
-      r.axes[1] = Axis{"seq", r.axes[1].global, "", 0};
+      seq_split_over(before);
+      r.axes[1] = gathered(r.axes[1]);
       return r;
     }
+    case Op::RingShift:
+      if (r.rank() < 2 || r.axes[1].name != "seq")
+        c.fail("ring_shift moves a rank's slice of the sequence: " + c.label(0) + " has no seq axis second.",
+               "a tensor [batch, seq@" + mesh + ", ...].");
+      if (!r.axes[1].sharded() || r.axes[1].shard != mesh) seq_split_over(mesh);
+      if (attrs.offset != 1 && attrs.offset != -1)
+        c.fail("ring_shift by " + std::to_string(attrs.offset) + " ranks.", "1 (from the rank before) or -1.");
+      return r;
     default:
       return r;  // AllReduce
   }
@@ -414,10 +438,12 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       return x;
     }
     case Op::Attention:
-      c.arity(4);
+      if (c.in.size() != 5) c.arity(4);
+      if (c.in.size() == 5) key_positions(c, 4);
       return attention_type(c);
     case Op::AttentionLse: {
-      c.arity(3);
+      if (c.in.size() != 4) c.arity(3);
+      if (c.in.size() == 4) key_positions(c, 3);
       c.is_float_operand(0);
       c.is_float_operand(1);
       c.same_dtype(0, 1);
@@ -431,7 +457,8 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV: {
-      c.arity(7);
+      if (c.in.size() != 8) c.arity(7);
+      if (c.in.size() == 8) key_positions(c, 7);
       attention_type(c);
       c.same_type(0, 4);
       c.same_type(0, 5);
@@ -465,8 +492,32 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::HeadsToSeq:
     case Op::GatherSeq:
     case Op::AllReduce:
+    case Op::RingShift:
       c.arity(1);
       return collective_type(c, attrs);
+    case Op::LseMerge: {
+      if (c.in.empty()) c.fail("lse_merge needs at least one block's statistics.", "one or more [batch, seq, heads].");
+      for (size_t k = 0; k < c.in.size(); ++k) {
+        c.is_float_operand(k);
+        c.layout(k, {"batch", "seq", "heads"}, "statistics");
+        c.same_type(0, k);
+      }
+      return c.t(0);
+    }
+    case Op::AttentionMerge: {
+      if (c.in.size() < 8 || (c.in.size() - 3) % 5 != 0)
+        c.fail("attention_merge takes q, positions, L and five operands per key block, got " +
+                   std::to_string(c.in.size()) + " operands.",
+               "(q, positions, L, k_0, v_0, key_positions_0, o_0, l_0, ...).");
+      for (size_t blk = 3; blk < c.in.size(); blk += 5) {
+        const std::vector<int> one{c.in[0], c.in[blk], c.in[blk + 1], c.in[1], c.in[blk + 2]};
+        attention_type(Checker{c.g, Op::Attention, one});
+        key_positions(Checker{c.g, Op::Attention, one}, 4);
+        c.same_type(0, blk + 3);
+        c.same_type(2, blk + 4);
+      }
+      return c.t(0);
+    }
     case Op::SliceSeq:
     case Op::PadSeq:
     case Op::ConcatSeq:
@@ -551,6 +602,33 @@ Value attention(Value q, Value k, Value v, Value positions) {
   return q.graph->add(Op::Attention, {q, k, v, positions});
 }
 
+Value attention_block(Value q, Value k, Value v, Value positions, Value key_positions, const Attrs& block) {
+  return q.graph->add(Op::Attention, {q, k, v, positions, key_positions}, block);
+}
+
+Value attention_block_lse(Value q, Value k, Value positions, Value key_positions, const Attrs& block) {
+  return q.graph->add(Op::AttentionLse, {q, k, positions, key_positions}, block);
+}
+
+Value lse_merge(const std::vector<Value>& lse) {
+  HALYARD_CHECK(!lse.empty(), "lse_merge of nothing");
+  return lse[0].graph->add(Op::LseMerge, lse);
+}
+
+Value attention_merge(Value q, Value positions, Value lse, const std::vector<RingBlock>& blocks) {
+  std::vector<Value> in{q, positions, lse};
+  for (const RingBlock& b : blocks) in.insert(in.end(), {b.k, b.v, b.positions, b.out, b.lse});
+  return q.graph->add(Op::AttentionMerge, in);
+}
+
+Value ring_shift(Value x, const std::string& mesh_axis, int64_t degree, int64_t direction) {
+  Attrs a;
+  a.mesh_axis = mesh_axis;
+  a.degree = degree;
+  a.offset = direction;
+  return x.graph->add(Op::RingShift, {x}, a);
+}
+
 Value cross_entropy(Value logits, Value labels, int64_t ignore_index) {
   Attrs a;
   a.ignore_index = ignore_index;
@@ -584,6 +662,11 @@ Value attention_lse(Value q, Value k, Value positions) {
 
 Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse) {
   return q.graph->add(which, {q, k, v, positions, out, dout, lse});
+}
+
+Value attention_block_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse,
+                           Value key_positions, const Attrs& block) {
+  return q.graph->add(which, {q, k, v, positions, out, dout, lse, key_positions}, block);
 }
 
 Value token_count(Value labels, int64_t ignore_index) {

@@ -67,6 +67,13 @@ Value slice_seq(Value x, int64_t offset, int64_t size);
 Value pad_seq(Value x, int64_t offset, int64_t size);
 Value concat_seq(const std::vector<Value>& tiles);
 
+// The mesh axes a sequence is split over: sp (every rank of a sequence),
+// and, for hybrid sequence parallelism, its two factors sp = sp_r x sp_u:
+// Ulysses groups of consecutive ranks (sp_u) and the ring across them (sp_r).
+inline constexpr const char* kSeqAxis = "sp";
+inline constexpr const char* kUlyssesAxis = "sp_u";
+inline constexpr const char* kRingAxis = "sp_r";
+
 // Collectives over mesh axis `mesh_axis` of `degree` ranks (see graph.h).
 // Heads H split over P ranks: H/P each when P divides H; when H divides P
 // (kv_heads fewer than ranks) each rank gets one head, replicated over P/H ranks.
@@ -74,6 +81,29 @@ Value seq_to_heads(Value x, const std::string& mesh_axis, int64_t degree);
 Value heads_to_seq(Value x, const std::string& mesh_axis, int64_t degree);
 Value gather_seq(Value x, const std::string& mesh_axis, int64_t degree);
 Value all_reduce(Value x, const std::string& mesh_axis, int64_t degree);
+// Each rank receives the tensor of the rank `direction` places before it
+// along the mesh axis (1: rank r gets rank r-1's, the last rank's goes to
+// rank 0); its transpose is the shift the other way.
+Value ring_shift(Value x, const std::string& mesh_axis, int64_t degree, int64_t direction = 1);
+
+// Ring attention's pieces (schedules/sharding.cpp builds them). A key block
+// is another rank's k, v with their own positions; `block` carries the
+// ring's degree, how many ranks back the block came from (offset) and the
+// sequence layout, for the op table's FLOPs.
+Value attention_block(Value q, Value k, Value v, Value positions, Value key_positions, const Attrs& block);
+Value attention_block_lse(Value q, Value k, Value positions, Value key_positions, const Attrs& block);
+Value attention_block_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse,
+                           Value key_positions, const Attrs& block);
+// L = log sum_j exp(l_j) of the blocks' row statistics.
+Value lse_merge(const std::vector<Value>& lse);
+// One key block of a merge: its operands and its partial result (o, l).
+// The first block is the rank's own: positions are the queries'.
+struct RingBlock {
+  Value k, v, positions, out, lse;
+};
+// out = sum_j exp(l_j - L) o_j. Its VJP goes straight to q and each block's
+// k and v (flash-style, with the merged out and L), not through o_j, l_j.
+Value attention_merge(Value q, Value positions, Value lse, const std::vector<RingBlock>& blocks);
 // Heads per rank for H heads over P ranks, or 0 when neither divides the other.
 int64_t heads_per_rank(int64_t heads, int64_t degree);
 

@@ -142,6 +142,7 @@ const char* call_kind(Op op) {
     case Op::GatherSeq: return "CallKind::GatherSeq";
     case Op::AllReduce: return "CallKind::AllReduce";
     case Op::ConcatSeq: return "CallKind::ConcatSeq";
+    case Op::RingShift: return "CallKind::RingShift";
     default: return "CallKind::Kernel";
   }
 }
@@ -174,13 +175,15 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
       std::string fn = name + "_k" + std::to_string(st.kernel);
       os << "  {&" << fn << "_argv, " << cpp_string(fn) << ", ";
     }
+    const Node& root = g.node(st.root);
     os << cpp_string(label(g, st.root, st.extra_outputs)) << ", " << c.args.size() << ", " << tag << "_args + " << off << ", "
-       << call_kind(op) << "},\n";
+       << (c.wait ? "CallKind::RingShiftWait" : call_kind(op)) << ", " << (is_collective(op) ? cpp_string(root.attrs.mesh_axis) : std::string("nullptr")) << ", "
+       << (op == Op::RingShift ? root.attrs.offset : 0) << "},\n";
     off += c.args.size();
   }
   if (prog.reduce_grads)
     os << "  {nullptr, \"all_reduce_grads\", \"every parameter gradient, summed over the mesh\", 0, " << tag
-       << "_args, CallKind::AllReduceGrads},\n";
+       << "_args, CallKind::AllReduceGrads, " << cpp_string(kWholeMesh) << ", 0},\n";
   os << "};\n";
 }
 
@@ -314,6 +317,14 @@ int run(const Options& o, const ModelBuilder& build) {
   emit_program(c, g, train, train_prog, o.name, "train");
   emit_program(c, g, fwd, fwd_prog, o.name, "forward");
   std::string summary = p.summary_json();
+  int64_t ulysses_degree = 0;  // the runtime makes one pair of hybrid groups per step
+  for (const AttentionRule& r : sched.attention) {
+    if (r.strategy == "hybrid" && ulysses_degree > 0 && r.ulysses_degree != ulysses_degree)
+      throw UserError("error: schedule \"" + sched.name + "\" gives attentions hybrid Ulysses degrees " +
+                      std::to_string(ulysses_degree) + " and " + std::to_string(r.ulysses_degree) +
+                      ".\nlegal: one ulysses_degree for every hybrid attention of a model.");
+    if (r.strategy == "hybrid") ulysses_degree = r.ulysses_degree;
+  }
   if (!why.is_null()) {  // llama_train prints why this plan, before step 1
     auto j = nlohmann::ordered_json::parse(summary);
     j["autosp"] = why;
@@ -326,7 +337,8 @@ int run(const Options& o, const ModelBuilder& build) {
     << train_prog.calls.size() + (train_prog.reduce_grads ? 1 : 0) << ", "
     << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
     << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
-    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  " << cpp_string(summary) << ",\n};\n}  // namespace\n\n"
+    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  " << cpp_string(summary) << ",\n  "
+    << cpp_string(sched.sequence_layout) << ", " << ulysses_degree << ",\n};\n}  // namespace\n\n"
     << "const halyard::runtime::ModelSpec& halyard_models::" << o.name << "() { return spec; }\n";
   std::printf("halyard_aot %s: done in %.1fs\n", o.name.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

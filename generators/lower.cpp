@@ -157,8 +157,23 @@ Func Ctx::lower(int id) {
     case Op::HeadsToSeq:
     case Op::GatherSeq:
     case Op::AllReduce:
+    case Op::RingShift:
     case Op::ConcatSeq:
       internal_error(__FILE__, __LINE__, "collectives and concatenation are the runtime's, never lowered");
+    case Op::LseMerge: {  // log sum_j exp(l_j), by the largest
+      Expr mx = at(in(0), e);
+      for (size_t k = 1; k < n.inputs.size(); ++k) mx = max(mx, at(in(k), e));
+      Expr sum = cast(T, 0);
+      for (size_t k = 0; k < n.inputs.size(); ++k) sum += exp(at(in(k), e) - mx);
+      f(vs) = mx + log(sum);
+      break;
+    }
+    case Op::AttentionMerge: {  // sum_j exp(l_j - L) o_j (the key blocks' k, v are the backward's)
+      Expr L = at(in(2), e), acc = cast(T, 0);
+      for (size_t blk = 3; blk < n.inputs.size(); blk += 5) acc += exp(at(in(blk + 4), e) - L) * at(in(blk + 3), e);
+      f(vs) = acc;
+      break;
+    }
     case Op::SliceSeq: {  // a view: seq shifted by the tile's start
       Env es = e;
       es["seq"] = e.at("seq") + static_cast<int>(n.attrs.offset);
@@ -483,12 +498,34 @@ void Ctx::attention(int id, Func out) {
   Func pos("pos_s");
   pos(i, b) = at(n.inputs[n.op == Op::AttentionLse ? 2 : 3], Env{{"seq", i}, {"batch", b}});
   Func kT = transposed(k, "kT");
-  Expr visible = pos(j, b) <= pos(i, b);
+  // A ring block's keys are another rank's, with positions of their own.
+  const bool ring = is_ring_block(n);
+  Func kpos = pos;
+  if (ring) {
+    kpos = Func("kpos_s");
+    kpos(i, b) = at(n.inputs.back(), Env{{"seq", i}, {"batch", b}});
+  }
+  Expr visible = kpos(j, b) <= pos(i, b);
   RDom rd(0, D, "rd"), rj(0, S, "rj");
   // Positions increase along seq (the runtime checks it), so keys after the
   // query are never visible: with this predicate Halide trims those loops,
   // halving the work. The positional mask below keeps the result exact.
-  rj.where(rj <= i);
+  // A ring block's visible keys are likewise a prefix of it, of a length
+  // counted per query (none for a block after the query's, all of one
+  // before it, half of each zigzag chunk pair); the queries that see a key
+  // are a suffix.
+  Func nvis("keys_visible"), first("first_query");
+  if (ring) {
+    RDom rc(0, S, "r_count");
+    nvis(i, b) = 0;
+    nvis(i, b) += select(kpos(rc, b) <= pos(i, b), 1, 0);
+    first(j, b) = 0;
+    first(j, b) += select(pos(rc, b) < kpos(j, b), 1, 0);
+    ls.funcs.small.push_back(nvis);
+    rj.where(rj < nvis(i, b));
+  } else {
+    rj.where(rj <= i);
+  }
 
   // scores[j, i, h] = q_i . k_j * scale
   Func s_acc("s_acc"), s("s");
@@ -503,10 +540,11 @@ void Ctx::attention(int id, Func out) {
     // vectorized reduction (the positional mask handles the diagonal block).
     const int block = S % 16 == 0 ? 16 : S % 8 == 0 ? 8 : 1;
     RDom rk(0, block, 0, S / block, "rk");
-    if (block > 1) rk.where(rk.y * block <= i);
+    if (ring) rk.where(rk.y * block < nvis(i, b));
+    else if (block > 1) rk.where(rk.y * block <= i);
     Expr key = rk.y * block + rk.x;
     Func m("row_max"), l("row_sum");
-    Expr vis_r = pos(key, b) <= pos(i, b);
+    Expr vis_r = kpos(key, b) <= pos(i, b);
     m(i, h, b) = lowest;
     m(i, h, b) = max(m(i, h, b), select(vis_r, s(key, i, h, b), lowest));
     l(i, h, b) = cast(T, 0);
@@ -517,7 +555,10 @@ void Ctx::attention(int id, Func out) {
 
   if (n.op == Op::AttentionLse) {
     auto [m, l] = row_stats();
-    out(h, i, b) = m(i, h, b) + log(l(i, h, b));  // layout [batch, seq, heads]
+    // layout [batch, seq, heads]; a ring block's row with no visible key gets
+    // a finite lowest value, so that merging never computes inf - inf.
+    if (ring) out(h, i, b) = select(l(i, h, b) > 0, m(i, h, b) + log(l(i, h, b)), lowest);
+    else out(h, i, b) = m(i, h, b) + log(l(i, h, b));
     A.tile_var = i;
     return;
   }
@@ -543,7 +584,8 @@ void Ctx::attention(int id, Func out) {
     p(j, i, h, b) = select(visible, exp(s(j, i, h, b) - m(i, h, b)), cast(T, 0));
     o_acc(d, h, i, b) = cast(T, 0);
     o_acc(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
-    out(d, h, i, b) = o_acc(d, h, i, b) / l(i, h, b);
+    if (ring) out(d, h, i, b) = select(l(i, h, b) > 0, o_acc(d, h, i, b) / l(i, h, b), cast(T, 0));
+    else out(d, h, i, b) = o_acc(d, h, i, b) / l(i, h, b);
     A.pointwise = {p};
     A.out_acc = o_acc;
     A.tile_var = i;
@@ -579,7 +621,12 @@ void Ctx::attention(int id, Func out) {
     A.tile_var = i;
   } else {  // dk[d, j] = sum_{h in group, i} ds[j, i, h] q[d, h, i]; dv likewise with p and dO
     RDom ri(0, grp, 0, S, "ri");
-    ri.where(ri.y >= j);  // queries before the key never see it
+    if (ring) {
+      ls.funcs.small.push_back(first);
+      ri.where(ri.y >= first(j, b));
+    } else {
+      ri.where(ri.y >= j);  // queries before the key never see it
+    }
     Expr hh = gk * grp + ri.x;
     if (n.op == Op::AttentionGradK && !st.extra_outputs.empty()) {
       // dK and dV together (the stage's second output): p is computed once per tile.

@@ -3,7 +3,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/comm.h"
@@ -202,6 +204,7 @@ void Communicator::send_any(const void* data, int64_t n, int peer, int tag, Comm
   check_count(CommOp::Send, "n", n);
   check_buffer(CommOp::Send, "data", data, n);
   do_send(data, n, peer, tag, type);
+  p2p_bytes_sent_ += n * comm_type_size(type);
 }
 
 void Communicator::recv_any(void* data, int64_t n, int peer, int tag, CommType type) {
@@ -209,6 +212,72 @@ void Communicator::recv_any(void* data, int64_t n, int peer, int tag, CommType t
   check_count(CommOp::Recv, "n", n);
   check_buffer(CommOp::Recv, "data", data, n);
   do_recv(data, n, peer, tag, type);
+}
+
+namespace {
+class DeferredExchange final : public Exchange {
+ public:
+  explicit DeferredExchange(std::function<void()> both) : both_(std::move(both)) {}
+  void wait() override {
+    if (both_) std::exchange(both_, nullptr)();
+  }
+
+ private:
+  std::function<void()> both_;
+};
+}  // namespace
+
+std::unique_ptr<Exchange> Communicator::do_start_exchange(const void* send, void* recv, int64_t n, int to, int from,
+                                                          int tag, CommType type) {
+  return std::make_unique<DeferredExchange>([=, this] {
+    if (rank() % 2 == 0) {
+      do_send(send, n, to, tag, type);
+      do_recv(recv, n, from, tag, type);
+    } else {
+      do_recv(recv, n, from, tag, type);
+      do_send(send, n, to, tag, type);
+    }
+  });
+}
+
+std::unique_ptr<Communicator> Communicator::do_split(int, int) {
+  throw Error(std::string("error: ") + backend() + " communicator on rank " + std::to_string(rank()) +
+              " cannot split into subgroups.\nfix: use the MPI or in-process backend for hybrid (Ulysses x ring) steps.");
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key) {
+  if (color < 0)
+    throw Error("error: split on rank " + std::to_string(rank()) + " of " + std::to_string(size()) + ": color " +
+                std::to_string(color) + " is negative.\nlegal: colors >= 0.");
+  auto sub = do_split(color, key);
+  std::vector<int> world(static_cast<size_t>(sub->size()));
+  const int32_t mine = world_rank_of(rank());
+  std::vector<int32_t> all(static_cast<size_t>(sub->size()));
+  sub->all_gather(&mine, 1, all.data());
+  world.assign(all.begin(), all.end());
+  sub->set_world_ranks(std::move(world));
+  return sub;
+}
+
+std::unique_ptr<Exchange> Communicator::start_exchange_any(const void* send, void* recv, int64_t n, int to, int from,
+                                                           int tag, CommType type) {
+  check_peer(CommOp::Send, to, tag);
+  check_peer(CommOp::Recv, from, tag);
+  check_count(CommOp::Send, "n", n);
+  check_buffer(CommOp::Send, "send", send, n);
+  check_buffer(CommOp::Recv, "recv", recv, n);
+  auto e = do_start_exchange(send, recv, n, to, from, tag, type);
+  p2p_bytes_sent_ += n * comm_type_size(type);
+  return e;
+}
+
+std::unique_ptr<Exchange> Communicator::start_exchange(const float* send, float* recv, int64_t n, int to, int from,
+                                                       int tag) {
+  return start_exchange_any(send, recv, n, to, from, tag, CommType::F32);
+}
+std::unique_ptr<Exchange> Communicator::start_exchange(const int32_t* send, int32_t* recv, int64_t n, int to,
+                                                       int from, int tag) {
+  return start_exchange_any(send, recv, n, to, from, tag, CommType::I32);
 }
 
 void Communicator::send(const float* data, int64_t n, int peer, int tag) {

@@ -46,6 +46,17 @@ inline constexpr double kDefaultCommTimeoutS = 60.0;
 // Tags of send/recv: the range every MPI guarantees (MPI_TAG_UB >= 32767).
 inline constexpr int kMaxCommTag = 32767;
 
+// A send to one rank and a receive from another, in flight together:
+// started by Communicator::start_exchange, finished by wait(), which throws
+// like any call (a timeout names the peer). Ring attention starts the next
+// key block's pass before the current block's kernels and waits after them.
+// Both buffers must stay untouched until wait() returns.
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual void wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -101,12 +112,29 @@ class Communicator {
 
   void barrier();
 
+  // The ranks that pass the same color form a new communicator, ranked by
+  // key (then by this group's rank), with this one's timeout; errors name
+  // the launched ranks as before. Collective: every rank calls it, in the
+  // same order as its other calls. A hybrid (Ulysses x ring) step splits its
+  // sequence group into Ulysses groups and ring groups this way.
+  std::unique_ptr<Communicator> split(int color, int key);
+
+  // Sends n elements to rank `to` and receives n from rank `from`, in the
+  // background where the backend can (MPI: nonblocking calls; in-process:
+  // the send is buffered); others do both inside wait(), in an order that
+  // cannot deadlock when every rank of a ring calls it together.
+  std::unique_ptr<Exchange> start_exchange(const float* send, float* recv, int64_t n, int to, int from, int tag);
+  std::unique_ptr<Exchange> start_exchange(const int32_t* send, int32_t* recv, int64_t n, int to, int from, int tag);
+
   // Bytes this rank has sent through all_to_all_v to other ranks (the block
   // to itself excluded), summed over all successful calls since construction
   // or the last reset. Tests and benchmarks check it against the formula of a
   // schedule, e.g. Ulysses' (P-1)/P of each q/k/v/out slice per layer.
   int64_t all_to_all_bytes_sent() const { return all_to_all_bytes_sent_; }
-  void reset_all_to_all_bytes_sent() { all_to_all_bytes_sent_ = 0; }
+  void reset_all_to_all_bytes_sent() { all_to_all_bytes_sent_ = 0, p2p_bytes_sent_ = 0; }
+  // Bytes this rank has sent with send() (ring attention's block passes),
+  // since construction or the last reset.
+  int64_t p2p_bytes_sent() const { return p2p_bytes_sent_; }
 
  protected:
   Communicator(int rank, int size, double timeout_s);
@@ -121,6 +149,14 @@ class Communicator {
   virtual void do_send(const void* data, int64_t n, int peer, int tag, CommType type) = 0;
   virtual void do_recv(void* data, int64_t n, int peer, int tag, CommType type) = 0;
   virtual void do_barrier() = 0;
+  // Backends that can make subgroups override this (the default throws).
+  virtual std::unique_ptr<Communicator> do_split(int color, int key);
+  // The world rank of this group's rank r (r itself on the world).
+  int world_rank_of(int r) const { return world_ranks_.empty() ? r : world_ranks_[static_cast<size_t>(r)]; }
+  // Default: nothing in the background; wait() sends then receives on even
+  // ranks, receives then sends on odd ones.
+  virtual std::unique_ptr<Exchange> do_start_exchange(const void* send, void* recv, int64_t n, int to, int from,
+                                                      int tag, CommType type);
 
   // "all_to_all_v on rank 1 of 4"
   std::string where(CommOp op) const;
@@ -143,11 +179,14 @@ class Communicator {
                         CommType type);
   void send_any(const void* data, int64_t n, int peer, int tag, CommType type);
   void recv_any(void* data, int64_t n, int peer, int tag, CommType type);
+  std::unique_ptr<Exchange> start_exchange_any(const void* send, void* recv, int64_t n, int to, int from, int tag,
+                                               CommType type);
 
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;  // empty: this is the world
   double timeout_s_ = kDefaultCommTimeoutS;
   int64_t all_to_all_bytes_sent_ = 0;
+  int64_t p2p_bytes_sent_ = 0;
 };
 
 // n ranks as threads of this process, over shared memory: element [r] is rank

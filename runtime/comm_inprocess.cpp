@@ -74,6 +74,8 @@ struct InProcessGroup {
   std::vector<char> posted;  // posts[r] belongs to this generation
 
   std::map<std::tuple<int, int, int>, std::deque<Message>> mailboxes;  // (from, to, tag)
+  // Subgroups made by split(): (which split of this group, color) -> the subgroup.
+  std::map<std::pair<uint64_t, int>, std::shared_ptr<InProcessGroup>> splits;
 
   // The first failure, one line ("all_to_all_v on rank 0 of 4 timed out ...");
   // empty while the group is healthy.
@@ -111,6 +113,7 @@ class InProcessCommunicator final : public Communicator {
  public:
   InProcessCommunicator(std::shared_ptr<InProcessGroup> group, int rank, double timeout_s)
       : Communicator(rank, group->size, timeout_s), g_(std::move(group)) {}
+  uint64_t splits_ = 0;  // split() calls so far: the same count on every rank
 
   const char* backend() const override { return "in-process"; }
 
@@ -181,6 +184,43 @@ class InProcessCommunicator final : public Communicator {
     Message m{type, n, std::vector<uint8_t>(bytes, bytes + n * comm_type_size(type))};
     g_->mailboxes[{rank(), peer, tag}].push_back(std::move(m));
     g_->changed.notify_all();
+  }
+
+  // Every rank learns every (color, key) through an all_gather (with its
+  // timeout); the first member of a color to get here makes the subgroup.
+  std::unique_ptr<Communicator> do_split(int color, int key) override {
+    const int32_t mine[2] = {color, key};
+    std::vector<int32_t> all(static_cast<size_t>(2 * size()));
+    all_gather(mine, 2, all.data());
+    std::vector<std::pair<int, int>> members;  // (key, rank) of this color
+    for (int p = 0; p < size(); ++p)
+      if (all[static_cast<size_t>(2 * p)] == color) members.push_back({all[static_cast<size_t>(2 * p + 1)], p});
+    std::sort(members.begin(), members.end());
+    const int sub_rank = static_cast<int>(std::find(members.begin(), members.end(), std::pair{key, rank()}) - members.begin());
+    std::shared_ptr<InProcessGroup> sub;
+    {
+      std::lock_guard<std::mutex> lock(g_->mutex);
+      auto& slot = g_->splits[{splits_, color}];
+      if (!slot) slot = std::make_shared<InProcessGroup>(static_cast<int>(members.size()));
+      sub = slot;
+    }
+    ++splits_;
+    return std::make_unique<InProcessCommunicator>(sub, sub_rank, timeout_s());
+  }
+
+  // The send is buffered (its mailbox copy), so it goes at once; wait() receives.
+  std::unique_ptr<Exchange> do_start_exchange(const void* send, void* recv, int64_t n, int to, int from, int tag,
+                                              CommType type) override {
+    do_send(send, n, to, tag, type);
+    struct Receive final : Exchange {
+      std::function<void()> finish;
+      void wait() override {
+        if (finish) std::exchange(finish, nullptr)();
+      }
+    };
+    auto e = std::make_unique<Receive>();
+    e->finish = [=, this] { do_recv(recv, n, from, tag, type); };
+    return e;
   }
 
   void do_recv(void* data, int64_t n, int peer, int tag, CommType type) override {

@@ -227,12 +227,76 @@ class MpiCommunicator final : public Communicator {
     } while (at < n);
   }
 
+  // A barrier first (with the timeout: every member is alive), then the
+  // blocking MPI_Comm_split of both communicators.
+  std::unique_ptr<Communicator> do_split(int color, int key) override {
+    barrier();
+    MPI_Comm comms[2] = {MPI_COMM_NULL, MPI_COMM_NULL};
+    const MPI_Comm from[2] = {comm_, ctl_};
+    for (int k = 0; k < 2; ++k) {
+      check(MPI_Comm_split(from[k], color, key, &comms[k]), CommOp::Barrier, "MPI_Comm_split");
+      MPI_Comm_set_errhandler(comms[k], MPI_ERRORS_RETURN);
+    }
+    int rank = 0, size = 0;
+    MPI_Comm_rank(comms[0], &rank);
+    MPI_Comm_size(comms[0], &size);
+    return std::make_unique<MpiCommunicator>(rank, size, comms[0], comms[1], timeout_s());
+  }
+
+  // Both directions posted at once (MPI_Irecv, MPI_Isend); wait() polls them
+  // like any call, so a dead peer is named after the timeout.
+  std::unique_ptr<Exchange> do_start_exchange(const void* send, void* recv, int64_t n, int to, int from, int tag,
+                                              CommType type) override {
+    throw_if_broken(CommOp::Send);
+    auto e = std::make_unique<MpiExchange>(*this, Peer{to, tag, n, type}, Peer{from, tag, n, type});
+    const int64_t bytes = comm_type_size(type);
+    int64_t at = 0;
+    do {
+      const int piece = static_cast<int>(std::min(n - at, kMaxPiece));
+      MPI_Request r, q;
+      check(MPI_Irecv(recv ? static_cast<char*>(recv) + at * bytes : g_empty, piece, mpi_type(type), from, tag, comm_, &r),
+            CommOp::Recv, "MPI_Irecv");
+      e->recvs.push_back({r, piece});
+      check(MPI_Isend(send ? static_cast<const char*>(send) + at * bytes : g_empty, piece, mpi_type(type), to, tag,
+                      comm_, &q),
+            CommOp::Send, "MPI_Isend");
+      e->sends.push_back(q);
+      at += piece;
+    } while (at < n);
+    return e;
+  }
+
  private:
   // The other side of a send or recv, for messages.
   struct Peer {
     int rank, tag;
     int64_t n;
     CommType type;
+  };
+
+  struct MpiExchange final : Exchange {
+    MpiExchange(MpiCommunicator& c, Peer to, Peer from) : comm(c), to(to), from(from) {}
+    ~MpiExchange() override {  // never waited (an earlier error): let MPI drop the requests
+      for (auto& [r, piece] : recvs)
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      for (MPI_Request& q : sends)
+        if (q != MPI_REQUEST_NULL) MPI_Request_free(&q);
+    }
+    void wait() override {
+      for (auto& [r, piece] : recvs) {
+        MPI_Status status = comm.wait(&r, CommOp::Recv, &from);
+        int got = 0;
+        MPI_Get_count(&status, mpi_type(from.type), &got);
+        if (got != piece) comm.size_mismatch(from, got);
+      }
+      for (MPI_Request& q : sends) comm.wait(&q, CommOp::Send, &to);
+      recvs.clear();
+      sends.clear();
+    }
+    MpiCommunicator& comm;
+    Peer to, from;
+    std::vector<std::pair<MPI_Request, int>> recvs;
+    std::vector<MPI_Request> sends;
   };
 
   struct Pending {

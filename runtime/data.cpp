@@ -155,30 +155,41 @@ std::vector<int64_t> Batcher::window_starts(int64_t step) const {
 }
 
 void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* position_ids) const {
-  const int64_t local = local_seq(), first = shard_.rank * local;
-  // Tokens of this slice that exist; the rest (past seq) are padding.
-  const int64_t real = std::clamp<int64_t>(seq_ - first, 0, local);
+  const int64_t local = local_seq();
+  // This rank's pieces of the row: [global first token, length) each, placed
+  // back to back (one piece, or the two zigzag chunks).
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  if (shard_.zigzag && shard_.ranks > 1) {
+    const int64_t c = local / 2, p = shard_.ranks;
+    pieces = {{shard_.rank * c, c}, {(2 * p - 1 - shard_.rank) * c, c}};
+  } else {
+    pieces = {{shard_.rank * local, local}};
+  }
   const std::vector<int64_t> starts = window_starts(step);
   std::vector<int32_t> row(static_cast<size_t>(local + 1), 0);
   for (int64_t b = 0; b < batch_; ++b) {
-    // This rank's slice of the window, plus one token: the label of its last position.
-    const int64_t at = starts[static_cast<size_t>(shard_.replica * batch_ + b)] + first;
-    if (real > 0) file_.read(at, real + 1, row.data());
-    for (int64_t t = 0; real > 0 && t <= real; ++t) {  // the slice's ids and its last label
-      const int32_t id = row[static_cast<size_t>(t)];
-      if (id >= vocab_)
-        throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
-                    num((file_.first_token() + at + t) * file_.bytes_per_token()) + " (token " +
-                    num(file_.first_token() + at + t) + "): id " + num(id) +
-                    " is not below the model's vocab " + num(vocab_) + " (legal ids 0.." + num(vocab_ - 1) +
-                    ").\nfix: tokenize with the model's tokenizer, or check the token width.");
-    }
-    const int64_t k = b * local;
-    for (int64_t t = 0; t < local; ++t) {
-      const bool pad = t >= real;
-      input_ids[k + t] = pad ? 0 : row[static_cast<size_t>(t)];
-      labels[k + t] = pad ? static_cast<int32_t>(kIgnoreIndex) : row[static_cast<size_t>(t + 1)];
-      position_ids[k + t] = static_cast<int32_t>(first + t);  // padding continues the positions: it follows every real token
+    int64_t k = b * local;
+    for (auto [first, len] : pieces) {
+      // Tokens of this piece that exist; the rest (past seq) are padding.
+      const int64_t real = std::clamp<int64_t>(seq_ - first, 0, len);
+      // The piece of the window, plus one token: the label of its last position.
+      const int64_t at = starts[static_cast<size_t>(shard_.replica * batch_ + b)] + first;
+      if (real > 0) file_.read(at, real + 1, row.data());
+      for (int64_t t = 0; real > 0 && t <= real; ++t) {  // the piece's ids and its last label
+        const int32_t id = row[static_cast<size_t>(t)];
+        if (id >= vocab_)
+          throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
+                      num((file_.first_token() + at + t) * file_.bytes_per_token()) + " (token " +
+                      num(file_.first_token() + at + t) + "): id " + num(id) +
+                      " is not below the model's vocab " + num(vocab_) + " (legal ids 0.." + num(vocab_ - 1) +
+                      ").\nfix: tokenize with the model's tokenizer, or check the token width.");
+      }
+      for (int64_t t = 0; t < len; ++t, ++k) {
+        const bool pad = t >= real;
+        input_ids[k] = pad ? 0 : row[static_cast<size_t>(t)];
+        labels[k] = pad ? static_cast<int32_t>(kIgnoreIndex) : row[static_cast<size_t>(t + 1)];
+        position_ids[k] = static_cast<int32_t>(first + t);  // padding continues the positions: it follows every real token
+      }
     }
   }
 }

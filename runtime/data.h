@@ -77,11 +77,14 @@ class TokenFile {
 // sequence ("sp"), in data-parallel replica d of D ("dp"). Replica d trains
 // on its own rows: the batch of a step is D * batch windows, replica d takes
 // rows [d * batch, (d + 1) * batch).
+// With zigzag, the row is cut in 2 * ranks chunks and rank r holds chunks r
+// and 2 * ranks - 1 - r (the placement that balances causal ring attention).
 struct Shard {
   int rank = 0;
   int ranks = 1;
   int replica = 0;
   int replicas = 1;
+  bool zigzag = false;
 };
 
 class Batcher {
@@ -93,8 +96,12 @@ class Batcher {
 
   int64_t batch() const { return batch_; }
   int64_t seq() const { return seq_; }  // the global sequence length
-  // Tokens per row on this rank: seq / ranks.
-  int64_t local_seq() const { return (seq_ + shard_.ranks - 1) / shard_.ranks; }
+  // Tokens per row on this rank: seq / ranks, rounded up (to an even number
+  // with zigzag: two equal chunks).
+  int64_t local_seq() const {
+    const int64_t p = shard_.ranks;
+    return shard_.zigzag && p > 1 ? 2 * ((seq_ + 2 * p - 1) / (2 * p)) : (seq_ + p - 1) / p;
+  }
   // Elements of each output array: batch * local_seq.
   int64_t local_tokens() const { return batch_ * local_seq(); }
   const Shard& shard() const { return shard_; }

@@ -82,6 +82,13 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
                 " ranks, not a multiple of it (dp x sp).\nfix: launch dp * " + std::to_string(spec.sp) + " ranks.");
   if (mesh_ && mesh_->size() == 1) mesh_ = nullptr;
   if (spec.sp == 1) comm_ = nullptr;
+  // Hybrid: sp rank s = i * u + j is rank j of Ulysses group i and rank i of
+  // ring group j (ModelSpec::ulysses_degree).
+  if (comm_ && spec.ulysses_degree > 1) {
+    const int u = spec.ulysses_degree, s = comm_->rank();
+    ulysses_ = comm_->split(s / u, s);
+    ring_ = comm_->split(s % u, s);
+  }
   keep_freed_memory();
   int64_t total = 0;
   for (int i = 0; i < spec.num_params; ++i) {
@@ -94,6 +101,23 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
   tokens_ = allocate(3 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
   arena_bytes_ = std::max(spec.train.arena_bytes, spec.forward.arena_bytes);
   arena_ = allocate(arena_bytes_);
+}
+
+int64_t Model::all_to_all_bytes_sent() const {
+  int64_t n = 0;
+  for (const Communicator* c : {comm_, ulysses_.get(), ring_.get()}) n += c ? c->all_to_all_bytes_sent() : 0;
+  return n;
+}
+
+int64_t Model::p2p_bytes_sent() const {
+  int64_t n = 0;
+  for (const Communicator* c : {comm_, ulysses_.get(), ring_.get()}) n += c ? c->p2p_bytes_sent() : 0;
+  return n;
+}
+
+void Model::reset_bytes_sent() {
+  for (Communicator* c : {comm_, ulysses_.get(), ring_.get()})
+    if (c) c->reset_all_to_all_bytes_sent();
 }
 
 int Model::param_index(const std::string& name) const {
@@ -161,7 +185,21 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   halide_buffer_t& out = bufs[call.args[1]];
   // Kernels of a GPU target leave results on the device; collectives move host memory.
   if (in.device && (in.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &in);
-  Communicator* over = call.kind == CallKind::AllReduce ? mesh_ : comm_;
+  // The call's mesh axis names its communicator: the sequence group, every
+  // rank, or a hybrid step's Ulysses or ring groups.
+  const std::string axis = call.mesh_axis ? call.mesh_axis : "";
+  const std::map<std::string, Communicator*> axes = {
+      {"sp", comm_}, {"dp,sp", mesh_}, {"sp_u", ulysses_.get()}, {"sp_r", ring_.get()}};
+  const auto found = axes.find(axis);
+  if (found == axes.end() || ((axis == "sp_u" || axis == "sp_r") && spec_.ulysses_degree <= 1))
+    throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " over mesh axis \"" + axis +
+                "\"; this runtime has the axes \"sp\" and \"dp,sp\" (and \"sp_u\", \"sp_r\" in hybrid steps)."
+                "\nfix: regenerate the library with this version of Halyard.");
+  Communicator* over = found->second;
+  if (call.kind == CallKind::RingShift || call.kind == CallKind::RingShiftWait) {
+    ring_shift(call, p, bufs, over);
+    return;
+  }
   if (!over && call.kind == CallKind::AllReduce) {  // one rank: the sum is the value
     const BufferSpec& s = p.buffers[call.args[0]];
     int64_t n = s.type == ElemType::F64 ? 8 : 4;
@@ -173,6 +211,47 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *over, scratch_);
   }
   if (out.device) out.flags |= halide_buffer_flag_host_dirty;
+}
+
+// Ring attention's block pass: rank r sends its buffer to r + direction and
+// receives r - direction's. The exchange runs in the background from its
+// start to its wait (the program puts kernels between them), unless overlap
+// is off (then it finishes at once: the baseline that measures how much of
+// it the kernels hide).
+void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, Communicator* over) {
+  const int out_index = call.args[1];
+  if (call.kind == CallKind::RingShiftWait) {
+    auto it = exchanges_.find(out_index);
+    if (it == exchanges_.end()) return;  // finished at its start
+    std::unique_ptr<Exchange> e = std::move(it->second);
+    exchanges_.erase(it);
+    e->wait();
+    return;
+  }
+  const BufferSpec& s = p.buffers[call.args[0]];
+  int64_t n = 1;
+  for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
+  halide_buffer_t& in = bufs[call.args[0]];
+  halide_buffer_t& out = bufs[out_index];
+  if (!over) {  // one rank: its own block comes back
+    std::memcpy(out.host, in.host, static_cast<size_t>(n) * 4);
+    return;
+  }
+  if (s.type != ElemType::F32 && s.type != ElemType::I32)
+    throw Error(std::string("error: model \"") + spec_.name + "\": ring_shift of " + s.name + " moves f32 or i32 only.");
+  const int size = over->size(), r = over->rank();
+  const int to = ((r + call.direction) % size + size) % size, from = ((r - call.direction) % size + size) % size;
+  // Several passes are in flight at once (k, v and positions): each has its
+  // own tag, from its output buffer, so that no receive takes another's message.
+  const int tag = out_index % kMaxCommTag;
+  std::unique_ptr<Exchange> e =
+      s.type == ElemType::I32
+          ? over->start_exchange(reinterpret_cast<const int32_t*>(in.host), reinterpret_cast<int32_t*>(out.host), n,
+                                 to, from, tag)
+          : over->start_exchange(reinterpret_cast<const float*>(in.host), reinterpret_cast<float*>(out.host), n, to,
+                                 from, tag);
+  if (!overlap_) e->wait();
+  else exchanges_[out_index] = std::move(e);
 }
 
 // Tiles of a sequence back to back: the one axis where the output's extent
@@ -249,6 +328,12 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
     });
   }
   std::ostringstream prof;
+  exchanges_.clear();  // left by a step that failed
+  times_ = StepTimes{};
+  const auto step_start = std::chrono::steady_clock::now();
+  auto since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   std::vector<void*> argv;
   bool sum_grads = false;
   for (int c = 0; c < p.num_calls; ++c) {
@@ -260,6 +345,8 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
     if (call.kind != CallKind::Kernel) {
       const auto t0 = std::chrono::steady_clock::now();
       collective(call, p, bufs.data());
+      const bool ring = call.kind == CallKind::RingShift || call.kind == CallKind::RingShiftWait;
+      (ring ? times_.ring_s : times_.collectives_s) += since(t0);
       if (profile)
         prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
              << " ms  " << call.kernel << "  " << call.label << "\n";
@@ -282,6 +369,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
     if (int err = call.fn(argv.data()))
       throw Error("error: kernel " + std::string(call.kernel) + " (" + call.label + ") of model \"" + spec_.name +
                   "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
+    (std::strncmp(call.label, "attention", 9) == 0 ? times_.attention_s : times_.other_kernels_s) += since(t0);
     if (profile)
       prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
            << " ms  " << call.kernel << "  " << call.label << "  scratch " << peak_scratch.load() - scratch_before
@@ -296,11 +384,13 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh_->all_reduce_sum(grads_flat(), flat_size_);
+    times_.collectives_s += since(t0);
     if (profile)
       prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
            << " ms  all_reduce_grads  " << flat_size_ << " floats\n";
   }
   profile_ = prof.str();
+  times_.total_s = since(step_start);
   const BufferSpec& loss = p.buffers[p.loss];
   return loss.type == ElemType::F64 ? *reinterpret_cast<const double*>(bufs[static_cast<size_t>(p.loss)].host)
                                     : *reinterpret_cast<const float*>(bufs[static_cast<size_t>(p.loss)].host);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,24 @@ class Model {
   int64_t arena_bytes() const { return arena_bytes_; }
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
+  // Where the last step's time went on this rank: attention kernels, other
+  // kernels, ring attention's block passes (time spent starting and waiting
+  // for them: what the kernels did not hide), and the other collectives.
+  struct StepTimes {
+    double total_s = 0, attention_s = 0, other_kernels_s = 0, ring_s = 0, collectives_s = 0;
+  };
+  const StepTimes& last_step_times() const { return times_; }
+  // Bytes this rank sent to other ranks of its sequence group (sp, and in a
+  // hybrid step its Ulysses and ring groups) since construction or the last
+  // reset: through all-to-alls, and point to point (ring passes).
+  int64_t all_to_all_bytes_sent() const;
+  int64_t p2p_bytes_sent() const;
+  void reset_bytes_sent();
+  // Ring attention's passes run under the kernels between their start and
+  // their wait (the default); off, each finishes where it starts (the
+  // baseline the overlap is measured against). HALYARD_NO_OVERLAP=1 turns
+  // it off for every model of the process.
+  void set_overlap(bool on) { overlap_ = on; }
 
   // Halide's worker threads (the pool is global to the process).
   static void set_num_threads(int n);
@@ -84,6 +103,7 @@ class Model {
   double run(const ProgramSpec& p, const int32_t* const inputs[3]);
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
+  void ring_shift(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
   void validate(const int32_t* ids, const int32_t* labels, const int32_t* positions) const;
 
   // Halide's kernels may use aligned vector loads: every buffer they see
@@ -101,8 +121,12 @@ class Model {
   int64_t flat_size_ = 0;
   Communicator* comm_ = nullptr;  // sp group
   Communicator* mesh_ = nullptr;  // dp x sp
+  std::unique_ptr<Communicator> ulysses_, ring_;  // hybrid: the sp group split (sp_u, sp_r)
   bool reduce_grads_ = true;
   std::vector<float> scratch_;  // staging of collectives
+  std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer
+  bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
+  StepTimes times_;
   std::string profile_;
 };
 

@@ -43,6 +43,8 @@ enum class CallKind : uint8_t {
   AllReduce,       // sum over the mesh, same type
   AllReduceGrads,  // no args: sums every parameter gradient over the mesh (last call of a train step)
   ConcatSeq,       // tiles (all args but the last) back to back along seq into the output (sequence tiling)
+  RingShift,       // x -> y: rank r receives the x of rank r - direction (ring attention's block pass): started here,
+  RingShiftWait,   // and finished here (same args), just before the first call that reads y
 };
 
 struct CallSpec {
@@ -52,6 +54,11 @@ struct CallSpec {
   int num_args;
   const int* args;     // buffer indices: inputs in order, then the output
   CallKind kind;
+  // Collectives: the mesh axis they run over, which picks the communicator:
+  // "sp" (the ranks of one sequence), "dp,sp" (every rank), or a factor of
+  // sp in a hybrid step ("sp_u", "sp_r"). nullptr for kernels.
+  const char* mesh_axis;
+  int direction;  // RingShift: 1 receives from the rank before along the axis, -1 from the one after
 };
 
 struct ProgramSpec {
@@ -96,6 +103,13 @@ struct ModelSpec {
   // predict nothing. Last on purpose: generated code initializes every member
   // in order, so new fields go after it.
   const char* plan_json;
+  // Schedule::sequence_layout: which tokens each sp rank holds ("contiguous"
+  // or "zigzag"); the batcher must place them the same way (runtime/data.h).
+  const char* sequence_layout;
+  // Hybrid sequence parallelism: the Ulysses degree u of sp = u x r (the
+  // runtime splits the sp ranks into Ulysses groups of u consecutive ranks,
+  // mesh axis "sp_u", and ring groups across them, "sp_r"); 0 otherwise.
+  int ulysses_degree;
 };
 
 }  // namespace halyard::runtime

@@ -98,7 +98,7 @@ Schedule mesh_schedule(const std::string& name, int64_t ranks, int64_t sp, const
   Schedule s;
   s.name = name;
   s.mesh = {ranks / sp, sp, ranks > 1 ? 1 : 0};
-  if (sp > 1) s.split_sequence = "sp", s.attention = {{"*", strategy}};
+  if (sp > 1) s.split_sequence = "sp", s.attention = {{"*", strategy, 0}};
   return s;
 }
 
@@ -496,16 +496,27 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   std::vector<Config> configs;
   for (int64_t sp : sps) {
     const std::vector<std::string> strategies = sp > 1 ? Schedule::strategies() : std::vector<std::string>{""};
-    for (const std::string& st : strategies)
-      for (int zero : ranks > 1 ? opts.zero : std::vector<int>{0}) {
-        Config c{mesh_schedule("autosp", ranks, sp, st), ""};
-        c.base.mesh.zero = zero;
-        c.base.values = inline_cheap_rules();
-        c.what = (sp > 1 ? st + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
-                         : "no sequence split (dp=" + std::to_string(ranks) + ")") +
-                 (zero == 3 ? ", ZeRO-3" : "");
-        configs.push_back(c);
+    for (const std::string& st : strategies) {
+      // hybrid: every Ulysses degree u strictly between 1 and sp that divides it
+      std::vector<int64_t> us = {0};
+      if (st == "hybrid") {
+        us.clear();
+        for (int64_t u = 2; u < sp; ++u)
+          if (sp % u == 0) us.push_back(u);
       }
+      for (int64_t u : us)
+        for (int zero : ranks > 1 ? opts.zero : std::vector<int>{0}) {
+          Config c{mesh_schedule("autosp", ranks, sp, st), ""};
+          c.base.mesh.zero = zero;
+          c.base.values = inline_cheap_rules();
+          if (u > 0) c.base.attention[0].ulysses_degree = u;
+          const std::string how = u > 0 ? "hybrid (ulysses " + std::to_string(u) + " x ring " + std::to_string(sp / u) + ")" : st;
+          c.what = (sp > 1 ? how + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
+                           : "no sequence split (dp=" + std::to_string(ranks) + ")") +
+                   (zero == 3 ? ", ZeRO-3" : "");
+          configs.push_back(c);
+        }
+    }
   }
   auto with_tiles = [](Schedule s, int64_t mlp, int64_t loss) {
     s.seq_tile = mlp;
@@ -520,7 +531,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
     Schedule s = c.base;
     s.values = layer_checkpoint_rules();
-    const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp));
+    const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp, s.sequence_layout == "zigzag"));
     return tiled ? with_tiles(s, t.back(), t.back()) : s;
   };
 
@@ -589,7 +600,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                                                    std::to_string(configs[i].base.mesh.sp) + ": a rank needs a token"});
       continue;
     }
-    const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp));
+    const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"));
     auto lean_of = [&](int64_t mlp, int64_t loss) {
       Schedule lean = configs[i].base;
       lean.values = layer_checkpoint_rules();
@@ -683,7 +694,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     for (int64_t more = ranks * 2; more <= ranks * 64 && least_all != INT64_MAX; more *= 2) {
       try {
         Schedule s = family_schedule("ulysses_checkpoint", build, req, more);
-        const std::vector<int64_t> t = tile_options(local_seq(req.seq, s.mesh.sp));
+        const std::vector<int64_t> t = tile_options(local_seq(req.seq, s.mesh.sp, s.sequence_layout == "zigzag"));
         s = with_tiles(s, t.back(), t.back());
         Cluster bigger = cluster;
         bigger.ranks = more;

@@ -81,6 +81,9 @@ double Cluster::kernel_time(const std::string& kind, double flops, double bytes)
 double Cluster::collective_time(const std::string& kind, double bytes, int64_t degree) const {
   if (degree <= 1) return 0;
   auto it = collectives.find(kind);
+  // A ring shift (send to the next rank, receive from the one before) is
+  // priced on the all-to-all's link until a cluster measures it on its own.
+  if (it == collectives.end() && kind == "ring_shift") it = collectives.find("all_to_all");
   if (it == collectives.end()) return 0;
   double t = it->second.alpha_s + bytes * it->second.beta_s_per_byte;
   // A group wider than a node sends the share bound for other nodes over the slower link.

@@ -87,11 +87,15 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // kernel reads them instead of recomputing them (and skips masked keys).
   std::map<int, int> lse_of;
   {
-    std::map<std::vector<int>, int> attention_on;  // (q, k, positions) -> the forward attention
+    std::map<std::vector<int>, int> attention_on;  // (q, k, positions[, key positions]) -> the forward attention
     for (int id = 0; id < n; ++id) {
       const Node& x = g.node(id);
       if (!needed[static_cast<size_t>(id)]) continue;
-      if (x.op == Op::Attention) attention_on[{x.inputs[0], x.inputs[1], x.inputs[3]}] = id;
+      if (x.op == Op::Attention) {
+        std::vector<int> key{x.inputs[0], x.inputs[1]};
+        key.insert(key.end(), x.inputs.begin() + 3, x.inputs.end());
+        attention_on[key] = id;
+      }
       if (x.op == Op::AttentionLse)
         if (auto it = attention_on.find(x.inputs); it != attention_on.end()) lse_of[it->second] = id;
     }

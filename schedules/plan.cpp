@@ -25,6 +25,7 @@ std::string collective_kind(Op op) {
     case Op::SeqToHeads:
     case Op::HeadsToSeq: return "all_to_all";
     case Op::GatherSeq: return "all_gather";
+    case Op::RingShift: return "ring_shift";
     default: return "all_reduce";
   }
 }
@@ -150,6 +151,34 @@ double Plan::flops() const {
   return f;
 }
 
+std::vector<double> Plan::attention_flops_per_rank() const {
+  const Graph& g = *model.graph;
+  const int64_t sp = std::max<int64_t>(schedule.mesh.sp, 1);
+  std::vector<double> out(static_cast<size_t>(sp), 0.0);
+  for (const Stage& st : train.stages) {
+    for (int id : [&] {
+           std::vector<int> ids{st.root};
+           ids.insert(ids.end(), st.extra_outputs.begin(), st.extra_outputs.end());
+           return ids;
+         }()) {
+      const Node& n = g.node(id);
+      const std::string kind = stage_kind(g, n);
+      if (kind.rfind("attention", 0) != 0) continue;
+      const double all = op_flops(g, n);
+      for (int64_t r = 0; r < sp; ++r) {
+        double f = all;
+        if (is_ring_block(n)) {  // the op table counts the busiest rank; scale to this one's visible pairs
+          const int64_t s = g.node(n.inputs[0]).type.size("seq");
+          const double most = ring_block_pairs_max(s, n.attrs);
+          f = most > 0 ? all * ring_block_pairs(s, n.attrs, r) / most : 0;
+        }
+        out[static_cast<size_t>(r)] += f;
+      }
+    }
+  }
+  return out;
+}
+
 int64_t Plan::collective_bytes_per_rank() const {
   int64_t b = 0;
   for (const CollectiveCost& c : collectives) b += c.bytes_per_rank;
@@ -170,7 +199,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   p.cluster = cluster;
   p.request = req;
   const int64_t sp = schedule.mesh.sp;
-  p.local_seq = local_seq(req.seq, sp);
+  p.local_seq = local_seq(req.seq, sp, schedule.sequence_layout == "zigzag");
   BuiltModel m = build(req.config, req.batch, p.local_seq, req.layers);
   RebuiltGraph sharded = shard_sequence(*m.graph, m.loss.id, schedule, sp);
   RebuiltGraph tiled = tile_sequence(*sharded.graph, sharded.loss.id, schedule.seq_tile, schedule.loss_tile());
@@ -215,12 +244,15 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
       // An all-to-all sends the blocks bound for other ranks; a gather its
       // own slice to each; an all-reduce (ring) about twice its buffer.
       const double share = c.degree > 1 ? static_cast<double>(c.degree - 1) / static_cast<double>(c.degree) : 0;
+      // A ring shift sends the whole buffer to the next rank (straight from
+      // and into the arena: no staging).
       c.bytes_per_rank = c.kind == "all_to_all" ? static_cast<int64_t>(static_cast<double>(std::max(in, out)) * share)
                          : c.kind == "all_gather" ? static_cast<int64_t>(static_cast<double>(out) * share)
+                         : c.kind == "ring_shift" ? (c.degree > 1 ? out : 0)
                                                   : static_cast<int64_t>(2 * static_cast<double>(out) * share);
       if (c.kind != "all_reduce") c.bytes_per_rank = stored(c.bytes_per_rank);  // the loss and counts stay f32
       c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
-      if (c.kind != "all_reduce") staging = std::max(staging, stored(2 * std::max(in, out)));
+      if (c.kind == "all_to_all" || c.kind == "all_gather") staging = std::max(staging, stored(2 * std::max(in, out)));
       p.collectives.push_back(c);
       continue;
     }

@@ -56,6 +56,18 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     prog.buffers.push_back(b);
     return buffer_of[node] = static_cast<int>(prog.buffers.size()) - 1;
   };
+  std::vector<PlannedCall> calls;
+  std::vector<size_t> started;  // calls of ring shifts whose wait is not placed yet
+  auto reads = [](const PlannedCall& c, int buffer, size_t outputs) {
+    return std::find(c.args.begin(), c.args.end() - static_cast<std::ptrdiff_t>(outputs), buffer) !=
+           c.args.end() - static_cast<std::ptrdiff_t>(outputs);
+  };
+  auto place_wait = [&](size_t k) {
+    PlannedCall w = calls[started[k]];
+    w.wait = true;
+    calls.push_back(std::move(w));
+    started.erase(started.begin() + static_cast<std::ptrdiff_t>(k));
+  };
   for (size_t s = 0; s < p.stages.size(); ++s) {
     const Stage& st = p.stages[s];
     PlannedCall c;
@@ -63,6 +75,14 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     for (int in : st.inputs) c.args.push_back(buffer(in));
     c.args.push_back(buffer(st.root));
     for (int x : st.extra_outputs) c.args.push_back(buffer(x));
+    for (size_t k = 0; k < started.size();)  // in the order they started
+      if (reads(c, calls[started[k]].args.back(), 1 + st.extra_outputs.size())) place_wait(k);
+      else ++k;
+    if (g.node(st.root).op == Op::RingShift) started.push_back(calls.size());
+    calls.push_back(std::move(c));
+  }
+  while (!started.empty()) place_wait(started.size() - 1);
+  for (PlannedCall& c : calls) {
     const int call = static_cast<int>(prog.calls.size());
     for (int a : c.args)
       for (int v = a; v >= 0;) {  // a view keeps the buffer it shows alive

@@ -137,11 +137,16 @@ Compute Schedule::compute(const Node& n) const {
   return c;
 }
 
-std::string Schedule::strategy(const Node& n) const {
-  std::string s;
+const AttentionRule* Schedule::attention_rule(const Node& n) const {
+  const AttentionRule* rule = nullptr;
   for (const AttentionRule& r : attention)
-    if (matches(r.match, n)) s = r.strategy;
-  return s;
+    if (matches(r.match, n)) rule = &r;
+  return rule;
+}
+
+std::string Schedule::strategy(const Node& n) const {
+  const AttentionRule* r = attention_rule(n);
+  return r ? r->strategy : "";
 }
 
 std::function<bool(const Node&)> Schedule::rematerialize() const {
@@ -192,9 +197,14 @@ void Schedule::check(const Graph& g) const {
 std::string Schedule::to_json() const {
   nlohmann::json j = {{"name", name}, {"mesh", {{"dp", mesh.dp}, {"sp", mesh.sp}, {"zero", mesh.zero}}}};
   if (!split_sequence.empty()) j["split_sequence"] = split_sequence;
+  if (sequence_layout != "contiguous") j["sequence_layout"] = sequence_layout;
   if (!attention.empty()) {
     j["attention"] = nlohmann::json::array();
-    for (const AttentionRule& r : attention) j["attention"].push_back({{"match", r.match}, {"strategy", r.strategy}});
+    for (const AttentionRule& r : attention) {
+      nlohmann::json a = {{"match", r.match}, {"strategy", r.strategy}};
+      if (r.strategy == "hybrid") a["ulysses_degree"] = r.ulysses_degree;
+      j["attention"].push_back(a);
+    }
   }
   j["values"] = nlohmann::json::array();
   for (const ValueRule& r : values) {
@@ -217,8 +227,11 @@ std::string Schedule::str() const {
   if (mesh.zero) s += " zero-" + std::to_string(mesh.zero);
   if (!split_sequence.empty()) {
     std::vector<std::string> a;
-    for (const AttentionRule& r : attention) a.push_back(r.match + ": " + r.strategy);
+    for (const AttentionRule& r : attention)
+      a.push_back(r.match + ": " + r.strategy +
+                  (r.strategy == "hybrid" ? " (ulysses " + std::to_string(r.ulysses_degree) + ")" : ""));
     s += ", split_sequence(" + split_sequence + "), attention {" + join(a) + "}";
+    if (sequence_layout != "contiguous") s += ", " + sequence_layout + " layout";
   }
   s += ", values {" + rules_str(values) + "}";
   if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
@@ -244,8 +257,6 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     return v.get<int64_t>();
   };
   auto strategy = [&](const std::string& st) {
-    if (st == "ring" || st == "hybrid")
-      bad(what, "redistribute_heads(" + st + ") is not implemented yet.\nlegal: \"ulysses\" (all-to-all of heads).");
     if (std::find(strategies().begin(), strategies().end(), st) == strategies().end())
       bad(what, "redistribute_heads(\"" + st + "\") is not a strategy.\nlegal: " + join(strategies()) + ".");
     return st;
@@ -300,10 +311,24 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
             !r["match"].is_string())
           bad(what, "attention rule " + r.dump() + ".\nlegal: {\"match\": \"model.layers.*.self_attn\", "
                     "\"strategy\": \"ulysses\"}.");
-        s.attention.push_back({r["match"].get<std::string>(), strategy(r["strategy"].get<std::string>())});
+        AttentionRule rule{r["match"].get<std::string>(), strategy(r["strategy"].get<std::string>()), 0};
+        for (auto f = r.begin(); f != r.end(); ++f)
+          if (f.key() == "ulysses_degree") rule.ulysses_degree = integer(*f, "ulysses_degree", 2);
+          else if (f.key() != "match" && f.key() != "strategy")
+            bad(what, "attention rule " + r.dump() + ": unknown key \"" + f.key() +
+                          "\".\nlegal: match, strategy, and ulysses_degree (hybrid).");
+        if ((rule.strategy == "hybrid") != (rule.ulysses_degree > 0))
+          bad(what, "attention rule " + r.dump() + (rule.strategy == "hybrid" ? " has no ulysses_degree" :
+                    " gives a ulysses_degree to a strategy that is not hybrid") +
+                    ".\nlegal: {\"strategy\": \"hybrid\", \"ulysses_degree\": U}: Ulysses within groups of U ranks, "
+                    "ring across sp / U groups.");
+        s.attention.push_back(rule);
       }
     } else if (key == "redistribute_heads" && v.is_string()) {  // one strategy for every attention
-      if (!v.get<std::string>().empty()) s.attention.push_back({"*", strategy(v.get<std::string>())});
+      if (v.get<std::string>() == "hybrid")
+        bad(what, "redistribute_heads(\"hybrid\") needs its Ulysses degree.\nlegal: \"attention\": [{\"match\": \"*\", "
+                  "\"strategy\": \"hybrid\", \"ulysses_degree\": U}].");
+      if (!v.get<std::string>().empty()) s.attention.push_back({"*", strategy(v.get<std::string>()), 0});
     } else if (key == "recompute" && v.is_array()) {  // the first vocabulary: cheap ops inlined
       for (const auto& op : v) {
         const std::string o = op.is_string() ? op.get<std::string>() : op.dump();
@@ -321,6 +346,10 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       if (!s.split_sequence.empty() && s.split_sequence != "sp")
         bad(what, "split_sequence(\"" + s.split_sequence + "\")\nthe sequence is split over the mesh axis sp.\n"
                   "legal: \"sp\", or \"\" for no split.");
+    } else if (key == "sequence_layout" && v.is_string()) {
+      s.sequence_layout = v.get<std::string>();
+      if (std::find(sequence_layouts().begin(), sequence_layouts().end(), s.sequence_layout) == sequence_layouts().end())
+        bad(what, "sequence_layout \"" + s.sequence_layout + "\".\nlegal: " + join(sequence_layouts()) + ".");
     } else if (key == "seq_tile" && v.is_number_integer()) {
       s.seq_tile = v.get<int64_t>();
       if (s.seq_tile < 0)
@@ -345,7 +374,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), sequence_layout (\"contiguous\" | \"zigzag\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
@@ -355,6 +384,13 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     bad(what, "split_sequence(\"" + s.split_sequence + "\") with " + std::to_string(s.attention.size()) +
                   " attention rule(s)\nattention needs every key: a split sequence needs a head redistribution, and "
                   "redistributing heads needs a split sequence.\nlegal: both (\"sp\", \"ulysses\") or neither.");
+  if (s.sequence_layout == "zigzag")
+    for (const AttentionRule& r : s.attention)
+      if (r.strategy != "ring")
+        bad(what, "sequence_layout \"zigzag\" with attention rule {match: \"" + r.match + "\", strategy: \"" +
+                      r.strategy + "\"}\nzigzag placement balances ring attention; Ulysses gathers the whole "
+                      "sequence and needs it in order.\nlegal: strategy \"ring\" for every attention, or "
+                      "sequence_layout \"contiguous\".");
   if (s.mesh.sp > 1 && s.split_sequence.empty())
     bad(what, "mesh sp=" + std::to_string(s.mesh.sp) + " without split_sequence.\nlegal: split_sequence \"sp\" "
               "with an attention strategy, or mesh sp=1.");
@@ -362,13 +398,19 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
 }
 
 const std::vector<std::string>& Schedule::strategies() {
-  static const std::vector<std::string> names = {"ulysses"};
+  static const std::vector<std::string> names = {"ulysses", "ring", "hybrid"};
+  return names;
+}
+
+const std::vector<std::string>& Schedule::sequence_layouts() {
+  static const std::vector<std::string> names = {"contiguous", "zigzag"};
   return names;
 }
 
 const std::vector<std::string>& Schedule::presets() {
-  static const std::vector<std::string> names = {"default", "recompute", "checkpoint", "autoscheduled",
-                                                 "tiled", "ulysses", "ulysses_checkpoint"};
+  static const std::vector<std::string> names = {"default", "recompute",          "checkpoint", "autoscheduled",
+                                                 "tiled",   "ulysses",            "ulysses_checkpoint",
+                                                 "ring",    "ring_zigzag"};
   return names;
 }
 
@@ -386,7 +428,12 @@ Schedule Schedule::named(const std::string& n) {
   if (n == "autoscheduled") s.autoscheduler = "Adams2019";
   if (n == "ulysses" || n == "ulysses_checkpoint") {
     s.split_sequence = "sp";
-    s.attention = {{"*", "ulysses"}};
+    s.attention = {{"*", "ulysses", 0}};
+  }
+  if (n == "ring" || n == "ring_zigzag") {
+    s.split_sequence = "sp";
+    s.attention = {{"*", "ring", 0}};
+    if (n == "ring_zigzag") s.sequence_layout = "zigzag";
   }
   if (std::find(presets().begin(), presets().end(), n) != presets().end()) return s;
   std::ifstream in(n);

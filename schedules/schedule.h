@@ -64,9 +64,13 @@ struct ValueRule {
 };
 
 // Head redistribution of the attentions whose label matches (same patterns).
+// Hybrid (USP, LoongTrain's 2D): sp = u x r ranks; Ulysses all-to-alls
+// within groups of u consecutive ranks (mesh axis "sp_u"), ring passes
+// across the r groups (mesh axis "sp_r"); `ulysses_degree` is u.
 struct AttentionRule {
   std::string match;
-  std::string strategy;  // "ulysses"
+  std::string strategy;  // "ulysses", "ring" or "hybrid"
+  int64_t ulysses_degree = 0;  // hybrid only
   bool operator==(const AttentionRule&) const = default;
 };
 
@@ -79,6 +83,11 @@ struct Schedule {
   // Per attention, in order (the last match wins); with a split sequence
   // every attention needs a strategy.
   std::vector<AttentionRule> attention;
+  // Which tokens each of the sp ranks holds: "contiguous" (rank r the r-th
+  // slice), or "zigzag" (the sequence cut in 2*sp chunks, rank r holding
+  // chunks r and 2*sp-1-r, so that causal ring attention gives every rank
+  // the same work; ring attention only).
+  std::string sequence_layout = "contiguous";
   // Per forward value, in order (the last match wins). Unmatched values are
   // saved and stored (root).
   std::vector<ValueRule> values;
@@ -95,8 +104,10 @@ struct Schedule {
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;
   Compute compute(const Node& n) const;
-  // The strategy of an attention node ("" when the sequence is not split).
+  // The strategy of an attention node ("" when the sequence is not split),
+  // and the rule that gives it (nullptr then).
   std::string strategy(const Node& attention) const;
+  const AttentionRule* attention_rule(const Node& attention) const;
   // The predicate grad() uses: forward values the backward recomputes
   // (empty when none is). It holds a copy of the rules.
   std::function<bool(const Node&)> rematerialize() const;
@@ -115,6 +126,7 @@ struct Schedule {
   static const std::vector<std::string>& presets();
   // The head redistributions the vocabulary offers (what the search tries).
   static const std::vector<std::string>& strategies();
+  static const std::vector<std::string>& sequence_layouts();
 };
 
 // Rules of the classic policies, for presets and for the search.

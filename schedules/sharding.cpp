@@ -19,6 +19,37 @@ std::string degrees_string(const std::vector<int64_t>& d) {
   return join(s);
 }
 
+// Ring attention on one rank: its queries against its own keys, then
+// against each other rank's key block as the blocks pass around the ring
+// (block j came from the rank j places before), merged by the online-softmax
+// rule. The own block keeps the queries' positions (causal by index, as on
+// one rank); the others carry their positions with them.
+Value ring_attention(Value q, Value k, Value v, Value pos, const std::string& mesh, int64_t sp,
+                     const std::string& layout) {
+  std::vector<RingBlock> blocks;
+  std::vector<Value> lse;
+  Value kb = k, vb = v, pb = pos;
+  for (int64_t j = 0; j < sp; ++j) {
+    RingBlock b{kb, vb, pb, {}, {}};
+    // The next block's pass comes first, so that it runs under this block's kernels.
+    if (j + 1 < sp) kb = ring_shift(kb, mesh, sp), vb = ring_shift(vb, mesh, sp), pb = ring_shift(pb, mesh, sp);
+    if (j == 0) {
+      b.lse = attention_lse(q, b.k, pos);
+      b.out = attention(q, b.k, b.v, pos);
+    } else {
+      Attrs block;
+      block.degree = sp;
+      block.offset = j;
+      block.layout = layout;
+      b.lse = attention_block_lse(q, b.k, pos, b.positions, block);
+      b.out = attention_block(q, b.k, b.v, pos, b.positions, block);
+    }
+    blocks.push_back(b);
+    lse.push_back(b.lse);
+  }
+  return attention_merge(q, pos, lse_merge(lse), blocks);
+}
+
 }  // namespace
 
 std::vector<int64_t> legal_sp_degrees(const Graph& g, int64_t max) {
@@ -60,12 +91,40 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
     } else {
       std::vector<Value> ins;
       for (size_t k = 0; k < n.inputs.size(); ++k) ins.push_back(in(n, k));
-      if (split && n.op == Op::Attention && s.strategy(n) != "ulysses")
+      const std::string strategy = split && n.op == Op::Attention ? s.strategy(n) : "";
+      if (split && n.op == Op::Attention && strategy != "ulysses" && strategy != "ring" && strategy != "hybrid")
         throw UserError("error: schedule \"" + s.name + "\" splits the sequence over sp=" + std::to_string(sp) +
                         ", but no attention rule gives " + describe(src, n.id) +
                         " a head redistribution.\nlegal: an attention rule matching it, e.g. {\"match\": \"" +
-                        (n.name.empty() ? std::string("*") : n.name) + "\", \"strategy\": \"ulysses\"}.");
-      if (split && n.op == Op::Attention) {
+                        (n.name.empty() ? std::string("*") : n.name) + "\", \"strategy\": \"ulysses\"} (or \"ring\").");
+      if (strategy == "ring") {
+        g.set_name_prefix(n.name);
+        v = ring_attention(ins[0], ins[1], ins[2], ins[3], mesh, sp, s.sequence_layout);
+        g.set_name_prefix("");
+      } else if (strategy == "hybrid") {
+        // Ulysses within groups of u consecutive ranks, then ring attention
+        // across the sp / u groups on the heads each rank got.
+        const int64_t u = s.attention_rule(n)->ulysses_degree;
+        const int64_t heads = n.type.size("heads"), kv = src.node(n.inputs[1]).type.size("kv_heads");
+        if (u <= 1 || u >= sp || sp % u != 0 || !ulysses_can_split(heads, kv, u)) {
+          std::vector<int64_t> legal;
+          for (int64_t d = 2; d < sp; ++d)
+            if (sp % d == 0 && ulysses_can_split(heads, kv, d)) legal.push_back(d);
+          throw UserError("error: schedule \"" + s.name + "\" splits " + describe(src, n.id) + " over sp=" +
+                          std::to_string(sp) + " ranks as hybrid with ulysses_degree " + std::to_string(u) +
+                          ",\nbut the Ulysses degree must divide sp, lie strictly between 1 and sp, divide heads=" +
+                          std::to_string(heads) + ", and divide kv_heads=" + std::to_string(kv) +
+                          " or be a multiple of it.\nlegal ulysses_degree at sp=" + std::to_string(sp) + ": " +
+                          (legal.empty() ? std::string("none (use \"ring\" or \"ulysses\")") : degrees_string(legal)) + ".");
+        }
+        Value& pos = gathered[n.inputs[3]];
+        if (!pos.valid()) pos = gather_seq(ins[3], kUlyssesAxis, u);
+        g.set_name_prefix(n.name);
+        Value a = ring_attention(seq_to_heads(ins[0], kUlyssesAxis, u), seq_to_heads(ins[1], kUlyssesAxis, u),
+                                 seq_to_heads(ins[2], kUlyssesAxis, u), pos, kRingAxis, sp / u, s.sequence_layout);
+        v = heads_to_seq(a, kUlyssesAxis, u);
+        g.set_name_prefix("");
+      } else if (strategy == "ulysses") {
         const int64_t heads = n.type.size("heads"), kv = src.node(n.inputs[1]).type.size("kv_heads");
         if (!ulysses_can_split(heads, kv, sp))
           throw UserError("error: schedule \"" + s.name + "\" splits " + describe(src, n.id) + " over sp=" +
@@ -73,7 +132,11 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
                           ", kv_heads=" + std::to_string(kv) + ": each rank takes heads/sp query heads, so sp must "
                           "divide heads, and kv_heads must divide sp or be a multiple of it (fewer kv heads than "
                           "ranks are replicated).\nlegal sp degrees for this model: " +
-                          degrees_string(legal_sp_degrees(src, heads)) + ".");
+                          degrees_string(legal_sp_degrees(src, heads)) + "; or \"ring\" attention, which takes any degree.");
+        if (s.sequence_layout == "zigzag")
+          throw UserError("error: schedule \"" + s.name + "\" places the sequence zigzag, but " + describe(src, n.id) +
+                          " is split with Ulysses, whose kernels need the gathered positions in order.\nlegal: "
+                          "\"sequence_layout\": \"contiguous\" with Ulysses, or the strategy \"ring\" for every attention.");
         Value& pos = gathered[n.inputs[3]];
         if (!pos.valid()) pos = gather_seq(ins[3], mesh, sp);
         g.set_name_prefix(n.name);

@@ -6,10 +6,21 @@
 // (types print it: f32[batch=1, seq=4096@sp, model=256]), and the collectives
 // the split implies are inserted where the math needs the whole sequence:
 //
-//   - each attention (Ulysses): q, k, v go through seq_to_heads (seq@sp ->
-//     heads@sp, kv heads fewer than sp replicated), positions are gathered,
-//     and the output comes back through heads_to_seq. autodiff then mirrors
-//     the four all-to-alls in the backward (they are each other's transposes);
+//   - each attention, by its strategy:
+//     Ulysses: q, k, v go through seq_to_heads (seq@sp -> heads@sp, kv heads
+//     fewer than sp replicated), positions are gathered, and the output
+//     comes back through heads_to_seq. autodiff then mirrors the four
+//     all-to-alls in the backward (they are each other's transposes);
+//     ring: each rank keeps its queries; its k, v and their positions pass
+//     around the ranks (sp - 1 ring_shifts), each block's attention gives a
+//     partial output and row log-sum-exp, and attention_merge combines them
+//     (online softmax). The backward runs each block's flash backward with
+//     the merged statistics, and passes dK and dV back around the ring to
+//     the rank that owns those keys. Any degree works, whatever the head
+//     counts;
+//     hybrid (ulysses_degree u): Ulysses over groups of u consecutive ranks
+//     (mesh axis sp_u), then ring attention across the sp / u groups
+//     (sp_r) on the heads each rank got;
 //   - the token count and the loss are summed over the whole mesh (dp x sp),
 //     so the loss is the global sum over real tokens divided by the global
 //     count of real tokens. This happens at every degree: the data-parallel
@@ -49,9 +60,13 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
 std::vector<int64_t> legal_sp_degrees(const Graph& g, int64_t max = 1024);
 
 // Tokens per row on each rank, and the padded global length, for a global
-// sequence of `seq` tokens over `sp` ranks: a length sp does not divide is
-// padded at the end (the runtime masks padding out of loss and attention).
-inline int64_t local_seq(int64_t seq, int64_t sp) { return (seq + sp - 1) / sp; }
-inline int64_t padded_seq(int64_t seq, int64_t sp) { return local_seq(seq, sp) * sp; }
+// sequence of `seq` tokens over `sp` ranks: a length the ranks do not divide
+// is padded at the end (the runtime masks padding out of loss and
+// attention). Zigzag placement (Schedule::sequence_layout) cuts the sequence
+// in 2*sp equal chunks, so it pads to a multiple of 2*sp.
+inline int64_t local_seq(int64_t seq, int64_t sp, bool zigzag = false) {
+  return zigzag && sp > 1 ? 2 * ((seq + 2 * sp - 1) / (2 * sp)) : (seq + sp - 1) / sp;
+}
+inline int64_t padded_seq(int64_t seq, int64_t sp, bool zigzag = false) { return local_seq(seq, sp, zigzag) * sp; }
 
 }  // namespace halyard

@@ -15,7 +15,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 threads=${THREADS:-2}
 bash "$root/scripts/configure.sh"
 source "$root/.venv/halyard.env"
-"$HALYARD_CMAKE" --build "$root/build" -j "$(nproc)" --target matmul_bench attention_bench step_bench >/dev/null
+"$HALYARD_CMAKE" --build "$root/build" -j "$(nproc)" --target matmul_bench attention_bench step_bench ring_bench >/dev/null
 bin="$root/build/bench"
 out=$(mktemp -d)
 
@@ -52,6 +52,9 @@ echo; echo "== causal GQA attention forward+backward, seq 4096, heads 8, kv_head
 "$bin/attention_bench" --threads "$threads" --seq 4096 2>/dev/null | tee "$out/attn_halyard.json"
 [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" attention --seq 4096 --heads 8 --kv-heads 2 \
   --head-dim 32 --threads "$threads" --reps 3 | tee "$out/attn_torch.json"
+
+echo; echo "== sequence-parallel strategies on 4 MPI ranks: attention time per rank, communication hidden"
+mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/ring_bench" --steps 5
 
 echo; echo "== activation memory per rank (the generator's static plan, nothing run): 1 rank vs 4 (sp)"
 aot="$root/build/examples/llama/llama_aot"

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "examples/llama/llama_config.h"
@@ -28,6 +29,7 @@ struct StepResult {
   double forward_loss = 0, loss = 0;
   std::vector<std::vector<float>> grads;
   int64_t a2a_forward_bytes = 0, a2a_train_bytes = 0;  // sent to other ranks, from the comm's counter
+  int64_t p2p_forward_bytes = 0, p2p_train_bytes = 0;  // ring passes (send), likewise
 };
 
 // `comm`: this rank's sp group (null on one rank); `mesh`: every rank of a
@@ -38,17 +40,38 @@ inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator
   runtime::Model m(spec, comm, mesh);
   m.init_params(seed);
   const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+  const bool zigzag = spec.sequence_layout && std::string(spec.sequence_layout) == "zigzag";
   const runtime::Batcher batcher(runtime::TokenFile::from_text(kCorpus), spec.batch, spec.seq, spec.vocab, seed,
-                                 runtime::Shard{rank, ranks, replica, replicas});
+                                 runtime::Shard{rank, ranks, replica, replicas, zigzag});
   const auto b = batcher.get(step);
-  if (comm) comm->reset_all_to_all_bytes_sent();
+  m.reset_bytes_sent();
   StepResult r;
   r.forward_loss = m.forward_loss(b.input_ids.data(), b.labels.data(), b.position_ids.data());
-  if (comm) r.a2a_forward_bytes = comm->all_to_all_bytes_sent(), comm->reset_all_to_all_bytes_sent();
+  r.a2a_forward_bytes = m.all_to_all_bytes_sent(), r.p2p_forward_bytes = m.p2p_bytes_sent();
+  m.reset_bytes_sent();
   r.loss = m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
-  if (comm) r.a2a_train_bytes = comm->all_to_all_bytes_sent();
+  r.a2a_train_bytes = m.all_to_all_bytes_sent(), r.p2p_train_bytes = m.p2p_bytes_sent();
   for (int i = 0; i < m.num_params(); ++i) r.grads.emplace_back(m.grad(i), m.grad(i) + m.param_spec(i).numel);
   return r;
+}
+
+// One step of `spec` on `ranks` in-process ranks (threads); (*errors)[r] is
+// rank r's exception message, "" when it ran.
+inline std::vector<StepResult> run_in_process(const runtime::ModelSpec& spec, int ranks, std::vector<std::string>* errors) {
+  auto comms = runtime::make_in_process_group(ranks, 120);
+  std::vector<StepResult> out(static_cast<size_t>(ranks));
+  errors->assign(static_cast<size_t>(ranks), "");
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        out[static_cast<size_t>(r)] = run_step(spec, comms[static_cast<size_t>(r)].get());
+      } catch (const std::exception& e) {
+        (*errors)[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return out;
 }
 
 // The single-rank reference of a dp x 1 mesh: each replica's rows stepped on
@@ -126,6 +149,30 @@ inline Volume ulysses_forward_bytes(const llama::LlamaConfig& c, const runtime::
   v.layers = static_cast<int>(c.num_hidden_layers);
   v.formula = (2 * h + 2 * h_kv) * n / p;
   v.over_the_wire = v.formula * (p - 1) / p;
+  return v;
+}
+
+// Ring attention's volume per rank and layer: the forward passes the local
+// k and v blocks (and their i32 positions) P-1 times around the ring,
+// 2·N·h_kv·(P−1)/P floats with h_kv = kv_heads·head_dim over N tokens; the
+// backward passes dK and dV back the same number of times.
+struct RingVolume {
+  int layers = 0;
+  double forward = 0, positions = 0, backward = 0;  // bytes per layer and rank
+};
+// Hybrid (ulysses u x ring r = p): the ring runs across r groups of u
+// ranks, each rank holding its group's u slices for the kv heads it got
+// from the all-to-all (kv_heads / u, or one replica when kv_heads < u).
+inline RingVolume ring_bytes(const llama::LlamaConfig& c, const runtime::ModelSpec& spec, int p, int u = 1) {
+  const double tokens = static_cast<double>(spec.batch * spec.local_seq * u);  // per rank of the ring
+  const int64_t kv = c.num_key_value_heads;
+  const double kv_per_rank = static_cast<double>(u == 1 ? kv : kv >= u ? kv / u : 1);
+  const int r = p / u;
+  RingVolume v;
+  v.layers = static_cast<int>(c.num_hidden_layers);
+  v.forward = 2 * tokens * kv_per_rank * static_cast<double>(c.head_dim) * (r - 1) * 4;
+  v.positions = tokens * (r - 1) * 4;
+  v.backward = v.forward;
   return v;
 }
 

@@ -205,7 +205,7 @@ TEST(Sharding, DegreeUlyssesCannotSplitIsAUserError) {
     FAIL() << "no error";
   } catch (const UserError& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("heads=8, kv_heads=2"));
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("legal sp degrees for this model: 1, 2, 4, 8."));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("legal sp degrees for this model: 1, 2, 4, 8; or \"ring\""));
   }
   try {
     shard_sequence(*src.graph, src.loss.id, Schedule::named("recompute"), 2);
@@ -220,11 +220,13 @@ TEST(Sharding, DegreeUlyssesCannotSplitIsAUserError) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("a split sequence needs a head redistribution"));
   }
   try {
-    Schedule::parse(R"({"split_sequence": "sp", "redistribute_heads": "ring"})", "s.json");
+    Schedule::parse(R"({"split_sequence": "sp", "redistribute_heads": "hybrid"})", "s.json");
     FAIL() << "no error";
   } catch (const UserError& e) {
-    EXPECT_THAT(e.what(), ::testing::HasSubstr("redistribute_heads(ring) is not implemented yet"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("needs its Ulysses degree"));
   }
+  // Ring takes the degree Ulysses cannot.
+  shard_sequence(*src.graph, src.loss.id, Schedule::named("ring"), 3);
 }
 
 }  // namespace

@@ -28,19 +28,8 @@ constexpr double kTolerance = 1e-5;
 llama::LlamaConfig tiny() { return llama::LlamaConfig::load(std::string(HALYARD_SOURCE_DIR) + "/examples/llama/configs/tiny.json"); }
 
 std::vector<sp_check::StepResult> run_ranks(const runtime::ModelSpec& spec, int ranks) {
-  auto comms = runtime::make_in_process_group(ranks, 120);
-  std::vector<sp_check::StepResult> out(static_cast<size_t>(ranks));
-  std::vector<std::string> errors(static_cast<size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        out[static_cast<size_t>(r)] = sp_check::run_step(spec, comms[static_cast<size_t>(r)].get());
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  std::vector<std::string> errors;
+  auto out = sp_check::run_in_process(spec, ranks, &errors);
   for (int r = 0; r < ranks; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
   return out;
 }

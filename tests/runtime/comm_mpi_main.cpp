@@ -24,10 +24,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -43,6 +40,7 @@
 #include "runtime/comm.h"
 #include "runtime/error.h"
 #include "tests/mpi_gtest.h"
+#include "tests/mpi_launch.h"
 #include "tests/uneven_exchange.h"
 
 namespace halyard::runtime {
@@ -209,60 +207,15 @@ int check_fault(const std::string& which) {
     std::fprintf(stderr, "unknown case %s; cases: stuck, killed, killed_recovery\n", which.c_str());
     return 2;
   }
-  char self[4096];
-  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (len <= 0) return 2;
-  self[len] = 0;
   std::vector<std::string> args = {HALYARD_MPIEXEC, "--allow-run-as-root", "--oversubscribe"};
   if (recovery) args.push_back("--enable-recovery");
-  for (const char* a : std::initializer_list<const char*>{"-np", "4", self}) args.push_back(a);
+  for (const std::string& a : {std::string("-np"), std::string("4"), halyard::testing::self_path()}) args.push_back(a);
   args.push_back("--fault=" + mode);
-  std::string line;
-  for (const auto& a : args) line += a + " ";
-  std::printf("$ %s\n", line.c_str());
-  std::fflush(stdout);
-
-  int out[2];
-  if (pipe(out) != 0) return 2;
-  const auto start = std::chrono::steady_clock::now();
-  pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    dup2(out[1], 1);
-    dup2(out[1], 2);
-    close(out[0]);
-    close(out[1]);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  close(out[1]);
-  std::string log;
-  bool hung = false;
-  for (;;) {
-    double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed > 60) {
-      hung = true;
-      kill(-pid, SIGTERM);
-      std::this_thread::sleep_for(std::chrono::seconds(3));
-      kill(-pid, SIGKILL);
-      break;
-    }
-    pollfd p{out[0], POLLIN, 0};
-    if (poll(&p, 1, 200) <= 0) continue;
-    char buf[4096];
-    ssize_t got = read(out[0], buf, sizeof buf);
-    if (got <= 0) break;
-    log.append(buf, static_cast<size_t>(got));
-  }
-  close(out[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::printf("%s\n--- mpirun exited %d after %.1f s\n", log.c_str(), rc, elapsed);
+  const halyard::testing::Launch run = halyard::testing::launch(args, 60);
+  const std::string& log = run.log;
+  const bool hung = run.hung;
+  const int rc = run.rc;
+  const double elapsed = run.seconds;
 
   std::vector<std::string> problems;
   if (hung) problems.push_back("mpirun was still running after 60 s: something hung");

@@ -180,6 +180,50 @@ TEST_P(Comm, SendRecvMatchesByPeerAndTag) {
   }));
 }
 
+// Ring attention's passes: several exchanges in flight at once (each with its
+// own tag), finished in another order than they started.
+TEST_P(Comm, ExchangesInFlightTogetherEachGetTheirMessage) {
+  const int n = GetParam();
+  if (n == 1) GTEST_SKIP() << "a single rank has no peer";
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::vector<float> k = {1.0f * r, 2.0f * r}, v = {-3.0f * r};
+    std::vector<int32_t> pos = {r, r + 10, r + 20};
+    std::vector<float> got_k(2), got_v(1);
+    std::vector<int32_t> got_pos(3);
+    auto ek = c.start_exchange(k.data(), got_k.data(), 2, next, prev, 11);
+    auto ev = c.start_exchange(v.data(), got_v.data(), 1, next, prev, 12);
+    auto ep = c.start_exchange(pos.data(), got_pos.data(), 3, next, prev, 13);
+    ep->wait();
+    ek->wait();
+    ev->wait();
+    EXPECT_EQ(got_k, (std::vector<float>{1.0f * prev, 2.0f * prev}));
+    EXPECT_EQ(got_v, (std::vector<float>{-3.0f * prev}));
+    EXPECT_EQ(got_pos, (std::vector<int32_t>{prev, prev + 10, prev + 20}));
+    EXPECT_EQ(c.p2p_bytes_sent(), (2 + 1 + 3) * 4);
+  }));
+}
+
+// Hybrid steps split the sequence group: colors make the groups, keys order them.
+TEST_P(Comm, SplitMakesSubgroupsRankedByKey) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const int r = c.rank();
+    auto sub = c.split(r % 2, -r);  // evens and odds, each in reverse rank order
+    const int members = (n + 1 - r % 2) / 2;
+    ASSERT_EQ(sub->size(), members);
+    EXPECT_EQ(sub->rank(), members - 1 - r / 2);
+    float x = static_cast<float>(r);
+    sub->all_reduce_sum(&x, 1);
+    float want = 0;
+    for (int p = r % 2; p < n; p += 2) want += static_cast<float>(p);
+    EXPECT_EQ(x, want);
+    float y = 1;
+    c.all_reduce_sum(&y, 1);  // the parent still works
+    EXPECT_EQ(y, static_cast<float>(n));
+  }));
+}
+
 TEST_P(Comm, ManyCollectivesInARowStayInStep) {
   const int n = GetParam();
   expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
@@ -386,6 +430,14 @@ TEST(CommFaults, LateRankFindsTheGroupBroken) {
   EXPECT_THAT(errors[0], HasSubstr("error: barrier on rank 0 of 2 timed out after 0.3 s waiting for rank 1"));
   EXPECT_THAT(errors[1], HasSubstr("error: barrier on rank 1 of 2: the communicator is broken by an earlier "
                                    "failure:\n  barrier on rank 0 of 2 timed out after 0.3 s waiting for rank 1\n"));
+}
+
+TEST(CommFaults, ExchangeWaitTimesOutNamingThePeer) {
+  auto errors = run_ranks(2, 0.5, [&](Communicator& c) {
+    float x[4] = {}, y[4];
+    if (c.rank() == 1) c.start_exchange(x, y, 4, 0, 0, 9)->wait();  // rank 0 never sends
+  });
+  EXPECT_THAT(errors[1], HasSubstr("timed out after 0.5 s waiting for rank 0 (dead or stuck?)"));
 }
 
 TEST(CommFaults, RecvTimesOutNamingThePeer) {

@@ -1,0 +1,140 @@
+// Sequence-parallel strategies on 4 MPI ranks: where each rank's step time
+// goes, measured with the runtime's per-step timestamps (Model::last_step_times).
+//
+//   mpirun -np 4 ring_bench [--steps K]
+// For the tiny Llama at 4,096 tokens (1,024 per rank), batch 1, one thread
+// per rank: ring attention (contiguous and zigzag placement) and Ulysses.
+// Per rank, the median over K steps of the attention kernels' time (zigzag
+// should even it out; contiguous gives the last rank the most keys) and of
+// the time spent in collectives. For ring, each step is run with its block
+// passes overlapped (started before a block's kernels, finished after) and
+// not (finished where started): the share of the passes' time that the
+// kernels hide is 1 - overlapped / blocking. A pass's time includes waiting
+// for a slower peer, so load imbalance shows here too. Ulysses' all-to-alls
+// run between kernels: nothing of them is overlapped.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/data.h"
+#include "runtime/model.h"
+#include "ring_s4096_sp4_contiguous.h"
+#include "ring_s4096_sp4_ulysses.h"
+#include "ring_s4096_sp4_zigzag.h"
+
+using namespace halyard;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct Figures {
+  double step_s = 0, attention_s = 0, ring_s = 0, collectives_s = 0;
+};
+
+// The bundled corpus is shorter than a row of 4,096 tokens: rows come from
+// it repeated, in a file of this rank's own.
+runtime::TokenFile corpus(int rank) {
+  std::ifstream in(HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt", std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string path = "/tmp/halyard_ring_bench_" + std::to_string(::getpid()) + "_" + std::to_string(rank) + ".txt";
+  std::ofstream out(path, std::ios::binary);
+  for (int k = 0; k < 4; ++k) out << text;
+  out.close();
+  runtime::TokenFile f = runtime::TokenFile::from_text(path);
+  std::remove(path.c_str());  // the mapping stays
+  return f;
+}
+
+// K steps of `spec` on this rank; the medians of its step times.
+Figures run(const runtime::ModelSpec& spec, runtime::Communicator& comm, int steps, bool overlap) {
+  runtime::Model m(spec, &comm);
+  m.set_overlap(overlap);
+  m.init_params(1);
+  const bool zigzag = std::string(spec.sequence_layout) == "zigzag";
+  const runtime::Batcher batcher(corpus(comm.rank()), spec.batch, spec.seq, spec.vocab, 7,
+                                 runtime::Shard{comm.rank(), comm.size(), 0, 1, zigzag});
+  std::vector<double> step, attention, ring, collectives;
+  for (int s = 0; s <= steps; ++s) {
+    const auto b = batcher.get(s);
+    comm.barrier();
+    m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+    if (s == 0) continue;  // warm-up
+    const auto& t = m.last_step_times();
+    step.push_back(t.total_s);
+    attention.push_back(t.attention_s);
+    ring.push_back(t.ring_s);
+    collectives.push_back(t.collectives_s);
+  }
+  return {median(step), median(attention), median(ring), median(collectives)};
+}
+
+// Every rank's value of x, on every rank.
+std::vector<float> gather(runtime::Communicator& comm, double x) {
+  std::vector<float> all(static_cast<size_t>(comm.size()));
+  const float v = static_cast<float>(x);
+  comm.all_gather(&v, 1, all.data());
+  return all;
+}
+
+void row(runtime::Communicator& comm, const char* what, double x, double scale, const char* unit) {
+  const std::vector<float> all = gather(comm, x * scale);
+  if (comm.rank() != 0) return;
+  std::printf("  %-44s", what);
+  for (float v : all) std::printf(" %9.1f", v);
+  const auto [lo, hi] = std::minmax_element(all.begin(), all.end());
+  std::printf("  %s (max/min %.2f)\n", unit, *lo > 0 ? *hi / *lo : 0.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 5;
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[i + 1]);
+  auto comm = runtime::make_mpi_communicator(300);
+  if (comm->size() != 4) {
+    std::fprintf(stderr, "error: ring_bench runs on 4 ranks, not %d.\nfix: mpirun -np 4 ring_bench\n", comm->size());
+    return 2;
+  }
+  runtime::Model::set_num_threads(1);
+  if (comm->rank() == 0)
+    std::printf("tiny Llama, seq 4096 over 4 MPI ranks (1024 tokens each), batch 1, 1 thread per rank, median of %d "
+                "steps\n  %-44s %9s %9s %9s %9s\n",
+                steps, "per rank", "rank 0", "rank 1", "rank 2", "rank 3");
+  struct Strategy {
+    const char* name;
+    const runtime::ModelSpec& spec;
+  };
+  const Strategy strategies[] = {{"ring (contiguous)", halyard_models::ring_s4096_sp4_contiguous()},
+                                 {"ring (zigzag)", halyard_models::ring_s4096_sp4_zigzag()},
+                                 {"ulysses", halyard_models::ring_s4096_sp4_ulysses()}};
+  for (const Strategy& s : strategies) {
+    const bool ring = s.spec.ulysses_degree == 0 && std::string(s.name) != "ulysses";
+    const Figures on = run(s.spec, *comm, steps, true);
+    if (comm->rank() == 0) std::printf("%s\n", s.name);
+    row(*comm, "step ms", on.step_s, 1e3, "ms");
+    row(*comm, "attention kernels ms (forward + backward)", on.attention_s, 1e3, "ms");
+    row(*comm, "all-to-alls, loss and gradient sums ms", on.collectives_s, 1e3, "ms");
+    if (!ring) {
+      if (comm->rank() == 0) std::printf("  (the all-to-alls run between kernels: nothing overlapped)\n");
+      continue;
+    }
+    const Figures off = run(s.spec, *comm, steps, false);
+    row(*comm, "ring passes ms, overlapped (start + wait)", on.ring_s, 1e3, "ms");
+    row(*comm, "ring passes ms, blocking", off.ring_s, 1e3, "ms");
+    row(*comm, "share of the passes hidden %", off.ring_s > 0 ? 1 - on.ring_s / off.ring_s : 0, 100, "%");
+    row(*comm, "step ms, blocking", off.step_s, 1e3, "ms");
+  }
+  return 0;
+}
