@@ -61,9 +61,8 @@ Figures run(const runtime::ModelSpec& spec, runtime::Communicator& comm, int ste
   runtime::Model m(spec, &comm);
   m.set_overlap(overlap);
   m.init_params(1);
-  const bool zigzag = std::string(spec.sequence_layout) == "zigzag";
   const runtime::Batcher batcher(corpus(comm.rank()), spec.batch, spec.seq, spec.vocab, 7,
-                                 runtime::Shard{comm.rank(), comm.size(), 0, 1, zigzag});
+                                 runtime::Shard{comm.rank(), comm.size(), 0, 1, runtime::zigzag_layout(spec)});
   std::vector<double> step, attention, ring, collectives;
   for (int s = 0; s <= steps; ++s) {
     const auto b = batcher.get(s);

@@ -33,17 +33,42 @@ double contract_flops(const Graph& g, const Node& n) {
   return 2 * numel(n.type) * reduced;
 }
 
+// The work per (query, key) pair of each attention op, in multiply-adds per
+// head_dim element (2 flops each) plus flops per pair (exp, softmax), and how
+// many of its products a kernel computes for every pair of a tile whether
+// the key is visible or not (scores, and dP in the gradients): the rest
+// skip invisible keys.
+struct AttentionWork {
+  double mads, extra, whole_tile_mads;
+};
+AttentionWork attention_work(Op op) {
+  switch (op) {
+    case Op::Attention: return {2, 5, 1};       // scores and P.V; the softmax
+    case Op::AttentionLse: return {1, 3, 1};    // scores; max and sum of exp
+    // The backward recomputes the probabilities from q, k and lse: dQ needs
+    // scores, dP = dO.V^T and dS.K; dK the same three; dV (written by dK's
+    // kernel, which shares the probabilities) only P^T.dO.
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK: return {3, 4, 2};
+    case Op::AttentionGradV: return {1, 0, 0};
+    default: return {0, 0, 0};
+  }
+}
+
 // Causal attention visits each query's keys up to itself: S(S+1)/2 pairs of
-// each row and query head. `per_pair(d)` flops per pair.
-std::function<double(const Graph&, const Node&)> attention_flops(double mads, double extra) {
-  return [mads, extra](const Graph& g, const Node& n) {
-    const TensorType& q = in_type(g, n, 0);
-    const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
-    // A ring block (keys with positions of their own) costs what its busiest rank sees.
-    const double rows = is_ring_block(n) ? ring_block_pairs_max(q.size("seq"), n.attrs) : s * (s + 1) / 2;
-    const double pairs = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads")) * rows;
-    return pairs * (2 * mads * d + extra);
-  };
+// each row and query head. A ring block (keys with positions of their own)
+// costs what its busiest rank computes.
+double attention_flops(const Graph& g, const Node& n) {
+  if (is_ring_block(n)) {
+    double most = 0;
+    for (int64_t r = 0; r < std::max<int64_t>(n.attrs.degree, 1); ++r) most = std::max(most, ring_block_flops(g, n, r));
+    return most;
+  }
+  const TensorType& q = in_type(g, n, 0);
+  const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
+  const double pairs = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads")) * s * (s + 1) / 2;
+  const AttentionWork w = attention_work(n.op);
+  return pairs * (2 * w.mads * d + w.extra);
 }
 
 // The positions of rank r's tokens, as chunks [begin, end) of the global
@@ -98,15 +123,13 @@ std::deque<OpInfo> make_builtin_rows() {
   set(Op::Rope, with(row("rope", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(3); }));
   set(Op::Attention, with(row("attention", C::Heavy), [](OpInfo& r) {
         r.checkpoint_keeps = true;
-        r.flops = attention_flops(2, 5);  // scores and P.V; the softmax
+        r.flops = attention_flops;
       }));
-  set(Op::AttentionLse, with(row("attention_lse", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(1, 3); }));
-  // The backward recomputes the probabilities from q, k and lse: dQ needs
-  // scores, dP = dO.V^T and dS.K; dK the same three; dV (written by dK's
-  // kernel, which shares the probabilities) only P^T.dO.
-  set(Op::AttentionGradQ, with(row("attention_grad_q", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(3, 4); }));
-  set(Op::AttentionGradK, with(row("attention_grad_k", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(3, 4); }));
-  set(Op::AttentionGradV, with(row("attention_grad_v", C::Heavy), [](OpInfo& r) { r.flops = attention_flops(1, 0); }));
+  // Their work per pair: attention_work() above.
+  set(Op::AttentionLse, with(row("attention_lse", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
+  set(Op::AttentionGradQ, with(row("attention_grad_q", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
+  set(Op::AttentionGradK, with(row("attention_grad_k", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
+  set(Op::AttentionGradV, with(row("attention_grad_v", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
   set(Op::TokenCount, with(row("token_count", C::Heavy), [](OpInfo& r) {
         r.checkpoint_keeps = true;
         r.flops = per_input_element(1, 0);
@@ -245,10 +268,13 @@ double ring_block_pairs(int64_t s, const Attrs& block, int64_t rank) {
   return pairs;
 }
 
-double ring_block_pairs_max(int64_t s, const Attrs& block) {
-  double most = 0;
-  for (int64_t r = 0; r < std::max<int64_t>(block.degree, 1); ++r) most = std::max(most, ring_block_pairs(s, block, r));
-  return most;
+double ring_block_flops(const Graph& g, const Node& n, int64_t rank) {
+  const TensorType& q = in_type(g, n, 0);
+  const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
+  const double rows = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads"));
+  const AttentionWork w = attention_work(n.op);
+  const double visible = ring_block_pairs(q.size("seq"), n.attrs, rank);
+  return rows * (s * s * 2 * w.whole_tile_mads * d + visible * (2 * (w.mads - w.whole_tile_mads) * d + w.extra));
 }
 
 double op_flops(const Graph& g, const Node& n) {

@@ -76,13 +76,15 @@ Op op_by_name(const std::string& name);
 std::vector<std::string> op_names(OpClass cls);
 
 // Ring attention (schedules/sharding.h): whether a node is an attention op
-// on another rank's key block (its keys have their own positions), and the
+// on another rank's key block (its keys have their own positions); the
 // (query, key) pairs of one row and head that are visible on rank `rank` of
 // `block.degree`, from the block's attrs (how many ranks back it came from,
-// the layout). A block ring_block_pairs_max counts for its busiest rank.
+// the layout); and the FLOPs the node's kernel does on that rank: the
+// products a tile computes whole (scores, dP) over every pair of the block,
+// the rest over the visible pairs. op_flops counts a block on its busiest rank.
 bool is_ring_block(const Node& n);
 double ring_block_pairs(int64_t local_seq, const Attrs& block, int64_t rank);
-double ring_block_pairs_max(int64_t local_seq, const Attrs& block);
+double ring_block_flops(const Graph& g, const Node& n, int64_t rank);
 
 // FLOPs of a node (0 for leaves, views and collectives).
 double op_flops(const Graph& g, const Node& n);

@@ -112,4 +112,9 @@ struct ModelSpec {
   int ulysses_degree;
 };
 
+// Whether the library's sp ranks hold zigzag chunks (runtime::Shard::zigzag).
+inline bool zigzag_layout(const ModelSpec& s) {
+  return s.sequence_layout && s.sequence_layout[0] == 'z';  // "zigzag"
+}
+
 }  // namespace halyard::runtime

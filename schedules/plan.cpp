@@ -164,16 +164,8 @@ std::vector<double> Plan::attention_flops_per_rank() const {
       const Node& n = g.node(id);
       const std::string kind = stage_kind(g, n);
       if (kind.rfind("attention", 0) != 0) continue;
-      const double all = op_flops(g, n);
-      for (int64_t r = 0; r < sp; ++r) {
-        double f = all;
-        if (is_ring_block(n)) {  // the op table counts the busiest rank; scale to this one's visible pairs
-          const int64_t s = g.node(n.inputs[0]).type.size("seq");
-          const double most = ring_block_pairs_max(s, n.attrs);
-          f = most > 0 ? all * ring_block_pairs(s, n.attrs, r) / most : 0;
-        }
-        out[static_cast<size_t>(r)] += f;
-      }
+      // the op table counts a ring block on its busiest rank; each rank's own here
+      for (int64_t r = 0; r < sp; ++r) out[static_cast<size_t>(r)] += is_ring_block(n) ? ring_block_flops(g, n, r) : op_flops(g, n);
     }
   }
   return out;
@@ -387,6 +379,17 @@ std::string Plan::report() const {
                 "%.2f MiB sent per rank\n",
                 step_s, compute_s, communication_s, optimizer_s, flops() / 1e9, mib(collective_bytes_per_rank()));
   os << line;
+  // Ring attention's work differs between the ranks (the step waits for the busiest).
+  bool ring = false;
+  for (const Node& n : model.graph->nodes()) ring = ring || is_ring_block(n);
+  if (ring) {
+    os << "attention GFLOP per sp rank (" << schedule.sequence_layout << " ring):";
+    for (double f : attention_flops_per_rank()) {
+      std::snprintf(line, sizeof line, " %.3f", f / 1e9);
+      os << line;
+    }
+    os << "\n";
+  }
   return os.str();
 }
 

@@ -115,8 +115,9 @@ struct Plan {
   // The attention FLOPs of one train step (forward and backward kernels) on
   // each sp rank: with ring attention, each rank's queries see a different
   // share of the key blocks (contiguous: the last rank sees every block,
-  // the first only its own; zigzag evens them out). Other kernels do the
-  // same work on every rank.
+  // the first only its own; zigzag evens them out), though every block's
+  // scores are computed whole (dsl/op_table.h: ring_block_flops). Other
+  // kernels do the same work on every rank.
   std::vector<double> attention_flops_per_rank() const;
   int64_t collective_bytes_per_rank() const;
   // A table a person reads: stages grouped by layer, memory, time, volume.

@@ -164,7 +164,7 @@ Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, co
   runtime::AdamW opt(sizes, decay);
   const int rank = comm ? comm->rank() : 0;
   const runtime::Batcher batcher(runtime::TokenFile::from_text(o.data),
-                                 spec.batch, spec.seq, spec.vocab, 0, runtime::Shard{rank, spec.sp, 0, 1});
+                                 spec.batch, spec.seq, spec.vocab, 0, runtime::Shard{rank, spec.sp, 0, 1, runtime::zigzag_layout(spec)});
   const int64_t n = batcher.local_tokens();
   std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
   Measured r{&spec, {}, {}, 0, 0};

@@ -432,7 +432,7 @@ int train(const Options& o) {
     const runtime::TokenFile train_file = held_out > 0 ? file.slice(0, file.size() - held_out) : file;
     // The batch of a step depends on (seed, step) alone, so resuming sees the
     // same data; each rank reads only its slice of every row.
-    const runtime::Shard shard{rank % sp, sp, rank / sp, dp};
+    const runtime::Shard shard{rank % sp, sp, rank / sp, dp, runtime::zigzag_layout(spec)};
     const runtime::Batcher batcher(train_file, batch, seq, spec.vocab, o.seed, shard);
     // Validation: the same --val-batches windows of the held-out tail every
     // time, so the curve moves only with the model.

@@ -94,6 +94,10 @@ def schedule_seeds():
          "autoscheduler": ""}, indent=1))
     write("schedule", "seed-first-vocabulary.json", json.dumps(
         {"checkpoint": True, "recompute": ["rms_norm", "silu"], "seq_tile": 12, "autoscheduler": "Adams2019"}))
+    write("schedule", "seed-strategies.json", json.dumps(
+        {"name": "strategies", "mesh": {"sp": 8}, "split_sequence": "sp", "sequence_layout": "zigzag",
+         "attention": [{"match": "model.layers.0.*", "strategy": "ring"},
+                       {"match": "model.layers.1.*", "strategy": "hybrid", "ulysses_degree": 2}]}, indent=1))
     write("schedule", "seed-patterns.json", json.dumps(
         {"values": [{"match": "model.layers.*.mlp", "keep": "recompute"},
                     {"match": "model.*.self_attn.*_proj class:heavy", "keep": "save", "compute": "root"},

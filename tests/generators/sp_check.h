@@ -40,9 +40,8 @@ inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator
   runtime::Model m(spec, comm, mesh);
   m.init_params(seed);
   const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
-  const bool zigzag = spec.sequence_layout && std::string(spec.sequence_layout) == "zigzag";
   const runtime::Batcher batcher(runtime::TokenFile::from_text(kCorpus), spec.batch, spec.seq, spec.vocab, seed,
-                                 runtime::Shard{rank, ranks, replica, replicas, zigzag});
+                                 runtime::Shard{rank, ranks, replica, replicas, runtime::zigzag_layout(spec)});
   const auto b = batcher.get(step);
   m.reset_bytes_sent();
   StepResult r;

@@ -133,8 +133,9 @@ TEST(Zigzag, UnevenSequenceCheckpointedTiled) {
 }
 
 // The plan's attention FLOPs per rank (what each rank's kernels compute):
-// contiguous ring puts the whole causal triangle's bulk on the last rank;
-// zigzag gives every rank the same share.
+// contiguous ring gives the last rank every visible key; zigzag gives every
+// rank the same share. (Every block's scores are computed whole, so
+// contiguous ranks differ by about 1.55x, not the 7x of visible pairs.)
 TEST(Zigzag, BalancesAttentionFlopsAcrossRanks) {
   auto spread = [](const std::string& preset) {
     Schedule s = Schedule::named(preset);
@@ -148,7 +149,7 @@ TEST(Zigzag, BalancesAttentionFlopsAcrossRanks) {
     return *hi / *lo;
   };
   EXPECT_LE(spread("ring_zigzag"), 1.05);
-  EXPECT_GE(spread("ring"), 2.0);
+  EXPECT_GE(spread("ring"), 1.5);
 }
 
 TEST(Ring, AnyDegreeWhereUlyssesHasNone) {
