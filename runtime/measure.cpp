@@ -99,6 +99,7 @@ const char* collective_kind_name(CollectiveKind kind) {
     case CollectiveKind::AllToAll: return "all_to_all";
     case CollectiveKind::AllReduce: return "all_reduce";
     case CollectiveKind::AllGather: return "all_gather";
+    case CollectiveKind::RingShift: return "ring_shift";
   }
   return "?";
 }
@@ -176,6 +177,11 @@ LinearFit measure_collective(Communicator& comm, CollectiveKind kind, const std:
       case CollectiveKind::AllGather:
         comm.all_gather(send.data(), n, recv.data());
         break;
+      case CollectiveKind::RingShift: {
+        const int r = comm.rank(), next = (r + 1) % ranks, prev = (r + ranks - 1) % ranks;
+        comm.start_exchange(send.data(), recv.data(), n, next, prev, 1)->wait();
+        break;
+      }
     }
   };
 
@@ -272,7 +278,7 @@ nlohmann::json calibrate_machine(Communicator* comm, int threads) {
     for (int64_t b = 4 << 10; b <= 4 << 20; b *= 4) sizes.push_back(b);  // 4 KiB .. 4 MiB
     constexpr int kReps = 10;
     nlohmann::json collectives = nlohmann::json::object();
-    for (CollectiveKind kind : {CollectiveKind::AllToAll, CollectiveKind::AllReduce, CollectiveKind::AllGather}) {
+    for (CollectiveKind kind : kCollectiveKinds) {
       const LinearFit f = measure_collective(*comm, kind, sizes, kReps);
       collectives[collective_kind_name(kind)] = {
           {"alpha_s", f.alpha_s}, {"beta_s_per_byte", f.beta_s_per_byte}, {"rms_rel_error", f.rms_rel_error}};

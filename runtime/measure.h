@@ -47,8 +47,13 @@ int64_t peak_rss_bytes();
 // be measured apart from the ones before it. False where the kernel refuses.
 bool reset_peak_rss();
 
-enum class CollectiveKind { AllToAll, AllReduce, AllGather };
-// "all_to_all", "all_reduce", "all_gather": the keys of calibrate_machine's JSON.
+// RingShift: ring attention's pass, each rank sending its buffer to the next
+// rank and receiving the previous one's (Communicator::start_exchange).
+enum class CollectiveKind { AllToAll, AllReduce, AllGather, RingShift };
+inline constexpr CollectiveKind kCollectiveKinds[] = {CollectiveKind::AllToAll, CollectiveKind::AllReduce,
+                                                      CollectiveKind::AllGather, CollectiveKind::RingShift};
+// "all_to_all", "all_reduce", "all_gather", "ring_shift": the keys of
+// calibrate_machine's JSON (and of the plan's collective coefficients).
 const char* collective_kind_name(CollectiveKind kind);
 
 // t = alpha_s + beta_s_per_byte * bytes, fitted to the sizes measured by least

@@ -36,7 +36,7 @@ Cluster gpu(const std::string& name, int64_t ranks, double mem_gib, double bf16,
   c.kernels["contract"].s_per_flop = c.kernels["contract_seq"].s_per_flop = 1 / (0.6 * bf16);
   for (const char* k : {"attention", "attention_lse", "attention_grad_q", "attention_grad_kv"})
     c.kernels[k].s_per_flop = 1 / (0.4 * bf16);
-  for (const char* k : {"all_to_all", "all_reduce", "all_gather"}) c.collectives[k] = {10e-6, 1 / nvlink};
+  for (const char* k : {"all_to_all", "all_reduce", "all_gather", "ring_shift"}) c.collectives[k] = {10e-6, 1 / nvlink};
   c.inter_node = {10e-6, 1 / ib};
   return c;
 }
@@ -53,7 +53,7 @@ Cluster local_cpu() {
   c.memory_bandwidth_bytes_per_s = 10e9;
   c.process_baseline_bytes = 40 << 20;
   for (const std::string& k : kernel_kinds()) c.kernels[k] = {1 / 20e9, 1 / 8e9, 20e-6};
-  for (const char* k : {"all_to_all", "all_reduce", "all_gather"}) c.collectives[k] = {20e-6, 1 / 2e9};
+  for (const char* k : {"all_to_all", "all_reduce", "all_gather", "ring_shift"}) c.collectives[k] = {20e-6, 1 / 2e9};
   return c;
 }
 
@@ -82,7 +82,7 @@ double Cluster::collective_time(const std::string& kind, double bytes, int64_t d
   if (degree <= 1) return 0;
   auto it = collectives.find(kind);
   // A ring shift (send to the next rank, receive from the one before) is
-  // priced on the all-to-all's link until a cluster measures it on its own.
+  // priced on the all-to-all's link in profiles calibrated before it was measured.
   if (it == collectives.end() && kind == "ring_shift") it = collectives.find("all_to_all");
   if (it == collectives.end()) return 0;
   double t = it->second.alpha_s + bytes * it->second.beta_s_per_byte;

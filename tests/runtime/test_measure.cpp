@@ -83,8 +83,7 @@ class CollectiveFit : public ::testing::TestWithParam<std::tuple<int, Collective
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CollectiveFit,
                          ::testing::Combine(::testing::Values(2, 4),
-                                            ::testing::Values(CollectiveKind::AllToAll, CollectiveKind::AllReduce,
-                                                              CollectiveKind::AllGather)),
+                                            ::testing::ValuesIn(kCollectiveKinds)),
                          [](const auto& info) {
                            return std::to_string(std::get<0>(info.param)) + "ranks_" +
                                   collective_kind_name(std::get<1>(info.param));
@@ -172,7 +171,8 @@ TEST(CalibrateMachine, TwoRanksAgreeOnEverythingButTheirBaseline) {
   for (int r = 0; r < 2; ++r) {
     nlohmann::json m = got[static_cast<size_t>(r)];
     expect_machine_fields(m, 2, 1);
-    for (const char* kind : {"all_to_all", "all_reduce", "all_gather"}) {
+    for (CollectiveKind k : kCollectiveKinds) {
+      const char* kind = collective_kind_name(k);
       ASSERT_TRUE(m["collectives"].contains(kind)) << m.dump();
       EXPECT_GE(m["collectives"][kind]["alpha_s"].get<double>(), 0);
       EXPECT_GE(m["collectives"][kind]["beta_s_per_byte"].get<double>(), 0);
