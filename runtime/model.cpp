@@ -188,14 +188,17 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   // The call's mesh axis names its communicator: the sequence group, every
   // rank, or a hybrid step's Ulysses or ring groups.
   const std::string axis = call.mesh_axis ? call.mesh_axis : "";
-  const std::map<std::string, Communicator*> axes = {
-      {"sp", comm_}, {"dp,sp", mesh_}, {"sp_u", ulysses_.get()}, {"sp_r", ring_.get()}};
-  const auto found = axes.find(axis);
-  if (found == axes.end() || ((axis == "sp_u" || axis == "sp_r") && spec_.ulysses_degree <= 1))
+  // (Every collective of a step comes here: compared in place, no table built per call.)
+  const bool hybrid = spec_.ulysses_degree > 1;
+  Communicator* over = nullptr;
+  if (axis == "sp") over = comm_;
+  else if (axis == "dp,sp") over = mesh_;
+  else if (hybrid && axis == "sp_u") over = ulysses_.get();
+  else if (hybrid && axis == "sp_r") over = ring_.get();
+  else
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " over mesh axis \"" + axis +
                 "\"; this runtime has the axes \"sp\" and \"dp,sp\" (and \"sp_u\", \"sp_r\" in hybrid steps)."
                 "\nfix: regenerate the library with this version of Halyard.");
-  Communicator* over = found->second;
   if (call.kind == CallKind::RingShift || call.kind == CallKind::RingShiftWait) {
     ring_shift(call, p, bufs, over);
     return;

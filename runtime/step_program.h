@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace halyard::runtime {
 
@@ -114,7 +115,7 @@ struct ModelSpec {
 
 // Whether the library's sp ranks hold zigzag chunks (runtime::Shard::zigzag).
 inline bool zigzag_layout(const ModelSpec& s) {
-  return s.sequence_layout && s.sequence_layout[0] == 'z';  // "zigzag"
+  return s.sequence_layout && std::string_view(s.sequence_layout) == "zigzag";
 }
 
 }  // namespace halyard::runtime
