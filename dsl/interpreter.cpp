@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "dsl/error.h"
+#include "dsl/ops.h"
 #include "dsl/op_table.h"
 
 namespace halyard {
@@ -213,20 +214,39 @@ struct AttentionShape {
   }
 };
 
-// P = softmax(q k^T / sqrt(d) + causal mask by position) for one (batch, head):
-// key j is visible to query i when kpos[j] <= qpos[i] (a ring block's keys
-// have positions of their own; elsewhere kpos is qpos). A row with no
-// visible key is zero.
+// Which keys a query sees (attention() in dsl/ops.h): key j is visible to
+// query i when index(i) - positions[i] <= key(j) <= index(i), where index
+// and key are the tokens' indices in the row: the seq index itself, or a
+// ring block's token_index operands. One (batch) row of them.
+struct Mask {
+  const int32_t *pos, *qidx, *kidx;  // qidx, kidx null: the seq index
+  bool operator()(int64_t i, int64_t j) const {
+    const int64_t q = qidx ? qidx[i] : i, k = kidx ? kidx[j] : j;
+    return q - pos[i] <= k && k <= q;
+  }
+};
+struct MaskOperands {
+  const std::vector<int32_t>* pos;
+  const std::vector<int32_t>* qidx = nullptr;
+  const std::vector<int32_t>* kidx = nullptr;
+  Mask row(int64_t b, int64_t S) const {
+    auto at = [&](const std::vector<int32_t>* v) { return v ? v->data() + b * S : nullptr; };
+    return Mask{at(pos), at(qidx), at(kidx)};
+  }
+};
+
+// P = softmax(q k^T / sqrt(d) + the mask) for one (batch, head). A row
+// with no visible key is zero.
 template <class T>
-Mat<T> attention_probs(const Mat<T>& scores_in, const int32_t* qpos, const int32_t* kpos, int64_t S) {
+Mat<T> attention_probs(const Mat<T>& scores_in, const Mask& visible, int64_t S) {
   Mat<T> p = scores_in;
   for (int64_t i = 0; i < S; ++i) {
     T mx = -std::numeric_limits<T>::infinity();
     for (int64_t j = 0; j < S; ++j)
-      if (kpos[j] <= qpos[i]) mx = std::max(mx, p(i, j));
+      if (visible(i, j)) mx = std::max(mx, p(i, j));
     T sum = 0;
     for (int64_t j = 0; j < S; ++j) {
-      p(i, j) = kpos[j] <= qpos[i] ? std::exp(p(i, j) - mx) : T(0);
+      p(i, j) = visible(i, j) ? std::exp(p(i, j) - mx) : T(0);
       sum += p(i, j);
     }
     if (sum > 0) p.row(i) /= sum;
@@ -236,15 +256,14 @@ Mat<T> attention_probs(const Mat<T>& scores_in, const int32_t* qpos, const int32
 
 template <class T>
 std::vector<T> attention(const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
-                         const std::vector<int32_t>& qpos, const std::vector<int32_t>& kpos,
-                         const AttentionShape<T>& sh) {
+                         const MaskOperands& mask, const AttentionShape<T>& sh) {
   std::vector<T> out(q.size());
   const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
   for (int64_t b = 0; b < sh.B; ++b)
     for (int64_t h = 0; h < sh.H; ++h) {
       int64_t g = h / (sh.H / sh.KV);
       Mat<T> s = (sh.view(q, b, h, sh.H) * sh.view(k, b, g, sh.KV).transpose()) * scale;
-      Mat<T> p = attention_probs<T>(s, qpos.data() + b * sh.S, kpos.data() + b * sh.S, sh.S);
+      Mat<T> p = attention_probs<T>(s, mask.row(b, sh.S), sh.S);
       sh.view(out, b, h, sh.H).noalias() = p * sh.view(v, b, g, sh.KV);
     }
   return out;
@@ -256,21 +275,20 @@ inline constexpr double kNoKeysLse = -1e30;
 
 // lse[b, i, h] = log sum over visible keys j of exp(q_i . k_j / sqrt(d)).
 template <class T>
-std::vector<T> attention_lse(const std::vector<T>& q, const std::vector<T>& k, const std::vector<int32_t>& qpos,
-                             const std::vector<int32_t>& kpos, const AttentionShape<T>& sh) {
+std::vector<T> attention_lse(const std::vector<T>& q, const std::vector<T>& k, const MaskOperands& mask,
+                             const AttentionShape<T>& sh) {
   std::vector<T> out(static_cast<size_t>(sh.B * sh.S * sh.H));
   const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
   for (int64_t b = 0; b < sh.B; ++b)
     for (int64_t h = 0; h < sh.H; ++h) {
       Mat<T> s = (sh.view(q, b, h, sh.H) * sh.view(k, b, h / (sh.H / sh.KV), sh.KV).transpose()) * scale;
-      const int32_t* pq = qpos.data() + b * sh.S;
-      const int32_t* pk = kpos.data() + b * sh.S;
+      const Mask visible = mask.row(b, sh.S);
       for (int64_t i = 0; i < sh.S; ++i) {
         T mx = -std::numeric_limits<T>::infinity(), sum = 0;
         for (int64_t j = 0; j < sh.S; ++j)
-          if (pk[j] <= pq[i]) mx = std::max(mx, s(i, j));
+          if (visible(i, j)) mx = std::max(mx, s(i, j));
         for (int64_t j = 0; j < sh.S; ++j)
-          if (pk[j] <= pq[i]) sum += std::exp(s(i, j) - mx);
+          if (visible(i, j)) sum += std::exp(s(i, j) - mx);
         out[static_cast<size_t>((b * sh.S + i) * sh.H + h)] = sum > 0 ? mx + std::log(sum) : T(kNoKeysLse);
       }
     }
@@ -281,8 +299,8 @@ std::vector<T> attention_lse(const std::vector<T>& q, const std::vector<T>& k, c
 // and the row log-sum-exps (P = exp(S - lse) on visible keys).
 template <class T>
 std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q, const std::vector<T>& k,
-                                                 const std::vector<T>& v, const std::vector<int32_t>& qpos,
-                                                 const std::vector<int32_t>& kpos, const std::vector<T>& o, const std::vector<T>& dout,
+                                                 const std::vector<T>& v, const MaskOperands& mask,
+                                                 const std::vector<T>& o, const std::vector<T>& dout,
                                                  const std::vector<T>& lse, const AttentionShape<T>& sh) {
   std::array<std::vector<T>, 3> d{std::vector<T>(q.size(), T(0)), std::vector<T>(k.size(), T(0)),
                                   std::vector<T>(v.size(), T(0))};
@@ -295,11 +313,10 @@ std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q, const 
       auto V = sh.view(v, b, g, sh.KV);
       auto dO = sh.view(dout, b, h, sh.H);
       Mat<T> p = (Q * K.transpose()) * scale;
-      const int32_t* pq = qpos.data() + b * sh.S;
-      const int32_t* pk = kpos.data() + b * sh.S;
+      const Mask visible = mask.row(b, sh.S);
       for (int64_t i = 0; i < sh.S; ++i)
         for (int64_t j = 0; j < sh.S; ++j)
-          p(i, j) = pk[j] <= pq[i] ? std::exp(p(i, j) - lse[static_cast<size_t>((b * sh.S + i) * sh.H + h)]) : T(0);
+          p(i, j) = visible(i, j) ? std::exp(p(i, j) - lse[static_cast<size_t>((b * sh.S + i) * sh.H + h)]) : T(0);
       Mat<T> dp = dO * V.transpose();
       Eigen::Matrix<T, Eigen::Dynamic, 1> rows = dO.cwiseProduct(sh.view(o, b, h, sh.H)).rowwise().sum();
       Mat<T> ds = p.cwiseProduct(dp.colwise() - rows) * scale;
@@ -372,6 +389,12 @@ void Interpreter<T>::eval(const Node& n) {
   auto F = [&](size_t k) -> const std::vector<T>& { return f_[static_cast<size_t>(n.inputs[k])]; };
   auto I = [&](size_t k) -> const std::vector<int32_t>& { return i_[static_cast<size_t>(n.inputs[k])]; };
   auto type = [&](size_t k) -> const TensorType& { return g_.node(n.inputs[k]).type; };
+  // An attention op's mask: positions at `pos`; a ring block's token indices last.
+  auto mask = [&](size_t pos) {
+    MaskOperands m{&I(pos)};
+    if (is_ring_block(n)) m.kidx = &I(n.inputs.size() - 2), m.qidx = &I(n.inputs.size() - 1);
+    return m;
+  };
   auto& out = f_[static_cast<size_t>(n.id)];
   const size_t numel = static_cast<size_t>(n.type.numel());
   if (is_registered_op(n.op)) {
@@ -486,19 +509,16 @@ void Interpreter<T>::eval(const Node& n) {
     case Op::Rope:
       out = rope(F(0), type(0), I(1), type(1), n.attrs);
       return;
-    // A ring block's key positions are the last operand; otherwise keys
-    // share the queries' positions.
     case Op::Attention:
-      out = attention(F(0), F(1), F(2), I(3), I(n.inputs.size() == 5 ? 4 : 3), AttentionShape<T>(type(0), type(1)));
+      out = attention(F(0), F(1), F(2), mask(3), AttentionShape<T>(type(0), type(1)));
       return;
     case Op::AttentionLse:
-      out = attention_lse(F(0), F(1), I(2), I(n.inputs.size() == 4 ? 3 : 2), AttentionShape<T>(type(0), type(1)));
+      out = attention_lse(F(0), F(1), mask(2), AttentionShape<T>(type(0), type(1)));
       return;
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV: {
-      auto d = attention_backward(F(0), F(1), F(2), I(3), I(n.inputs.size() == 8 ? 7 : 3), F(4), F(5), F(6),
-                                  AttentionShape<T>(type(0), type(1)));
+      auto d = attention_backward(F(0), F(1), F(2), mask(3), F(4), F(5), F(6), AttentionShape<T>(type(0), type(1)));
       out = std::move(d[n.op == Op::AttentionGradQ ? 0 : n.op == Op::AttentionGradK ? 1 : 2]);
       return;
     }
@@ -556,8 +576,8 @@ void Interpreter<T>::eval(const Node& n) {
     case Op::AttentionMerge: {  // sum_j exp(l_j - L) o_j; l and L are [batch, seq, heads], o [.., head_dim]
       out.assign(numel, T(0));
       const auto D = static_cast<size_t>(n.type.size("head_dim"));
-      const auto& L = F(2);
-      for (size_t blk = 3; blk < n.inputs.size(); blk += 5) {
+      const auto& L = F(kMergeLse);
+      for (size_t blk = kMergeBlocks; blk < n.inputs.size(); blk += kMergeBlockOperands) {
         const auto &o = F(blk + 3), &l = F(blk + 4);
         for (size_t e = 0; e < numel; ++e) out[e] += std::exp(l[e / D] - L[e / D]) * o[e];
       }

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "dsl/error.h"
+#include "dsl/ops.h"
 
 namespace halyard {
 namespace {
@@ -56,19 +57,22 @@ AttentionWork attention_work(Op op) {
 }
 
 // Causal attention visits each query's keys up to itself: S(S+1)/2 pairs of
-// each row and query head. A ring block (keys with positions of their own)
-// costs what its busiest rank computes.
-double attention_flops(const Graph& g, const Node& n) {
-  if (is_ring_block(n)) {
-    double most = 0;
-    for (int64_t r = 0; r < std::max<int64_t>(n.attrs.degree, 1); ++r) most = std::max(most, ring_block_flops(g, n, r));
-    return most;
-  }
+// each row and query head (packed documents see fewer; the plan does not
+// know the data, so it counts one document per row). A ring block costs
+// what its busiest rank computes.
+double causal_flops(const Graph& g, const Node& n) {
   const TensorType& q = in_type(g, n, 0);
   const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
   const double pairs = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads")) * s * (s + 1) / 2;
   const AttentionWork w = attention_work(n.op);
   return pairs * (2 * w.mads * d + w.extra);
+}
+
+double attention_flops(const Graph& g, const Node& n) {
+  if (!is_ring_block(n) || n.attrs.offset == 0) return causal_flops(g, n);
+  double most = 0;
+  for (int64_t r = 0; r < std::max<int64_t>(n.attrs.degree, 1); ++r) most = std::max(most, ring_block_flops(g, n, r));
+  return most;
 }
 
 // The positions of rank r's tokens, as chunks [begin, end) of the global
@@ -160,7 +164,7 @@ std::deque<OpInfo> make_builtin_rows() {
   set(Op::AttentionMerge, with(row("attention_merge", C::Heavy), [](OpInfo& r) {
         r.checkpoint_keeps = true;
         r.flops = [](const Graph&, const Node& n) {
-          return 3 * numel(n.type) * static_cast<double>((n.inputs.size() - 3) / 5);
+          return 3 * numel(n.type) * static_cast<double>((n.inputs.size() - kMergeBlocks) / kMergeBlockOperands);
         };
       }));
   return t;
@@ -244,11 +248,11 @@ std::vector<std::string> op_names(OpClass cls) {
 
 bool is_ring_block(const Node& n) {
   switch (n.op) {
-    case Op::Attention: return n.inputs.size() == 5;
-    case Op::AttentionLse: return n.inputs.size() == 4;
+    case Op::Attention: return n.inputs.size() == 6;
+    case Op::AttentionLse: return n.inputs.size() == 5;
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
-    case Op::AttentionGradV: return n.inputs.size() == 8;
+    case Op::AttentionGradV: return n.inputs.size() == 9;
     default: return false;
   }
 }
@@ -269,6 +273,9 @@ double ring_block_pairs(int64_t s, const Attrs& block, int64_t rank) {
 }
 
 double ring_block_flops(const Graph& g, const Node& n, int64_t rank) {
+  // The own block's kernel is the one-rank kernel (causal by seq index, in
+  // row order in either layout).
+  if (n.attrs.offset == 0) return causal_flops(g, n);
   const TensorType& q = in_type(g, n, 0);
   const double s = static_cast<double>(q.size("seq")), d = static_cast<double>(q.size("head_dim"));
   const double rows = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads"));

@@ -76,7 +76,8 @@ Op op_by_name(const std::string& name);
 std::vector<std::string> op_names(OpClass cls);
 
 // Ring attention (schedules/sharding.h): whether a node is an attention op
-// on another rank's key block (its keys have their own positions); the
+// on a ring's key block (its operands end with the keys' and the queries'
+// token indices: the rank's own block, or another rank's); the
 // (query, key) pairs of one row and head that are visible on rank `rank` of
 // `block.degree`, from the block's attrs (how many ranks back it came from,
 // the layout); and the FLOPs the node's kernel does on that rank: the

@@ -197,12 +197,18 @@ TensorType attention_type(const Checker& c) {
   return c.t(0);
 }
 
-// A ring block's key positions: integers over the keys' [batch, seq].
-void key_positions(const Checker& c, size_t i) {
-  c.is_int_operand(i, "key positions");
-  c.layout(i, {"batch", "seq"}, "key positions");
-  c.same_size(1, i, "batch", "batch");
-  c.same_size(1, i, "seq", "seq");
+// A ring block's token indices (its last two operands): integers over the
+// keys' and the queries' [batch, seq].
+void token_indices(const Checker& c) {
+  const size_t key = c.in.size() - 2, query = c.in.size() - 1;
+  c.is_int_operand(key, "key index");
+  c.layout(key, {"batch", "seq"}, "key index");
+  c.same_size(1, key, "batch", "batch");
+  c.same_size(1, key, "seq", "seq");
+  c.is_int_operand(query, "query index");
+  c.layout(query, {"batch", "seq"}, "query index");
+  c.same_size(0, query, "batch", "batch");
+  c.same_size(0, query, "seq", "seq");
 }
 
 // The heads-like axis of an all-to-all operand: heads or kv_heads.
@@ -438,12 +444,12 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       return x;
     }
     case Op::Attention:
-      if (c.in.size() != 5) c.arity(4);
-      if (c.in.size() == 5) key_positions(c, 4);
+      if (c.in.size() != 6) c.arity(4);
+      if (c.in.size() == 6) token_indices(c);
       return attention_type(c);
     case Op::AttentionLse: {
-      if (c.in.size() != 4) c.arity(3);
-      if (c.in.size() == 4) key_positions(c, 3);
+      if (c.in.size() != 5) c.arity(3);
+      if (c.in.size() == 5) token_indices(c);
       c.is_float_operand(0);
       c.is_float_operand(1);
       c.same_dtype(0, 1);
@@ -457,8 +463,8 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV: {
-      if (c.in.size() != 8) c.arity(7);
-      if (c.in.size() == 8) key_positions(c, 7);
+      if (c.in.size() != 9) c.arity(7);
+      if (c.in.size() == 9) token_indices(c);
       attention_type(c);
       c.same_type(0, 4);
       c.same_type(0, 5);
@@ -505,16 +511,16 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
       return c.t(0);
     }
     case Op::AttentionMerge: {
-      if (c.in.size() < 8 || (c.in.size() - 3) % 5 != 0)
-        c.fail("attention_merge takes q, positions, L and five operands per key block, got " +
+      if (c.in.size() < kMergeBlocks + kMergeBlockOperands || (c.in.size() - kMergeBlocks) % kMergeBlockOperands != 0)
+        c.fail("attention_merge takes q, positions, query_index, L and five operands per key block, got " +
                    std::to_string(c.in.size()) + " operands.",
-               "(q, positions, L, k_0, v_0, key_positions_0, o_0, l_0, ...).");
-      for (size_t blk = 3; blk < c.in.size(); blk += 5) {
-        const std::vector<int> one{c.in[0], c.in[blk], c.in[blk + 1], c.in[1], c.in[blk + 2]};
+               "(q, positions, query_index, L, k_0, v_0, key_index_0, o_0, l_0, ...).");
+      for (size_t blk = kMergeBlocks; blk < c.in.size(); blk += kMergeBlockOperands) {
+        const std::vector<int> one{c.in[0], c.in[blk], c.in[blk + 1], c.in[1], c.in[blk + 2], c.in[2]};
         attention_type(Checker{c.g, Op::Attention, one});
-        key_positions(Checker{c.g, Op::Attention, one}, 4);
+        token_indices(Checker{c.g, Op::Attention, one});
         c.same_type(0, blk + 3);
-        c.same_type(2, blk + 4);
+        c.same_type(kMergeLse, blk + 4);
       }
       return c.t(0);
     }
@@ -602,12 +608,12 @@ Value attention(Value q, Value k, Value v, Value positions) {
   return q.graph->add(Op::Attention, {q, k, v, positions});
 }
 
-Value attention_block(Value q, Value k, Value v, Value positions, Value key_positions, const Attrs& block) {
-  return q.graph->add(Op::Attention, {q, k, v, positions, key_positions}, block);
+Value attention_block(Value q, Value k, Value v, Value positions, TokenIndex index, const Attrs& block) {
+  return q.graph->add(Op::Attention, {q, k, v, positions, index.key, index.query}, block);
 }
 
-Value attention_block_lse(Value q, Value k, Value positions, Value key_positions, const Attrs& block) {
-  return q.graph->add(Op::AttentionLse, {q, k, positions, key_positions}, block);
+Value attention_block_lse(Value q, Value k, Value positions, TokenIndex index, const Attrs& block) {
+  return q.graph->add(Op::AttentionLse, {q, k, positions, index.key, index.query}, block);
 }
 
 Value lse_merge(const std::vector<Value>& lse) {
@@ -615,9 +621,9 @@ Value lse_merge(const std::vector<Value>& lse) {
   return lse[0].graph->add(Op::LseMerge, lse);
 }
 
-Value attention_merge(Value q, Value positions, Value lse, const std::vector<RingBlock>& blocks) {
-  std::vector<Value> in{q, positions, lse};
-  for (const RingBlock& b : blocks) in.insert(in.end(), {b.k, b.v, b.positions, b.out, b.lse});
+Value attention_merge(Value q, Value positions, Value query_index, Value lse, const std::vector<RingBlock>& blocks) {
+  std::vector<Value> in{q, positions, query_index, lse};
+  for (const RingBlock& b : blocks) in.insert(in.end(), {b.k, b.v, b.key_index, b.out, b.lse});
   return q.graph->add(Op::AttentionMerge, in);
 }
 
@@ -665,8 +671,8 @@ Value attention_grad(Op which, Value q, Value k, Value v, Value positions, Value
 }
 
 Value attention_block_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse,
-                           Value key_positions, const Attrs& block) {
-  return q.graph->add(which, {q, k, v, positions, out, dout, lse, key_positions}, block);
+                           TokenIndex index, const Attrs& block) {
+  return q.graph->add(which, {q, k, v, positions, out, dout, lse, index.key, index.query}, block);
 }
 
 Value token_count(Value labels, int64_t ignore_index) {

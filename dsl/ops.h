@@ -40,7 +40,11 @@ Value rms_norm(Value x, Value w, double eps);
 Value rope(Value x, Value positions, double theta, RopeScaling scaling = {}, bool inverse = false);
 // Causal grouped-query attention: q[batch, seq, heads, head_dim],
 // k, v[batch, seq, kv_heads, head_dim], positions i32[batch, seq]; key j is
-// visible to query i when positions[j] <= positions[i]; scale 1/sqrt(head_dim).
+// visible to query i when i - positions[i] <= j <= i; scale 1/sqrt(head_dim).
+// With positions counting from the row's start (positions[i] >= i) that is
+// plain causal attention; with positions that restart at 0 where each
+// document of a packed row begins, it is causal within each document only
+// (Hugging Face's packed position_ids, FlashAttention-2's varlen path).
 Value attention(Value q, Value k, Value v, Value positions);
 // Mean over tokens whose label != ignore_index of -log softmax(logits)[label];
 // labels arrive already shifted. No real tokens gives 0. Built as a sum over
@@ -86,24 +90,33 @@ Value all_reduce(Value x, const std::string& mesh_axis, int64_t degree);
 // rank 0); its transpose is the shift the other way.
 Value ring_shift(Value x, const std::string& mesh_axis, int64_t degree, int64_t direction = 1);
 
-// Ring attention's pieces (schedules/sharding.cpp builds them). A key block
-// is another rank's k, v with their own positions; `block` carries the
-// ring's degree, how many ranks back the block came from (offset) and the
-// sequence layout, for the op table's FLOPs.
-Value attention_block(Value q, Value k, Value v, Value positions, Value key_positions, const Attrs& block);
-Value attention_block_lse(Value q, Value k, Value positions, Value key_positions, const Attrs& block);
+// Ring attention's pieces (schedules/sharding.cpp builds them). A rank's
+// queries and a key block (its own, or another rank's) are not one run of
+// the row, so each token carries its index in the whole row (i32[batch,
+// seq]): key j is visible to query i when
+//   query_index[i] - positions[i] <= key_index[j] <= query_index[i],
+// attention()'s rule in the row's own numbering. `block` carries the ring's
+// degree, how many ranks back the block came from (offset, 0 for the own
+// block) and the sequence layout, for the op table's FLOPs.
+struct TokenIndex {
+  Value query, key;
+};
+Value attention_block(Value q, Value k, Value v, Value positions, TokenIndex index, const Attrs& block);
+Value attention_block_lse(Value q, Value k, Value positions, TokenIndex index, const Attrs& block);
 Value attention_block_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse,
-                           Value key_positions, const Attrs& block);
+                           TokenIndex index, const Attrs& block);
 // L = log sum_j exp(l_j) of the blocks' row statistics.
 Value lse_merge(const std::vector<Value>& lse);
 // One key block of a merge: its operands and its partial result (o, l).
-// The first block is the rank's own: positions are the queries'.
 struct RingBlock {
-  Value k, v, positions, out, lse;
+  Value k, v, key_index, out, lse;
 };
 // out = sum_j exp(l_j - L) o_j. Its VJP goes straight to q and each block's
 // k and v (flash-style, with the merged out and L), not through o_j, l_j.
-Value attention_merge(Value q, Value positions, Value lse, const std::vector<RingBlock>& blocks);
+// Its operands: q, positions, query_index, L (kMergeLse), then from
+// kMergeBlocks on, each block's k, v, key_index, o, l.
+inline constexpr size_t kMergeLse = 3, kMergeBlocks = 4, kMergeBlockOperands = 5;
+Value attention_merge(Value q, Value positions, Value query_index, Value lse, const std::vector<RingBlock>& blocks);
 // Heads per rank for H heads over P ranks, or 0 when neither divides the other.
 int64_t heads_per_rank(int64_t heads, int64_t degree);
 

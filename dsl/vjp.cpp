@@ -59,10 +59,11 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // o and each score row's log-sum-exp, and recomputes the probabilities.
       Value out = fwd(n.id);
       const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
-      if (n.inputs.size() == 5) {  // a key block with positions of its own
-        Value lse = attention_block_lse(in(0), in(1), in(3), in(4), n.attrs);
+      if (is_ring_block(n)) {  // a ring's key block, with the tokens' indices
+        const TokenIndex index{in(5), in(4)};
+        Value lse = attention_block_lse(in(0), in(1), in(3), index, n.attrs);
         for (size_t k = 0; k < 3; ++k)
-          if (want(k)) d[k] = attention_block_grad(which[k], in(0), in(1), in(2), in(3), out, dy, lse, in(4), n.attrs);
+          if (want(k)) d[k] = attention_block_grad(which[k], in(0), in(1), in(2), in(3), out, dy, lse, index, n.attrs);
         break;
       }
       Value lse = attention_lse(in(0), in(1), in(3));
@@ -80,30 +81,30 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // Block j's dK and dV belong to the rank j places back: they travel
       // there as one running sum, shifted back one rank before each block's
       // kernels (so the pass overlaps them) and added to that block's.
-      Value out = fwd(n.id), lse = in(2);
+      Value out = fwd(n.id), lse = in(kMergeLse);
       const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
-      const size_t blocks = (n.inputs.size() - 3) / 5;
+      const size_t blocks = (n.inputs.size() - kMergeBlocks) / kMergeBlockOperands;
       Value dk, dv;
       for (size_t b = blocks; b-- > 0;) {
-        const size_t at = 3 + 5 * b;
-        Value kb = in(at), vb = in(at + 1), kpos = in(at + 2);
+        const size_t at = kMergeBlocks + kMergeBlockOperands * b;
+        Value kb = in(at), vb = in(at + 1);
+        const TokenIndex index{in(2), in(at + 2)};
         // Copies: the graph grows below, which may move its nodes.
         const Attrs block = g.node(n.inputs[at + 3]).attrs;  // o_j: which block
         if (dk.valid()) {
-          const Attrs ring = g.node(n.inputs[at + 5]).attrs;  // the shift that brought block b+1
+          const Attrs ring = g.node(n.inputs[at + kMergeBlockOperands]).attrs;  // the shift that brought block b+1
           dk = ring_shift(dk, ring.mesh_axis, ring.degree, -ring.offset);
           dv = ring_shift(dv, ring.mesh_axis, ring.degree, -ring.offset);
         }
         Value grads[3];
         for (size_t k = 0; k < 3; ++k)
-          grads[k] = b == 0 ? attention_grad(which[k], in(0), kb, vb, in(1), out, dy, lse)
-                            : attention_block_grad(which[k], in(0), kb, vb, in(1), out, dy, lse, kpos, block);
+          grads[k] = attention_block_grad(which[k], in(0), kb, vb, in(1), out, dy, lse, index, block);
         d[0] = d[0].valid() ? add(d[0], grads[0]) : grads[0];
         dk = dk.valid() ? add(grads[1], dk) : grads[1];
         dv = dv.valid() ? add(grads[2], dv) : grads[2];
       }
-      d[3] = dk;
-      d[4] = dv;
+      d[kMergeBlocks] = dk;  // block 0's k and v: the rank's own
+      d[kMergeBlocks + 1] = dv;
       break;
     }
     case Op::CrossEntropy:

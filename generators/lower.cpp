@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "dsl/error.h"
+#include "dsl/ops.h"
 #include "dsl/op_table.h"
 #include "generators/lowering.h"
 
@@ -169,8 +170,9 @@ Func Ctx::lower(int id) {
       break;
     }
     case Op::AttentionMerge: {  // sum_j exp(l_j - L) o_j (the key blocks' k, v are the backward's)
-      Expr L = at(in(2), e), acc = cast(T, 0);
-      for (size_t blk = 3; blk < n.inputs.size(); blk += 5) acc += exp(at(in(blk + 4), e) - L) * at(in(blk + 3), e);
+      Expr L = at(in(kMergeLse), e), acc = cast(T, 0);
+      for (size_t blk = kMergeBlocks; blk < n.inputs.size(); blk += kMergeBlockOperands)
+        acc += exp(at(in(blk + 4), e) - L) * at(in(blk + 3), e);
       f(vs) = acc;
       break;
     }
@@ -498,34 +500,50 @@ void Ctx::attention(int id, Func out) {
   Func pos("pos_s");
   pos(i, b) = at(n.inputs[n.op == Op::AttentionLse ? 2 : 3], Env{{"seq", i}, {"batch", b}});
   Func kT = transposed(k, "kT");
-  // A ring block's keys are another rank's, with positions of their own.
+  // Key j is visible to query i when qidx(i) - pos(i) <= kidx(j) <= qidx(i)
+  // (dsl/ops.h), the indices being the tokens' places in the row: the seq
+  // index itself, or a ring block's token_index operands.
   const bool ring = is_ring_block(n);
-  Func kpos = pos;
-  if (ring) {
-    kpos = Func("kpos_s");
-    kpos(i, b) = at(n.inputs.back(), Env{{"seq", i}, {"batch", b}});
-  }
-  Expr visible = kpos(j, b) <= pos(i, b);
+  Expr visible;
   RDom rd(0, D, "rd"), rj(0, S, "rj");
-  // Positions increase along seq (the runtime checks it), so keys after the
-  // query are never visible: with this predicate Halide trims those loops,
-  // halving the work. The positional mask below keeps the result exact.
-  // A ring block's visible keys are likewise a prefix of it, of a length
-  // counted per query (none for a block after the query's, all of one
-  // before it, half of each zigzag chunk pair); the queries that see a key
-  // are a suffix.
-  Func nvis("keys_visible"), first("first_query");
+  // With this predicate Halide trims the loops over keys to the interval
+  // each query sees: never keys after it (halving the work), nor keys
+  // before its document's start. A ring block's visible keys are likewise
+  // an interval of it, counted per query (none for a block after the
+  // query's, all of one before it, half of each zigzag chunk pair). The
+  // mask keeps the result exact. Over queries (dK, dV) only the other end
+  // is trimmed: the queries at or after a key.
+  Func nvis("keys_visible"), kfirst("first_key"), first("first_query");
+  Expr key_end, key_begin;  // per query, keys [key_begin, key_end) may be visible
+  // The rank's own block holds the queries' own tokens, in row order: keys
+  // up to the query's seq index, as on one rank (an affine bound, which
+  // trims the score tiles too; another rank's block is trimmed by a count).
+  const bool own = ring && n.attrs.offset == 0;
   if (ring) {
+    Func qidx("qidx_s"), kidx("kidx_s");
+    kidx(i, b) = at(n.inputs[n.inputs.size() - 2], Env{{"seq", i}, {"batch", b}});
+    qidx(i, b) = at(n.inputs.back(), Env{{"seq", i}, {"batch", b}});
+    visible = kidx(j, b) <= qidx(i, b) && kidx(j, b) >= qidx(i, b) - pos(i, b);
     RDom rc(0, S, "r_count");
-    nvis(i, b) = 0;
-    nvis(i, b) += select(kpos(rc, b) <= pos(i, b), 1, 0);
-    first(j, b) = 0;
-    first(j, b) += select(pos(rc, b) < kpos(j, b), 1, 0);
-    ls.funcs.small.push_back(nvis);
-    rj.where(rj < nvis(i, b));
+    kfirst(i, b) = 0;
+    kfirst(i, b) += select(kidx(rc, b) < qidx(i, b) - pos(i, b), 1, 0);
+    ls.funcs.small.push_back(kfirst);
+    key_begin = kfirst(i, b);
+    key_end = i + 1;
+    if (!own) {
+      nvis(i, b) = 0;
+      nvis(i, b) += select(kidx(rc, b) <= qidx(i, b), 1, 0);
+      first(j, b) = 0;
+      first(j, b) += select(qidx(rc, b) < kidx(j, b), 1, 0);
+      ls.funcs.small.push_back(nvis);
+      key_end = nvis(i, b);
+    }
   } else {
-    rj.where(rj <= i);
+    visible = j <= i && j >= i - pos(i, b);
+    key_begin = i - pos(i, b);
+    key_end = i + 1;
   }
+  rj.where(rj < key_end && rj >= key_begin);
 
   // scores[j, i, h] = q_i . k_j * scale
   Func s_acc("s_acc"), s("s");
@@ -540,11 +558,10 @@ void Ctx::attention(int id, Func out) {
     // vectorized reduction (the positional mask handles the diagonal block).
     const int block = S % 16 == 0 ? 16 : S % 8 == 0 ? 8 : 1;
     RDom rk(0, block, 0, S / block, "rk");
-    if (ring) rk.where(rk.y * block < nvis(i, b));
-    else if (block > 1) rk.where(rk.y * block <= i);
+    rk.where(rk.y * block < key_end && rk.y * block + block > key_begin);
     Expr key = rk.y * block + rk.x;
     Func m("row_max"), l("row_sum");
-    Expr vis_r = kpos(key, b) <= pos(i, b);
+    Expr vis_r = substitute(j, key, visible);
     m(i, h, b) = lowest;
     m(i, h, b) = max(m(i, h, b), select(vis_r, s(key, i, h, b), lowest));
     l(i, h, b) = cast(T, 0);
@@ -621,12 +638,13 @@ void Ctx::attention(int id, Func out) {
     A.tile_var = i;
   } else {  // dk[d, j] = sum_{h in group, i} ds[j, i, h] q[d, h, i]; dv likewise with p and dO
     RDom ri(0, grp, 0, S, "ri");
-    if (ring) {
+    if (ring && !own) {
       ls.funcs.small.push_back(first);
       ri.where(ri.y >= first(j, b));
     } else {
       ri.where(ri.y >= j);  // queries before the key never see it
     }
+    // (The query's own document start is per query: the mask handles it.)
     Expr hh = gk * grp + ri.x;
     if (n.op == Op::AttentionGradK && !st.extra_outputs.empty()) {
       // dK and dV together (the stage's second output): p is computed once per tile.

@@ -1,6 +1,7 @@
 // Token files (mmap, read-only) and the Batcher. Contract in runtime/data.h.
-#include <algorithm>
 #include "runtime/data.h"
+
+#include <algorithm>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -9,8 +10,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
+#include <sstream>
 
 #include "runtime/error.h"
 
@@ -126,8 +129,58 @@ void TokenFile::read(int64_t start, int64_t n, int32_t* out) const {
   }
 }
 
-Batcher::Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard)
-    : file_(file), batch_(batch), seq_(seq), vocab_(vocab), seed_(seed), shard_(shard) {
+std::vector<std::pair<int64_t, int64_t>> Shard::pieces(int64_t local) const {
+  if (zigzag && ranks > 1) {
+    const int64_t c = local / 2;
+    return {{rank * c, c}, {(2 * static_cast<int64_t>(ranks) - 1 - rank) * c, c}};
+  }
+  return {{rank * local, local}};
+}
+
+std::vector<int32_t> Shard::row_index(int64_t local) const {
+  std::vector<int32_t> out;
+  for (auto [first, len] : pieces(local))
+    for (int64_t t = 0; t < len; ++t) out.push_back(static_cast<int32_t>(first + t));
+  return out;
+}
+
+std::vector<int64_t> read_doc_starts(const std::string& path, int64_t file_tokens) {
+  std::ifstream in(path);
+  if (!in) throw Error("error: cannot open the document starts file " + quote(path) + ": " + std::strerror(errno) +
+                       ".\nfix: pass a text file of token offsets, one or more per line.");
+  std::vector<int64_t> out;
+  std::string word;
+  for (int64_t line = 1; in.peek() != EOF; ++line) {
+    std::string text;
+    std::getline(in, text);
+    std::istringstream words(text);
+    while (words >> word) {
+      size_t used = 0;
+      int64_t v = -1;
+      try {
+        v = std::stoll(word, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      const std::string at = "document starts file " + quote(path) + " line " + num(line) + ": ";
+      if (used != word.size() || v < 0 || v >= file_tokens)
+        throw Error("error: " + at + "\"" + word + "\" is not a token offset of the data (0 .. " +
+                    num(file_tokens - 1) + ").\nfix: list where each document starts, in tokens from the file's start.");
+      if (!out.empty() && v <= out.back())
+        throw Error("error: " + at + num(v) + " follows " + num(out.back()) +
+                    "; document starts must increase.\nfix: sort the offsets and drop repeats.");
+      out.push_back(v);
+    }
+  }
+  if (out.empty())
+    throw Error("error: the document starts file " + quote(path) + " lists no offsets.\nfix: list where each "
+                "document starts, in tokens from the file's start.");
+  return out;
+}
+
+Batcher::Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard,
+                 Packing packing)
+    : file_(file), batch_(batch), seq_(seq), vocab_(vocab), seed_(seed), shard_(shard), packing_(std::move(packing)) {
   const std::string what = "error: batches of " + kind(file.bytes_per_token()) + " " + quote(file.path());
   if (batch < 1 || seq < 1 || vocab < 1)
     throw Error(what + ": batch " + num(batch) + ", seq " + num(seq) + ", vocab " + num(vocab) +
@@ -143,6 +196,15 @@ Batcher::Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t voca
   if (file.size() < seq + 1)
     throw Error(what + " holds " + num(file.size()) + " tokens; a row of seq " + num(seq) + " needs seq + 1 = " +
                 num(seq + 1) + " (ids plus the next token as label).\nfix: use a larger file or a shorter seq.");
+  if (packing_.separator >= vocab)
+    throw Error(what + ": the document separator id " + num(packing_.separator) + " is not below the vocab " +
+                num(vocab) + ".\nfix: pass the id your tokenizer ends documents with (e.g. its EOS id).");
+  if (packing_.separator >= 0 && !packing_.doc_starts.empty())
+    throw Error(what + ": documents are given both by a separator id and by a list of starts.\nfix: pass one of them.");
+  for (size_t i = 0; i < packing_.doc_starts.size(); ++i)
+    if (packing_.doc_starts[i] < 0 || (i > 0 && packing_.doc_starts[i] <= packing_.doc_starts[i - 1]))
+      throw Error(what + ": document start " + num(packing_.doc_starts[i]) + " (entry " + num(static_cast<int64_t>(i)) +
+                  ") is negative or does not follow the one before.\nfix: list ascending token offsets of the file.");
 }
 
 std::vector<int64_t> Batcher::window_starts(int64_t step) const {
@@ -156,39 +218,65 @@ std::vector<int64_t> Batcher::window_starts(int64_t step) const {
 
 void Batcher::fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* position_ids) const {
   const int64_t local = local_seq();
-  // This rank's pieces of the row: [global first token, length) each, placed
-  // back to back (one piece, or the two zigzag chunks).
-  std::vector<std::pair<int64_t, int64_t>> pieces;
-  if (shard_.zigzag && shard_.ranks > 1) {
-    const int64_t c = local / 2, p = shard_.ranks;
-    pieces = {{shard_.rank * c, c}, {(2 * p - 1 - shard_.rank) * c, c}};
-  } else {
-    pieces = {{shard_.rank * local, local}};
-  }
+  const auto pieces = shard_.pieces(local);
   const std::vector<int64_t> starts = window_starts(step);
-  std::vector<int32_t> row(static_cast<size_t>(local + 1), 0);
+  // Packed rows: a token's position counts from its document's start, which
+  // may lie before this rank's pieces; so the rank reads the row from its
+  // start up to its last piece (up to the row's end when it holds padding,
+  // whose positions continue the row's last document).
+  int64_t prefix = 0;
+  if (packing_.on())
+    for (auto [first, len] : pieces) prefix = std::max(prefix, std::min(first + len, seq_) + 1);
+  std::vector<int32_t> row(static_cast<size_t>(std::max(local, prefix) + 1), 0);
+  std::vector<int64_t> doc(static_cast<size_t>(prefix), 0);  // packed: where each token's document starts
+  auto check = [&](int64_t at, int64_t n) {
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t id = row[static_cast<size_t>(t)];
+      if (id >= vocab_)
+        throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
+                    num((file_.first_token() + at + t) * file_.bytes_per_token()) + " (token " +
+                    num(file_.first_token() + at + t) + "): id " + num(id) + " is not below the model's vocab " +
+                    num(vocab_) + " (legal ids 0.." + num(vocab_ - 1) +
+                    ").\nfix: tokenize with the model's tokenizer, or check the token width.");
+    }
+  };
   for (int64_t b = 0; b < batch_; ++b) {
+    const int64_t window = starts[static_cast<size_t>(shard_.replica * batch_ + b)];
+    auto starts_doc = [&](int64_t t) {  // packed: whether token t of the row begins a document
+      if (t == 0) return true;
+      if (packing_.separator >= 0) return row[static_cast<size_t>(t - 1)] == packing_.separator;
+      const int64_t at = file_.first_token() + window + t;
+      return std::binary_search(packing_.doc_starts.begin(), packing_.doc_starts.end(), at);
+    };
+    if (prefix > 0) {
+      file_.read(window, prefix, row.data());
+      check(window, prefix);
+      for (int64_t t = 0; t < prefix; ++t) doc[static_cast<size_t>(t)] = starts_doc(t) ? t : doc[static_cast<size_t>(t - 1)];
+    }
     int64_t k = b * local;
     for (auto [first, len] : pieces) {
       // Tokens of this piece that exist; the rest (past seq) are padding.
       const int64_t real = std::clamp<int64_t>(seq_ - first, 0, len);
-      // The piece of the window, plus one token: the label of its last position.
-      const int64_t at = starts[static_cast<size_t>(shard_.replica * batch_ + b)] + first;
-      if (real > 0) file_.read(at, real + 1, row.data());
-      for (int64_t t = 0; real > 0 && t <= real; ++t) {  // the piece's ids and its last label
-        const int32_t id = row[static_cast<size_t>(t)];
-        if (id >= vocab_)
-          throw Error("error: " + kind(file_.bytes_per_token()) + " " + quote(file_.path()) + " byte offset " +
-                      num((file_.first_token() + at + t) * file_.bytes_per_token()) + " (token " +
-                      num(file_.first_token() + at + t) + "): id " + num(id) +
-                      " is not below the model's vocab " + num(vocab_) + " (legal ids 0.." + num(vocab_ - 1) +
-                      ").\nfix: tokenize with the model's tokenizer, or check the token width.");
+      // Unpacked: the piece of the window, plus one token (the label of its last position).
+      const int64_t off = prefix > 0 ? first : 0;
+      if (prefix == 0 && real > 0) {
+        file_.read(window + first, real + 1, row.data());
+        check(window + first, real + 1);
       }
       for (int64_t t = 0; t < len; ++t, ++k) {
+        const int64_t g = first + t;  // the token's index in the row
         const bool pad = t >= real;
-        input_ids[k] = pad ? 0 : row[static_cast<size_t>(t)];
-        labels[k] = pad ? static_cast<int32_t>(kIgnoreIndex) : row[static_cast<size_t>(t + 1)];
-        position_ids[k] = static_cast<int32_t>(first + t);  // padding continues the positions: it follows every real token
+        input_ids[k] = pad ? 0 : row[static_cast<size_t>(off + t)];
+        if (prefix == 0) {
+          labels[k] = pad ? static_cast<int32_t>(kIgnoreIndex) : row[static_cast<size_t>(t + 1)];
+          position_ids[k] = static_cast<int32_t>(g);  // padding continues the positions: it follows every real token
+          continue;
+        }
+        // Packed: a document's last token predicts nothing (the next token
+        // starts another document); padding continues the last document.
+        const int64_t at = std::min(g, seq_ - 1);
+        labels[k] = pad || starts_doc(g + 1) ? static_cast<int32_t>(kIgnoreIndex) : row[static_cast<size_t>(g + 1)];
+        position_ids[k] = static_cast<int32_t>(g - doc[static_cast<size_t>(at)]);
       }
     }
   }

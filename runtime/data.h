@@ -23,6 +23,10 @@
 // token see one). The concatenation of the P slices, padding dropped, equals
 // the P=1 batch.
 //
+// Packed rows (Packing: a separator id, or document starts): position ids
+// restart at 0 at each document and a document's last token has no label;
+// a rank then reads its row from the row's start, to count positions.
+//
 // Errors are runtime::Error in the house shape: the file, the rule broken with
 // its numbers, and the fix (a file whose size is not a multiple of the id
 // width, an empty file, an id >= vocab with its byte offset, a sequence the
@@ -32,6 +36,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace halyard::runtime {
@@ -85,14 +90,36 @@ struct Shard {
   int replica = 0;
   int replicas = 1;
   bool zigzag = false;
+
+  // This rank's pieces of a row, as [first token, length) in the whole row,
+  // back to back in its local_seq tokens (one piece, or two zigzag chunks).
+  std::vector<std::pair<int64_t, int64_t>> pieces(int64_t local_seq) const;
+  // Each local token's index in the whole row (local_seq of them).
+  std::vector<int32_t> row_index(int64_t local_seq) const;
 };
+
+// Packed documents (HF's packed position_ids): a row may hold several
+// documents; position ids restart at 0 at each document's first token, and
+// the last token of a document gets no label (its next token belongs to
+// another document). Documents end at a separator id (which stays the last
+// token of its document), or start at the given token offsets of the file.
+// A row's window may begin inside a document: that one counts from 0 there.
+struct Packing {
+  int64_t separator = -1;            // >= 0: a document ends with each such id
+  std::vector<int64_t> doc_starts;   // sorted token offsets in the file where documents start
+  bool on() const { return separator >= 0 || !doc_starts.empty(); }
+};
+// Reads document starts from a text file of token offsets (whitespace
+// separated, ascending, each inside the file's tokens); errors name the line.
+std::vector<int64_t> read_doc_starts(const std::string& path, int64_t file_tokens);
 
 class Batcher {
  public:
   // Keeps a copy of `file` (which shares its mapping). Checks that the file
   // holds at least seq + 1 tokens, that batch, seq, vocab are positive, that
   // 0 <= rank < ranks.
-  Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard = {});
+  Batcher(const TokenFile& file, int64_t batch, int64_t seq, int64_t vocab, uint64_t seed, Shard shard = {},
+          Packing packing = {});
 
   int64_t batch() const { return batch_; }
   int64_t seq() const { return seq_; }  // the global sequence length
@@ -110,8 +137,9 @@ class Batcher {
   // replicas' rows: batch * replicas).
   std::vector<int64_t> window_starts(int64_t step) const;
 
-  // Writes this rank's ids, labels and global position ids for `step`, each
-  // [batch, local_seq] row-major. Throws if a token read is >= vocab, naming
+  // Writes this rank's ids, labels and position ids for `step`, each
+  // [batch, local_seq] row-major: global positions, or restarting at each
+  // document when packing. Throws if a token read is >= vocab, naming
   // the file, its byte offset, the id and the vocab.
   void fill(int64_t step, int32_t* input_ids, int32_t* labels, int32_t* position_ids) const;
 
@@ -125,6 +153,7 @@ class Batcher {
   int64_t batch_, seq_, vocab_;
   uint64_t seed_;
   Shard shard_;
+  Packing packing_;
 };
 
 }  // namespace halyard::runtime

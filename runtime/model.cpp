@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "runtime/collectives.h"
+#include "runtime/data.h"
 #include "runtime/error.h"
 
 namespace halyard::runtime {
@@ -98,7 +99,11 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
   flat_size_ = total / static_cast<int64_t>(sizeof(float));
   params_ = allocate(total);
   grads_ = allocate(total);
-  tokens_ = allocate(3 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+  tokens_ = allocate(4 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+  // Each token's index in the row: fixed by the rank and the layout.
+  const std::vector<int32_t> index =
+      Shard{comm_ ? comm_->rank() : 0, spec.sp, 0, 1, zigzag_layout(spec)}.row_index(spec.local_seq);
+  for (int64_t b = 0; b < spec.batch; ++b) row_index_.insert(row_index_.end(), index.begin(), index.end());
   arena_bytes_ = std::max(spec.train.arena_bytes, spec.forward.arena_bytes);
   arena_ = allocate(arena_bytes_);
 }
@@ -155,24 +160,33 @@ void Model::validate(const int32_t* ids, const int32_t* labels, const int32_t* p
                   std::to_string(spec_.ignore_index) + " to ignore the token.");
     if (positions[t] < 0)
       throw Error("error: position " + std::to_string(positions[t]) + " at position_ids" + where(spec_, t) +
-                  " is negative.\nlegal: positions >= 0 (each token's global position).");
-    if (t % spec_.local_seq != 0 && positions[t] <= positions[t - 1])
+                  " is negative.\nlegal: positions >= 0 (each token's place in its document).");
+    // Attention sees keys from row index g - p to g (dsl/ops.h): the kernels
+    // trim their loops to that interval, so the documents it implies must be
+    // runs of the row, each token's start no earlier than the one before.
+    const int64_t g = row_index_[static_cast<size_t>(t)], start = std::max<int64_t>(0, g - positions[t]);
+    if (t % spec_.local_seq == 0) continue;
+    const int64_t g0 = row_index_[static_cast<size_t>(t - 1)], start0 = std::max<int64_t>(0, g0 - positions[t - 1]);
+    const bool next = g == g0 + 1;  // (zigzag chunks: other ranks' tokens lie between)
+    if (start < start0 || (next && start > start0 && positions[t] != 0) ||
+        (next && start == 0 && positions[t] <= positions[t - 1]))
       throw Error("error: position_ids" + where(spec_, t) + " is " + std::to_string(positions[t]) + " after " +
-                  std::to_string(positions[t - 1]) + "; generated attention kernels skip keys after each query,\n"
-                  "so positions must increase strictly along seq in every batch row.\n"
-                  "legal: e.g. 0, 1, 2, ... (or a rank's global positions under sequence parallelism).");
+                  std::to_string(positions[t - 1]) + ": positions increase strictly along a row, and by one within a "
+                  "document of a packed row,\nwhere the next document restarts at 0 (attention stays within each "
+                  "document).\nlegal: e.g. 0, 1, 2, ... (a rank's global positions under sequence parallelism), or "
+                  "0, 1, 2, 0, 1, ... for packed documents.");
   }
 }
 
 double Model::train_step(const int32_t* ids, const int32_t* labels, const int32_t* positions) {
   validate(ids, labels, positions);
-  const int32_t* inputs[3] = {ids, positions, labels};
+  const int32_t* inputs[4] = {ids, positions, labels, row_index_.data()};
   return run(spec_.train, inputs);
 }
 
 double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int32_t* positions) {
   validate(ids, labels, positions);
-  const int32_t* inputs[3] = {ids, positions, labels};
+  const int32_t* inputs[4] = {ids, positions, labels, row_index_.data()};
   return run(spec_.forward, inputs);
 }
 
@@ -283,10 +297,10 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
   if (out.device) out.flags |= halide_buffer_flag_host_dirty;
 }
 
-double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[3]) {
+double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // The caller's token arrays need not be aligned; copy them (they are small).
-  const int32_t* inputs[3];
-  for (int k = 0; k < 3; ++k) {
+  const int32_t* inputs[4];
+  for (int k = 0; k < 4; ++k) {
     auto* dst = reinterpret_cast<int32_t*>(tokens_.get() + k * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
     std::memcpy(dst, caller_inputs[k], static_cast<size_t>(tokens()) * sizeof(int32_t));
     inputs[k] = dst;

@@ -9,9 +9,14 @@
 // built for: the whole sequence on one rank, or this rank's slice of it when
 // the library splits the sequence over sp ranks (then pass the communicator
 // of those ranks; the step performs the collectives between its kernels,
-// returns the global loss, and leaves every rank the summed gradients). Bad input (an id outside the vocabulary, a label that is neither a
-// token nor the ignore index, a negative position) throws runtime::Error
-// naming the position; a failing kernel throws naming the kernel and node.
+// returns the global loss, and leaves every rank the summed gradients).
+// Position ids either increase along each row (one document: causal
+// attention) or restart at 0 where each document of a packed row begins
+// (attention within each document, Hugging Face's packed position_ids).
+// Bad input (an id outside the vocabulary, a label that is neither a token
+// nor the ignore index, a negative position, positions that are neither)
+// throws runtime::Error naming the position; a failing kernel throws naming
+// the kernel and node.
 #pragma once
 
 #include <cstdint>
@@ -100,7 +105,7 @@ class Model {
   static void set_num_threads(int n);
 
  private:
-  double run(const ProgramSpec& p, const int32_t* const inputs[3]);
+  double run(const ProgramSpec& p, const int32_t* const inputs[4]);
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void ring_shift(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
@@ -117,6 +122,7 @@ class Model {
   const ModelSpec& spec_;
   std::vector<int64_t> offsets_;  // of each parameter in params_ and grads_
   Block params_, grads_, tokens_, arena_;
+  std::vector<int32_t> row_index_;  // each local token's index in the row [batch, local_seq]: the step's token_index
   int64_t arena_bytes_ = 0;
   int64_t flat_size_ = 0;
   Communicator* comm_ = nullptr;  // sp group

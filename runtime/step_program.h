@@ -14,7 +14,8 @@
 namespace halyard::runtime {
 
 enum class ElemType : uint8_t { F32, F64, I32 };
-// Input index: 0 input_ids, 1 position_ids, 2 labels. A View is a tile of
+// Input index: 0 input_ids, 1 position_ids, 2 labels, 3 token_index (each
+// token's index in the row, which the runtime fills). A View is a tile of
 // another buffer (sequence tiling): the rows [offset, offset + shape[dim])
 // of buffer `index` along dimension `dim`, with that buffer's strides.
 enum class Storage : uint8_t { Input, Param, Grad, Arena, View };

@@ -1,5 +1,6 @@
 // The step program and its memory plan (see program.h).
 #include "schedules/program.h"
+#include "schedules/sharding.h"
 
 #include <algorithm>
 #include <functional>
@@ -37,6 +38,7 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
       if (n.name == "input_ids") b.index = 0;
       else if (n.name == "position_ids") b.index = 1;
       else if (n.name == "labels") b.index = 2;
+      else if (n.name == kTokenIndexInput) b.index = 3;
       else throw UserError("error: model input \"" + n.name + "\" is not one the runtime feeds.\n"
                            "legal inputs: input_ids, position_ids, labels.");
     } else if (n.op == Op::Param) {

@@ -22,32 +22,26 @@ std::string degrees_string(const std::vector<int64_t>& d) {
 // Ring attention on one rank: its queries against its own keys, then
 // against each other rank's key block as the blocks pass around the ring
 // (block j came from the rank j places before), merged by the online-softmax
-// rule. The own block keeps the queries' positions (causal by index, as on
-// one rank); the others carry their positions with them.
-Value ring_attention(Value q, Value k, Value v, Value pos, const std::string& mesh, int64_t sp,
+// rule. Keys carry their tokens' indices in the row with them, for the mask.
+Value ring_attention(Value q, Value k, Value v, Value pos, Value index, const std::string& mesh, int64_t sp,
                      const std::string& layout) {
   std::vector<RingBlock> blocks;
   std::vector<Value> lse;
-  Value kb = k, vb = v, pb = pos;
+  Value kb = k, vb = v, ib = index;
   for (int64_t j = 0; j < sp; ++j) {
-    RingBlock b{kb, vb, pb, {}, {}};
+    RingBlock b{kb, vb, ib, {}, {}};
     // The next block's pass comes first, so that it runs under this block's kernels.
-    if (j + 1 < sp) kb = ring_shift(kb, mesh, sp), vb = ring_shift(vb, mesh, sp), pb = ring_shift(pb, mesh, sp);
-    if (j == 0) {
-      b.lse = attention_lse(q, b.k, pos);
-      b.out = attention(q, b.k, b.v, pos);
-    } else {
-      Attrs block;
-      block.degree = sp;
-      block.offset = j;
-      block.layout = layout;
-      b.lse = attention_block_lse(q, b.k, pos, b.positions, block);
-      b.out = attention_block(q, b.k, b.v, pos, b.positions, block);
-    }
+    if (j + 1 < sp) kb = ring_shift(kb, mesh, sp), vb = ring_shift(vb, mesh, sp), ib = ring_shift(ib, mesh, sp);
+    Attrs block;
+    block.degree = sp;
+    block.offset = j;
+    block.layout = layout;
+    b.lse = attention_block_lse(q, b.k, pos, TokenIndex{index, b.key_index}, block);
+    b.out = attention_block(q, b.k, b.v, pos, TokenIndex{index, b.key_index}, block);
     blocks.push_back(b);
     lse.push_back(b.lse);
   }
-  return attention_merge(q, pos, lse_merge(lse), blocks);
+  return attention_merge(q, pos, index, lse_merge(lse), blocks);
 }
 
 }  // namespace
@@ -76,7 +70,21 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
   out.graph = std::make_unique<Graph>();
   Graph& g = *out.graph;
   std::vector<Value> map(static_cast<size_t>(src.size()));
-  std::map<int, Value> gathered;  // positions of the whole sequence, one gather per positions value
+  std::map<std::pair<int, std::string>, Value> gathered;  // positions gathered over a mesh axis, once each
+  // Each token's index in the row, for ring attention's mask: an input the
+  // runtime fills from the rank and the layout (runtime/model.h).
+  Value token_index;
+  auto row_index = [&](const Value& positions) {
+    if (!token_index.valid())
+      token_index = g.add_leaf(Op::Input, TensorType{DType::i32, positions.type().axes}, {}, kTokenIndexInput);
+    return token_index;
+  };
+  // A value of the whole sequence group's tokens, gathered over `axis` once.
+  auto gather = [&](const Value& x, const std::string& axis, int64_t degree) {
+    Value& v = gathered[{x.id, axis}];
+    if (!v.valid()) v = gather_seq(x, axis, degree);
+    return v;
+  };
   auto in = [&](const Node& n, size_t k) { return map[static_cast<size_t>(n.inputs[k])]; };
 
   for (const Node& n : src.nodes()) {
@@ -98,8 +106,9 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
                         " a head redistribution.\nlegal: an attention rule matching it, e.g. {\"match\": \"" +
                         (n.name.empty() ? std::string("*") : n.name) + "\", \"strategy\": \"ulysses\"} (or \"ring\").");
       if (strategy == "ring") {
+        Value index = row_index(ins[3]);
         g.set_name_prefix(n.name);
-        v = ring_attention(ins[0], ins[1], ins[2], ins[3], mesh, sp, s.sequence_layout);
+        v = ring_attention(ins[0], ins[1], ins[2], ins[3], index, mesh, sp, s.sequence_layout);
         g.set_name_prefix("");
       } else if (strategy == "hybrid") {
         // Ulysses within groups of u consecutive ranks, then ring attention
@@ -117,11 +126,11 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
                           " or be a multiple of it.\nlegal ulysses_degree at sp=" + std::to_string(sp) + ": " +
                           (legal.empty() ? std::string("none (use \"ring\" or \"ulysses\")") : degrees_string(legal)) + ".");
         }
-        Value& pos = gathered[n.inputs[3]];
-        if (!pos.valid()) pos = gather_seq(ins[3], kUlyssesAxis, u);
+        Value pos = gather(ins[3], kUlyssesAxis, u), index = gather(row_index(ins[3]), kUlyssesAxis, u);
         g.set_name_prefix(n.name);
         Value a = ring_attention(seq_to_heads(ins[0], kUlyssesAxis, u), seq_to_heads(ins[1], kUlyssesAxis, u),
-                                 seq_to_heads(ins[2], kUlyssesAxis, u), pos, kRingAxis, sp / u, s.sequence_layout);
+                                 seq_to_heads(ins[2], kUlyssesAxis, u), pos, index, kRingAxis, sp / u,
+                                 s.sequence_layout);
         v = heads_to_seq(a, kUlyssesAxis, u);
         g.set_name_prefix("");
       } else if (strategy == "ulysses") {
@@ -137,8 +146,8 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
           throw UserError("error: schedule \"" + s.name + "\" places the sequence zigzag, but " + describe(src, n.id) +
                           " is split with Ulysses, whose kernels need the gathered positions in order.\nlegal: "
                           "\"sequence_layout\": \"contiguous\" with Ulysses, or the strategy \"ring\" for every attention.");
-        Value& pos = gathered[n.inputs[3]];
-        if (!pos.valid()) pos = gather_seq(ins[3], mesh, sp);
+        // The whole sequence, in order: its seq index is the token's index in the row.
+        Value pos = gather(ins[3], mesh, sp);
         g.set_name_prefix(n.name);
         Value a = attention(seq_to_heads(ins[0], mesh, sp), seq_to_heads(ins[1], mesh, sp),
                             seq_to_heads(ins[2], mesh, sp), pos);

@@ -42,6 +42,11 @@ namespace halyard {
 // The mesh axis name of collectives over every rank (data and sequence parallel).
 inline constexpr const char* kWholeMesh = "dp,sp";
 
+// The input a sharded graph gains for ring attention's mask: each of the
+// rank's tokens' index in the whole row (i32[batch, seq@sp]). The runtime
+// fills it from the rank and the sequence layout; the model never sees it.
+inline constexpr const char* kTokenIndexInput = "token_index";
+
 // A forward graph a schedule rebuilt (sharded here, tiled in tiling.h).
 struct RebuiltGraph {
   std::unique_ptr<Graph> graph;

@@ -24,6 +24,8 @@
 // Data (runtime/data.h): --data reads a text file one byte per token (the
 // default is the bundled corpus); --tokens reads a headerless little-endian
 // uint16 or uint32 token file (nanoGPT's train.bin is --token-width 16).
+// --pack SEP_ID or --doc-starts FILE packs documents: position ids restart at
+// each document and attention stays within it (runtime::Packing).
 // --save writes a checkpoint (runtime/checkpoint.h) every --save-every steps
 // and after the last step; --resume continues from a checkpoint's step + 1 up
 // to --steps. The batch of a step is a pure function of (seed, step), so a
@@ -93,6 +95,10 @@ data
   --data TEXT          a text file, one byte per token (the bundled corpus)
   --tokens FILE --token-width 16|32
                        a headerless little-endian uint16/uint32 token file
+  --pack SEP_ID        packed documents: each ends with token SEP_ID; positions
+                       restart after it and attention stays within a document
+  --doc-starts FILE    packed documents starting at the token offsets in FILE
+                       (text, ascending)
   --val-every N        every N steps (and after the last), the loss on held-out
                        data; 0 = no validation split (0)
   --val-fraction F     the file's tail held out for validation (0.05), 0 < F < 1
@@ -131,6 +137,8 @@ std::string default_corpus() {
 
 struct Options {
   int steps = 30, warmup = 5, threads = 0, save_every = 0, token_width = 0, val_every = 0, val_batches = 2;
+  int64_t pack = -1;  // the document separator id, or -1
+  std::string doc_starts;
   double clip = 1.0, lr = 3e-3, comm_timeout = runtime::kDefaultCommTimeoutS, val_fraction = 0.05;
   unsigned seed = 0;
   bool zero = false, zero_given = false, data_given = false, help = false;
@@ -165,6 +173,8 @@ std::string parse(int argc, char** argv, Options& o) {
       else if (k == "--save-shard-bytes") o.save_shard_bytes = parse_count(k, v);
       else if (k == "--resume") o.resume_dir = v;
       else if (k == "--tokens") o.tokens = v;
+      else if (k == "--pack") o.pack = parse_integer(k, v, 0, std::numeric_limits<int32_t>::max());
+      else if (k == "--doc-starts") o.doc_starts = v;
       else if (k == "--token-width") o.token_width = integer(16, 32);
       else if (k == "--step-check") o.step_check = v;
       else if (k == "--clip") o.clip = parse_real(k, v, 0, true);
@@ -179,7 +189,7 @@ std::string parse(int argc, char** argv, Options& o) {
       else if (k == "--val-batches") o.val_batches = integer(1, 1 << 20);
       else
         return "error: unknown option \"" + k + "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
-               "--token-width --val-every --val-fraction --val-batches --save --save-every --save-shard-bytes --resume "
+               "--token-width --pack --doc-starts --val-every --val-fraction --val-batches --save --save-every --save-shard-bytes --resume "
                "--step-check "
                "--clip --metrics --config --seq --sp --zero --comm-timeout --help";
     } catch (const UserError& e) {
@@ -195,6 +205,9 @@ std::string parse(int argc, char** argv, Options& o) {
   if (o.tokens.empty() != (o.token_width == 0) || (o.token_width != 0 && o.token_width != 16 && o.token_width != 32))
     return "error: --tokens needs --token-width and --token-width needs --tokens (got --tokens \"" + o.tokens +
            "\", --token-width " + std::to_string(o.token_width) + ").\nlegal widths: 16 (uint16 ids), 32 (uint32 ids)";
+  if (o.pack >= 0 && !o.doc_starts.empty())
+    return "error: --pack " + std::to_string(o.pack) + " and --doc-starts \"" + o.doc_starts +
+           "\" both say where documents begin.\nfix: pass one of them.";
   if (!(o.val_fraction < 1))
     return "error: --val-fraction " + std::to_string(o.val_fraction) +
            " leaves nothing to train on.\nlegal: a fraction between 0 and 1, e.g. 0.05.";
@@ -433,13 +446,16 @@ int train(const Options& o) {
     // The batch of a step depends on (seed, step) alone, so resuming sees the
     // same data; each rank reads only its slice of every row.
     const runtime::Shard shard{rank % sp, sp, rank / sp, dp, runtime::zigzag_layout(spec)};
-    const runtime::Batcher batcher(train_file, batch, seq, spec.vocab, o.seed, shard);
+    runtime::Packing packing;
+    packing.separator = o.pack;
+    if (!o.doc_starts.empty()) packing.doc_starts = runtime::read_doc_starts(o.doc_starts, file.size());
+    const runtime::Batcher batcher(train_file, batch, seq, spec.vocab, o.seed, shard, packing);
     // Validation: the same --val-batches windows of the held-out tail every
     // time, so the curve moves only with the model.
     std::unique_ptr<runtime::Batcher> val_batcher;
     if (held_out > 0)
       val_batcher = std::make_unique<runtime::Batcher>(file.slice(file.size() - held_out, file.size()), batch, seq,
-                                                       spec.vocab, o.seed + 7919u, shard);
+                                                       spec.vocab, o.seed + 7919u, shard, packing);
     const int64_t n = batcher.local_tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
 
@@ -450,7 +466,7 @@ int train(const Options& o) {
       if (lead) {
         // The whole batch, as one rank would see it: every replica's rows, in replica order.
         const int64_t rows = batch * dp;
-        const auto whole = runtime::Batcher(file, rows, seq, spec.vocab, o.seed).get(1);
+        const auto whole = runtime::Batcher(file, rows, seq, spec.vocab, o.seed, {}, packing).get(1);
         runtime::Safetensors out;
         out.put_f64("loss", {}, {loss});
         out.put_i32("input_ids", {rows, seq}, whole.input_ids);

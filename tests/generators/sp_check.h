@@ -4,7 +4,8 @@
 //
 // Every rank initializes the same parameters (seed), takes its slice of the
 // same batch of the bundled corpus (runtime::Batcher with its Shard: labels
-// shifted before the split, global positions, padding past seq), and runs
+// shifted before the split, global positions or packed documents' own,
+// padding past seq), and runs
 // forward_loss and train_step. The generated step sums the loss over ranks
 // and the gradients over the mesh, so each rank's loss and gradients are
 // compared with the reference's whole.
@@ -24,6 +25,9 @@
 namespace halyard::sp_check {
 
 inline const std::string kCorpus = std::string(HALYARD_SOURCE_DIR) + "/examples/llama/data/corpus.txt";
+// Packed documents for the tests: every word of the corpus is one (it ends
+// with the space after it), a dozen or more to a row of 128 tokens.
+inline const runtime::Packing kWords{' ', {}};
 
 struct StepResult {
   double forward_loss = 0, loss = 0;
@@ -36,12 +40,12 @@ struct StepResult {
 // dp x sp mesh, this rank in data-parallel replica `replica` of `replicas`.
 inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator* comm,
                            runtime::Communicator* mesh = nullptr, int replica = 0, int replicas = 1,
-                           int64_t step = 3, uint64_t seed = 5) {
+                           int64_t step = 3, uint64_t seed = 5, const runtime::Packing& packing = {}) {
   runtime::Model m(spec, comm, mesh);
   m.init_params(seed);
   const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
   const runtime::Batcher batcher(runtime::TokenFile::from_text(kCorpus), spec.batch, spec.seq, spec.vocab, seed,
-                                 runtime::Shard{rank, ranks, replica, replicas, runtime::zigzag_layout(spec)});
+                                 runtime::Shard{rank, ranks, replica, replicas, runtime::zigzag_layout(spec)}, packing);
   const auto b = batcher.get(step);
   m.reset_bytes_sent();
   StepResult r;
@@ -56,7 +60,8 @@ inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator
 
 // One step of `spec` on `ranks` in-process ranks (threads); (*errors)[r] is
 // rank r's exception message, "" when it ran.
-inline std::vector<StepResult> run_in_process(const runtime::ModelSpec& spec, int ranks, std::vector<std::string>* errors) {
+inline std::vector<StepResult> run_in_process(const runtime::ModelSpec& spec, int ranks, std::vector<std::string>* errors,
+                                              const runtime::Packing& packing = {}) {
   auto comms = runtime::make_in_process_group(ranks, 120);
   std::vector<StepResult> out(static_cast<size_t>(ranks));
   errors->assign(static_cast<size_t>(ranks), "");
@@ -64,7 +69,7 @@ inline std::vector<StepResult> run_in_process(const runtime::ModelSpec& spec, in
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
       try {
-        out[static_cast<size_t>(r)] = run_step(spec, comms[static_cast<size_t>(r)].get());
+        out[static_cast<size_t>(r)] = run_step(spec, comms[static_cast<size_t>(r)].get(), nullptr, 0, 1, 3, 5, packing);
       } catch (const std::exception& e) {
         (*errors)[static_cast<size_t>(r)] = e.what();
       }
@@ -152,12 +157,12 @@ inline Volume ulysses_forward_bytes(const llama::LlamaConfig& c, const runtime::
 }
 
 // Ring attention's volume per rank and layer: the forward passes the local
-// k and v blocks (and their i32 positions) P-1 times around the ring,
+// k and v blocks (and their i32 token indices) P-1 times around the ring,
 // 2·N·h_kv·(P−1)/P floats with h_kv = kv_heads·head_dim over N tokens; the
 // backward passes dK and dV back the same number of times.
 struct RingVolume {
   int layers = 0;
-  double forward = 0, positions = 0, backward = 0;  // bytes per layer and rank
+  double forward = 0, indices = 0, backward = 0;  // bytes per layer and rank
 };
 // Hybrid (ulysses u x ring r = p): the ring runs across r groups of u
 // ranks, each rank holding its group's u slices for the kv heads it got
@@ -170,7 +175,7 @@ inline RingVolume ring_bytes(const llama::LlamaConfig& c, const runtime::ModelSp
   RingVolume v;
   v.layers = static_cast<int>(c.num_hidden_layers);
   v.forward = 2 * tokens * kv_per_rank * static_cast<double>(c.head_dim) * (r - 1) * 4;
-  v.positions = tokens * (r - 1) * 4;
+  v.indices = tokens * (r - 1) * 4;
   v.backward = v.forward;
   return v;
 }

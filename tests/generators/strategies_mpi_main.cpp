@@ -1,6 +1,7 @@
 // Ring attention over MPI processes: `mpirun -np P strategies_mpi_main` runs
 // the ring-sharded tiny Llama built for P ranks (2; or 4: contiguous,
-// zigzag, and both padded with checkpointing and tiles) and, on every rank,
+// zigzag, and both padded with checkpointing and tiles; and on packed
+// documents) and, on every rank,
 // the single-rank library on the whole batch; each rank's loss and gradients
 // must match within 1e-5 relative, and the bytes it sent the ring's formula
 // exactly (hybrid 2 x 2 on 4: plus Ulysses' within each pair of ranks). Exits non-zero on any mismatch, naming the rank (ctest:
@@ -38,10 +39,11 @@ using namespace halyard;
 
 namespace {
 
-bool check(const runtime::ModelSpec& reference, const runtime::ModelSpec& ring, runtime::Communicator& comm) {
+bool check(const runtime::ModelSpec& reference, const runtime::ModelSpec& ring, runtime::Communicator& comm,
+           const runtime::Packing& packing = {}) {
   const auto cfg = llama::LlamaConfig::load(std::string(HALYARD_SOURCE_DIR) + "/examples/llama/configs/tiny.json");
-  const sp_check::StepResult ref = sp_check::run_step(reference, nullptr);
-  const sp_check::StepResult got = sp_check::run_step(ring, &comm);
+  const sp_check::StepResult ref = sp_check::run_step(reference, nullptr, nullptr, 0, 1, 3, 5, packing);
+  const sp_check::StepResult got = sp_check::run_step(ring, &comm, nullptr, 0, 1, 3, 5, packing);
   const sp_check::Comparison c = sp_check::compare(ring, got, ref);
   const int u = std::max(ring.ulysses_degree, 1);
   const sp_check::RingVolume v = sp_check::ring_bytes(cfg, ring, comm.size(), u);
@@ -50,11 +52,11 @@ bool check(const runtime::ModelSpec& reference, const runtime::ModelSpec& ring, 
   const double fwd = static_cast<double>(got.p2p_forward_bytes) / v.layers;
   const double bwd = static_cast<double>(got.p2p_train_bytes - got.p2p_forward_bytes) / v.layers;
   const bool ok = c.loss <= 1e-5 && c.forward_loss <= 1e-5 && c.worst_grad <= 1e-5 &&
-                  fwd == v.forward + v.positions && bwd == v.backward && a2a_ok;
-  std::printf("%s %s (%s) rank %d/%d (MPI): loss %.9g vs one rank %.9g (rel %.2e), worst gradient %.2e (%s); "
-              "ring bytes per layer: forward %.0f (formula %.0f + positions %.0f), backward %.0f (formula %.0f)\n",
-              ok ? "ok  " : "FAIL", ring.name, ring.sequence_layout, comm.rank(), comm.size(), got.loss, ref.loss,
-              c.loss, c.worst_grad, c.worst_param.c_str(), fwd, v.forward, v.positions, bwd, v.backward);
+                  fwd == v.forward + v.indices && bwd == v.backward && a2a_ok;
+  std::printf("%s %s%s (%s) rank %d/%d (MPI): loss %.9g vs one rank %.9g (rel %.2e), worst gradient %.2e (%s); "
+              "ring bytes per layer: forward %.0f (formula %.0f + token indices %.0f), backward %.0f (formula %.0f)\n",
+              ok ? "ok  " : "FAIL", packing.on() ? "packed " : "", ring.name, ring.sequence_layout, comm.rank(), comm.size(), got.loss, ref.loss,
+              c.loss, c.worst_grad, c.worst_param.c_str(), fwd, v.forward, v.indices, bwd, v.backward);
   return ok;
 }
 
@@ -153,6 +155,7 @@ int main(int argc, char** argv) {
     bool ok = true;
     if (comm->size() == 2) {
       ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_ring_sp2_s128(), *comm);
+      ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_ring_sp2_s128(), *comm, sp_check::kWords) && ok;
     } else if (comm->size() == 4) {
       ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_ring_sp4_s128(), *comm);
       ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_zigzag_sp4_s128(), *comm) && ok;
@@ -160,6 +163,11 @@ int main(int argc, char** argv) {
       ok = check(halyard_models::tiny_sp1_s126(), halyard_models::tiny_zigzag_sp4_s126_tiled(), *comm) && ok;
       ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_hybrid_sp4_s128(), *comm) && ok;
       ok = check(halyard_models::tiny_sp1_s126(), halyard_models::tiny_hybrid_sp4_s126_tiled(), *comm) && ok;
+      // Packed documents (every word one), crossing the ranks' boundaries.
+      ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_ring_sp4_s128(), *comm, sp_check::kWords) && ok;
+      ok = check(halyard_models::tiny_sp1_s126(), halyard_models::tiny_zigzag_sp4_s126_tiled(), *comm, sp_check::kWords) &&
+           ok;
+      ok = check(halyard_models::tiny_sp1_s128(), halyard_models::tiny_hybrid_sp4_s128(), *comm, sp_check::kWords) && ok;
     } else {
       std::fprintf(stderr,
                    "error: strategies_mpi_main has libraries for 2 and 4 ranks, not %d.\nfix: mpirun -np 2 or -np 4.\n",

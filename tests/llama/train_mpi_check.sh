@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama_train under mpirun, end to end (ctest: train_mpi_<case>):
-#   train_mpi_check.sh <llama_train> <mpirun> <case>
+#   train_mpi_check.sh <llama_train> <mpirun> <case> [trainer options...]
 #   resume   4 ranks: a run stopped at step 3 and resumed gives the losses of
 #            the uninterrupted run, bitwise, with plain AdamW and with ZeRO-1
 #            (whose checkpoint also resumes on 2 ranks).
@@ -11,7 +11,8 @@
 #            itself; with --enable-recovery the survivors' communicator times
 #            out (5 s) and reports the dead rank.
 #   stepcheck  --step-check from one checkpoint on 1 rank and on 4 ranks
-#            (sp 4): the same batch, loss and gradients within 1e-5.
+#            (sp 4): the same batch, loss and gradients within 1e-5 (with
+#            the options after <case>, e.g. --pack 32: packed documents).
 #   errors   a rank count without a library, a config or seq that does not
 #            match the library, numbers that are not strictly numbers, an
 #            unwritable --save directory (on 1 rank and on 2: every rank
@@ -29,6 +30,8 @@
 #            2 ranks without --sp name the one degree linked.
 set -uo pipefail
 train=$1 mpirun=$2 case=$3
+shift 3
+options=("$@")  # stepcheck: passed to both step-checks
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mpi=("$mpirun" --allow-run-as-root --oversubscribe)
@@ -103,8 +106,9 @@ killed)
   ;;
 stepcheck)
   "$train" --steps 2 --save "$work/ck" >/dev/null || fail "training for the checkpoint"
-  "$train" --resume "$work/ck" --step-check "$work/one.safetensors" || fail "step-check on 1 rank"
-  "${mpi[@]}" -np 4 "$train" --resume "$work/ck" --step-check "$work/four.safetensors" || fail "step-check on 4 ranks"
+  "$train" --resume "$work/ck" --step-check "$work/one.safetensors" "${options[@]}" || fail "step-check on 1 rank"
+  "${mpi[@]}" -np 4 "$train" --resume "$work/ck" --step-check "$work/four.safetensors" "${options[@]}" ||
+    fail "step-check on 4 ranks"
   python3 - "$work/one.safetensors" "$work/four.safetensors" <<'PY' || fail "step-checks differ"
 import json, struct, sys
 def read(path):

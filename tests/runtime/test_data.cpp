@@ -266,5 +266,83 @@ TEST(Batcher, TextFileBatches) {
     }
 }
 
+// Packed documents: a text "ab.cde.f.gh" with separator '.' holds the
+// documents "ab.", "cde.", "f.", "gh"; positions restart after each '.',
+// and a '.' (a document's last token) has no label.
+TEST(Batcher, PacksDocumentsBySeparator) {
+  TempDir d;
+  const std::string text = "ab.cde.f.ghij";
+  write_bytes(d.file("t.txt"), std::vector<uint8_t>(text.begin(), text.end()));
+  // One row of the whole file but its last token: the window starts at 0.
+  const Batcher b(TokenFile::from_text(d.file("t.txt")), 1, 12, 256, 0, {}, Packing{'.', {}});
+  const auto batch = b.get(1);
+  EXPECT_EQ(batch.position_ids, (std::vector<int32_t>{0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1, 2}));
+  const int32_t x = static_cast<int32_t>(kIgnoreIndex);
+  EXPECT_EQ(batch.labels, (std::vector<int32_t>{'b', '.', x, 'd', 'e', '.', x, '.', x, 'h', 'i', 'j'}));
+}
+
+// The same packing from a list of document starts (token offsets of the file).
+TEST(Batcher, PacksDocumentsByStarts) {
+  TempDir d;
+  const std::string text = "abcdefghijklm";
+  write_bytes(d.file("t.txt"), std::vector<uint8_t>(text.begin(), text.end()));
+  std::ofstream(d.file("starts.txt")) << "0 3\n7\n9\n";
+  const auto starts = read_doc_starts(d.file("starts.txt"), 13);
+  EXPECT_EQ(starts, (std::vector<int64_t>{0, 3, 7, 9}));
+  const Batcher b(TokenFile::from_text(d.file("t.txt")), 1, 12, 256, 0, {}, Packing{-1, starts});
+  const auto batch = b.get(1);
+  EXPECT_EQ(batch.position_ids, (std::vector<int32_t>{0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1, 2}));
+  const int32_t x = static_cast<int32_t>(kIgnoreIndex);
+  EXPECT_EQ(batch.labels, (std::vector<int32_t>{'b', 'c', x, 'e', 'f', 'g', x, 'i', x, 'k', 'l', 'm'}));
+  std::ofstream(d.file("bad.txt")) << "0 5\n4\n";
+  EXPECT_THAT(error_of([&] { read_doc_starts(d.file("bad.txt"), 13); }),
+              HasSubstr("line 2: 4 follows 5; document starts must increase"));
+  std::ofstream(d.file("far.txt")) << "0 13\n";
+  EXPECT_THAT(error_of([&] { read_doc_starts(d.file("far.txt"), 13); }),
+              HasSubstr("\"13\" is not a token offset of the data (0 .. 12)"));
+  EXPECT_THAT(error_of([&] { Batcher(TokenFile::from_text(d.file("t.txt")), 1, 12, 256, 0, {}, Packing{300, {}}); }),
+              HasSubstr("the document separator id 300 is not below the vocab 256"));
+}
+
+// Each rank's slice of a packed row, contiguous or zigzag, padded or not,
+// equals that part of the row packed on one rank: positions count from
+// documents that began on other ranks.
+void expect_packed_shards_match(int ranks, bool zigzag, int64_t seq) {
+  TempDir d;
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += i % 7 == 3 || i % 11 == 0 ? ' ' : static_cast<char>('a' + i % 26);
+  write_bytes(d.file("t.txt"), std::vector<uint8_t>(text.begin(), text.end()));
+  const TokenFile f = TokenFile::from_text(d.file("t.txt"));
+  const Packing words{' ', {}};
+  const auto whole = Batcher(f, 2, seq, 256, 3, {}, words).get(5);
+  for (int r = 0; r < ranks; ++r) {
+    const Shard shard{r, ranks, 0, 1, zigzag};
+    const Batcher b(f, 2, seq, 256, 3, shard, words);
+    const auto part = b.get(5);
+    const auto index = shard.row_index(b.local_seq());
+    for (int64_t row = 0; row < 2; ++row)
+      for (int64_t t = 0; t < b.local_seq(); ++t) {
+        const size_t k = static_cast<size_t>(row * b.local_seq() + t);
+        const int64_t g = index[static_cast<size_t>(t)];
+        if (g >= seq) {  // padding: positions continue the row's last document
+          const size_t last = static_cast<size_t>(row * seq + seq - 1);
+          EXPECT_EQ(part.position_ids[k], whole.position_ids[last] + (g - seq + 1)) << "rank " << r << " token " << t;
+          EXPECT_EQ(part.labels[k], kIgnoreIndex);
+          continue;
+        }
+        const size_t w = static_cast<size_t>(row * seq + g);
+        EXPECT_EQ(part.input_ids[k], whole.input_ids[w]);
+        EXPECT_EQ(part.labels[k], whole.labels[w]) << "rank " << r << " token " << t;
+        EXPECT_EQ(part.position_ids[k], whole.position_ids[w]) << "rank " << r << " token " << t;
+      }
+  }
+}
+TEST(Batcher, PackedShardsAreSlicesOfThePackedRow) {
+  expect_packed_shards_match(4, false, 64);
+  expect_packed_shards_match(4, true, 64);
+  expect_packed_shards_match(4, false, 62);
+  expect_packed_shards_match(4, true, 61);
+}
+
 }  // namespace
 }  // namespace halyard::runtime
