@@ -502,19 +502,21 @@ void Ctx::attention(int id, Func out) {
   Func kT = transposed(k, "kT");
   // Key j is visible to query i when qidx(i) - pos(i) <= kidx(j) <= qidx(i)
   // (dsl/ops.h), the indices being the tokens' places in the row: the seq
-  // index itself, or a ring block's token_index operands.
+  // index itself, or a ring block's token_index operands. That is
+  // 0 <= qidx - kidx <= pos, one unsigned comparison (positions are >= 0).
   const bool ring = is_ring_block(n);
   Expr visible;
   RDom rd(0, D, "rd"), rj(0, S, "rj");
-  // With this predicate Halide trims the loops over keys to the interval
-  // each query sees: never keys after it (halving the work), nor keys
-  // before its document's start. A ring block's visible keys are likewise
-  // an interval of it, counted per query (none for a block after the
-  // query's, all of one before it, half of each zigzag chunk pair). The
-  // mask keeps the result exact. Over queries (dK, dV) only the other end
-  // is trimmed: the queries at or after a key.
-  Func nvis("keys_visible"), kfirst("first_key"), first("first_query");
-  Expr key_end, key_begin;  // per query, keys [key_begin, key_end) may be visible
+  // Keys after the query are never visible: with this predicate Halide
+  // trims those loops, halving the work. A ring block's visible keys are
+  // likewise a prefix of it, of a length counted per query (none for a
+  // block after the query's, all of one before it, half of each zigzag
+  // chunk pair); the queries that see a key are a suffix. The mask keeps
+  // the result exact, including the keys before a query's document (packed
+  // rows): those loops are not trimmed from below, because a bound loaded
+  // per query cost the unpacked rows about 10% (attention_bench, seq 4096).
+  Func nvis("keys_visible"), first("first_query");
+  Expr key_end;  // per query, keys [0, key_end) may be visible
   // The rank's own block holds the queries' own tokens, in row order: keys
   // up to the query's seq index, as on one rank (an affine bound, which
   // trims the score tiles too; another rank's block is trimmed by a count).
@@ -523,14 +525,10 @@ void Ctx::attention(int id, Func out) {
     Func qidx("qidx_s"), kidx("kidx_s");
     kidx(i, b) = at(n.inputs[n.inputs.size() - 2], Env{{"seq", i}, {"batch", b}});
     qidx(i, b) = at(n.inputs.back(), Env{{"seq", i}, {"batch", b}});
-    visible = kidx(j, b) <= qidx(i, b) && kidx(j, b) >= qidx(i, b) - pos(i, b);
-    RDom rc(0, S, "r_count");
-    kfirst(i, b) = 0;
-    kfirst(i, b) += select(kidx(rc, b) < qidx(i, b) - pos(i, b), 1, 0);
-    ls.funcs.small.push_back(kfirst);
-    key_begin = kfirst(i, b);
+    visible = cast<uint32_t>(qidx(i, b) - kidx(j, b)) <= cast<uint32_t>(pos(i, b));
     key_end = i + 1;
     if (!own) {
+      RDom rc(0, S, "r_count");
       nvis(i, b) = 0;
       nvis(i, b) += select(kidx(rc, b) <= qidx(i, b), 1, 0);
       first(j, b) = 0;
@@ -539,11 +537,11 @@ void Ctx::attention(int id, Func out) {
       key_end = nvis(i, b);
     }
   } else {
-    visible = j <= i && j >= i - pos(i, b);
-    key_begin = i - pos(i, b);
+    visible = cast<uint32_t>(i - j) <= cast<uint32_t>(pos(i, b));
     key_end = i + 1;
   }
-  rj.where(rj < key_end && rj >= key_begin);
+  if (ring && !own) rj.where(rj < key_end);
+  else rj.where(rj <= i);
 
   // scores[j, i, h] = q_i . k_j * scale
   Func s_acc("s_acc"), s("s");
@@ -558,7 +556,8 @@ void Ctx::attention(int id, Func out) {
     // vectorized reduction (the positional mask handles the diagonal block).
     const int block = S % 16 == 0 ? 16 : S % 8 == 0 ? 8 : 1;
     RDom rk(0, block, 0, S / block, "rk");
-    rk.where(rk.y * block < key_end && rk.y * block + block > key_begin);
+    if (ring && !own) rk.where(rk.y * block < key_end);
+    else if (block > 1) rk.where(rk.y * block <= i);
     Expr key = rk.y * block + rk.x;
     Func m("row_max"), l("row_sum");
     Expr vis_r = substitute(j, key, visible);
