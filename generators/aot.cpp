@@ -177,7 +177,7 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
     }
     const Node& root = g.node(st.root);
     os << cpp_string(label(g, st.root, st.extra_outputs)) << ", " << c.args.size() << ", " << tag << "_args + " << off << ", "
-       << (c.wait ? "CallKind::RingShiftWait" : call_kind(op)) << ", " << (is_collective(op) ? cpp_string(root.attrs.mesh_axis) : std::string("nullptr")) << ", "
+       << (c.wait ? "CallKind::Wait" : call_kind(op)) << ", " << (is_collective(op) ? cpp_string(root.attrs.mesh_axis) : std::string("nullptr")) << ", "
        << (op == Op::RingShift ? root.attrs.offset : 0) << "},\n";
     off += c.args.size();
   }

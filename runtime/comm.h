@@ -70,6 +70,11 @@ class Communicator {
   void set_world_ranks(std::vector<int> world) { world_ranks_ = std::move(world); }
   // "in-process" or "MPI", for messages and reports.
   virtual const char* backend() const = 0;
+  // Whether a thread other than the one that made the communicator may make
+  // its calls (still one thread at a time): a model's communication thread
+  // does, to run collectives under the kernels. MPI says so only when it was
+  // initialized with MPI_THREAD_SERIALIZED or more.
+  virtual bool other_threads_may_call() const { return true; }
 
   // How long any call waits for its peers before throwing. Must be a positive,
   // finite number of seconds: a dead or stuck peer must never hang the others.

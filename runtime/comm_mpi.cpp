@@ -122,6 +122,10 @@ class MpiCommunicator final : public Communicator {
   }
 
   const char* backend() const override { return "MPI"; }
+  bool other_threads_may_call() const override {
+    int level = MPI_THREAD_SINGLE;
+    return MPI_Query_thread(&level) == MPI_SUCCESS && level >= MPI_THREAD_SERIALIZED;
+  }
 
  protected:
   void do_all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,

@@ -5,12 +5,17 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <future>
 #include <mutex>
+#include <thread>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <string_view>
 
 #include "runtime/collectives.h"
 #include "runtime/data.h"
@@ -20,6 +25,10 @@ namespace halyard::runtime {
 namespace {
 
 constexpr int64_t kAlign = 128;
+// Gradient sums start in buckets of at least this many bytes: large enough
+// that each call moves data at the link's rate, small enough that the first
+// starts well before the backward ends (a layer of the tiny Llama is 3.4 MB).
+constexpr int64_t kGradBucketBytes = 4 << 20;
 
 int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -59,6 +68,60 @@ std::string where(const ModelSpec& s, int64_t flat) {
 }
 
 }  // namespace
+
+// The step's communication thread: runs collectives in the order they are
+// submitted (the program's order, the same on every rank), each to its end,
+// while the thread that submitted them goes on with kernels. A job returns
+// the seconds it took; its error (a timeout naming a dead rank) reaches
+// whoever waits for it. Destroying the thread finishes the jobs queued.
+class Model::CommThread {
+ public:
+  CommThread() : thread_([this] { loop(); }) {}
+  ~CommThread() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  std::future<double> submit(std::function<void()> job) {
+    std::packaged_task<double()> task([job = std::move(job)] {
+      const auto t0 = std::chrono::steady_clock::now();
+      job();
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    std::future<double> done = task.get_future();
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::packaged_task<double()> task;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<double()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: it starts once the rest exists
+};
+
+bool Model::background() const { return overlap_ && comm_thread_ != nullptr; }
 
 Model::Block Model::allocate(int64_t bytes) {
   void* p = std::aligned_alloc(kAlign, static_cast<size_t>(round_up(std::max<int64_t>(bytes, 1))));
@@ -104,6 +167,22 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
   const std::vector<int32_t> index =
       Shard{comm_ ? comm_->rank() : 0, spec.sp, 0, 1, zigzag_layout(spec)}.row_index(spec.local_seq);
   for (int64_t b = 0; b < spec.batch; ++b) row_index_.insert(row_index_.end(), index.begin(), index.end());
+  // A communication thread, when there is something to communicate and
+  // every communicator may be called from it.
+  bool threads_ok = comm_ || mesh_;
+  for (const Communicator* c : {comm_, mesh_, ulysses_.get(), ring_.get()}) threads_ok = threads_ok && (!c || c->other_threads_may_call());
+  if (threads_ok) comm_thread_ = std::make_shared<CommThread>();
+  // Each gradient is final after the last call that touches it: from there
+  // its sum over the mesh can run under the rest of the backward.
+  grads_final_after_.assign(static_cast<size_t>(spec.train.num_calls), {});
+  std::vector<int> last(static_cast<size_t>(spec.num_params), -1);
+  for (int c = 0; c < spec.train.num_calls; ++c)
+    for (int a = 0; a < spec.train.calls[c].num_args; ++a) {
+      const BufferSpec& b = spec.train.buffers[spec.train.calls[c].args[a]];
+      if (b.storage == Storage::Grad) last[static_cast<size_t>(b.index)] = c;
+    }
+  for (int i = 0; i < spec.num_params; ++i)
+    if (last[static_cast<size_t>(i)] >= 0) grads_final_after_[static_cast<size_t>(last[static_cast<size_t>(i)])].push_back(i);
   arena_bytes_ = std::max(spec.train.arena_bytes, spec.forward.arena_bytes);
   arena_ = allocate(arena_bytes_);
 }
@@ -213,7 +292,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " over mesh axis \"" + axis +
                 "\"; this runtime has the axes \"sp\" and \"dp,sp\" (and \"sp_u\", \"sp_r\" in hybrid steps)."
                 "\nfix: regenerate the library with this version of Halyard.");
-  if (call.kind == CallKind::RingShift || call.kind == CallKind::RingShiftWait) {
+  if (call.kind == CallKind::RingShift) {
     ring_shift(call, p, bufs, over);
     return;
   }
@@ -231,20 +310,13 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
 }
 
 // Ring attention's block pass: rank r sends its buffer to r + direction and
-// receives r - direction's. The exchange runs in the background from its
-// start to its wait (the program puts kernels between them), unless overlap
-// is off (then it finishes at once: the baseline that measures how much of
-// it the kernels hide).
+// receives r - direction's. Without a communication thread the exchange
+// runs in the background from its start to its wait (run() finishes it),
+// unless overlap is off (then it finishes at once: the baseline that
+// measures how much of it the kernels hide). On the communication thread it
+// finishes here, while the kernels go on.
 void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, Communicator* over) {
   const int out_index = call.args[1];
-  if (call.kind == CallKind::RingShiftWait) {
-    auto it = exchanges_.find(out_index);
-    if (it == exchanges_.end()) return;  // finished at its start
-    std::unique_ptr<Exchange> e = std::move(it->second);
-    exchanges_.erase(it);
-    e->wait();
-    return;
-  }
   const BufferSpec& s = p.buffers[call.args[0]];
   int64_t n = 1;
   for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
@@ -267,7 +339,7 @@ void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer
                                  to, from, tag)
           : over->start_exchange(reinterpret_cast<const float*>(in.host), reinterpret_cast<float*>(out.host), n, to,
                                  from, tag);
-  if (!overlap_) e->wait();
+  if (!overlap_ || background()) e->wait();
   else exchanges_[out_index] = std::move(e);
 }
 
@@ -353,20 +425,97 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   };
   std::vector<void*> argv;
   bool sum_grads = false;
+  auto ms = [](double s) { return s * 1e3; };
+  // Communication by kind (StepTimes), and the collectives in flight on the
+  // communication thread, by output buffer.
+  auto time_of = [&](CallKind k) -> CommTime& {
+    return k == CallKind::RingShift ? times_.ring
+           : k == CallKind::SeqToHeads || k == CallKind::HeadsToSeq ? times_.all_to_all
+                                                                      : times_.other;
+  };
+  struct InFlight {
+    std::future<double> done;
+    CommTime* time;
+  };
+  std::map<int, InFlight> in_flight;
+  std::vector<std::future<double>> grad_sums;
+  auto finish = [&](std::future<double>& done, CommTime& t) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double busy = done.get();  // rethrows the collective's error
+    t.waited_s += since(t0);
+    t.busy_s += busy;
+  };
+  // Whatever happens, nothing is left running on the step's buffers.
+  struct Drain {
+    std::map<int, InFlight>& a;
+    std::vector<std::future<double>>& b;
+    ~Drain() {
+      for (auto& [k, f] : a)
+        if (f.done.valid()) f.done.wait();
+      for (auto& f : b)
+        if (f.valid()) f.wait();
+    }
+  } drain{in_flight, grad_sums};
+  const bool bg = background();
+  // The gradient sums, bucket by bucket from the last parameter down (the
+  // backward finishes them roughly in that order), each started once all of
+  // its gradients are final. Host memory only: a GPU step's gradients come
+  // home at the end.
+  const bool grads_in_background = bg && &p == &spec_.train && reduce_grads_ && mesh_ &&
+                                   std::string_view(spec_.target).find("cuda") == std::string_view::npos &&
+                                   p.num_calls > 0 && p.calls[p.num_calls - 1].kind == CallKind::AllReduceGrads;
+  std::vector<bool> final_grad(static_cast<size_t>(spec_.num_params), false);
+  int bucket_lo = spec_.num_params, bucket_hi = spec_.num_params;  // params [lo, hi) final, not yet summed
+  auto end_of = [&](int hi) { return hi == spec_.num_params ? flat_size_ : flat_offset(hi); };
+  auto sum_bucket = [&](int lo, int hi) {
+    float* at = grads_flat() + flat_offset(lo);
+    const int64_t n = end_of(hi) - flat_offset(lo);
+    grad_sums.push_back(comm_thread_->submit([this, at, n] { mesh_->all_reduce_sum(at, n); }));
+  };
   for (int c = 0; c < p.num_calls; ++c) {
     const CallSpec& call = p.calls[c];
     if (call.kind == CallKind::AllReduceGrads) {
-      sum_grads = reduce_grads_ && mesh_;  // after the gradients are home (below)
+      if (grads_in_background) {
+        if (bucket_hi > 0) sum_bucket(0, bucket_hi);
+        bucket_hi = 0;
+      } else {
+        sum_grads = reduce_grads_ && mesh_;  // after the gradients are home (below)
+      }
+      continue;
+    }
+    if (call.kind == CallKind::Wait) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (auto it = in_flight.find(call.args[1]); it != in_flight.end()) {
+        finish(it->second.done, *it->second.time);
+        in_flight.erase(it);
+      } else if (auto e = exchanges_.find(call.args[1]); e != exchanges_.end()) {  // a ring pass, no thread
+        std::unique_ptr<Exchange> x = std::move(e->second);
+        exchanges_.erase(e);
+        const auto w0 = std::chrono::steady_clock::now();
+        x->wait();
+        const double took = since(w0);
+        times_.ring.waited_s += took;
+        times_.ring.busy_s += took;
+      }
+      if (profile) prof << "  " << ms(since(t0)) << " ms  wait " << call.kernel << "  " << call.label << "\n";
       continue;
     }
     if (call.kind != CallKind::Kernel) {
       const auto t0 = std::chrono::steady_clock::now();
-      collective(call, p, bufs.data());
-      const bool ring = call.kind == CallKind::RingShift || call.kind == CallKind::RingShiftWait;
-      (ring ? times_.ring_s : times_.collectives_s) += since(t0);
-      if (profile)
-        prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
-             << " ms  " << call.kernel << "  " << call.label << "\n";
+      CommTime& t = time_of(call.kind);
+      if (bg && call.kind != CallKind::ConcatSeq) {
+        std::future<double> done = comm_thread_->submit([this, &call, &p, b = bufs.data()] { collective(call, p, b); });
+        const bool starts = call.kind == CallKind::RingShift || call.kind == CallKind::SeqToHeads ||
+                            call.kind == CallKind::HeadsToSeq;
+        if (starts) in_flight[call.args[1]] = InFlight{std::move(done), &t};
+        else finish(done, t);
+      } else {
+        collective(call, p, bufs.data());
+        const double took = since(t0);
+        t.waited_s += took;
+        t.busy_s += took;
+      }
+      if (profile) prof << "  " << ms(since(t0)) << " ms  " << call.kernel << "  " << call.label << "\n";
       continue;
     }
     argv.clear();
@@ -388,10 +537,19 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
                   "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
     (std::strncmp(call.label, "attention", 9) == 0 ? times_.attention_s : times_.other_kernels_s) += since(t0);
     if (profile)
-      prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
-           << " ms  " << call.kernel << "  " << call.label << "  scratch " << peak_scratch.load() - scratch_before
-           << "\n";
+      prof << "  " << ms(since(t0)) << " ms  " << call.kernel << "  " << call.label << "  scratch "
+           << peak_scratch.load() - scratch_before << "\n";
+    if (grads_in_background) {
+      for (int i : grads_final_after_[static_cast<size_t>(c)]) final_grad[static_cast<size_t>(i)] = true;
+      while (bucket_lo > 0 && final_grad[static_cast<size_t>(bucket_lo - 1)]) --bucket_lo;
+      const int64_t bytes = (end_of(bucket_hi) - flat_offset(bucket_lo)) * static_cast<int64_t>(sizeof(float));
+      if (bucket_lo < bucket_hi && (bucket_lo == 0 || bytes >= kGradBucketBytes)) {
+        sum_bucket(bucket_lo, bucket_hi);
+        bucket_hi = bucket_lo;
+      }
+    }
   }
+  for (auto& f : grad_sums) finish(f, times_.grads);
   // GPU kernels leave results on the device: bring outputs home, free the rest.
   for (halide_buffer_t& hb : bufs) {
     if (!hb.device) continue;
@@ -401,10 +559,10 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh_->all_reduce_sum(grads_flat(), flat_size_);
-    times_.collectives_s += since(t0);
-    if (profile)
-      prof << "  " << std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
-           << " ms  all_reduce_grads  " << flat_size_ << " floats\n";
+    const double took = since(t0);
+    times_.grads.waited_s += took;
+    times_.grads.busy_s += took;
+    if (profile) prof << "  " << ms(since(t0)) << " ms  all_reduce_grads  " << flat_size_ << " floats\n";
   }
   profile_ = prof.str();
   times_.total_s = since(step_start);

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -83,10 +84,19 @@ class Model {
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
   // Where the last step's time went on this rank: attention kernels, other
-  // kernels, ring attention's block passes (time spent starting and waiting
-  // for them: what the kernels did not hide), and the other collectives.
+  // kernels, and communication by kind: ring attention's block passes,
+  // Ulysses' all-to-alls, the gradient sums, and the rest (positions, the
+  // loss). For each kind, `waited_s` is the time the step stood still for
+  // it (what the kernels did not hide) and `busy_s` the time it took on the
+  // communication thread (with overlap off, or without the thread, the two
+  // are the same: every collective blocks).
+  struct CommTime {
+    double waited_s = 0, busy_s = 0;
+    double hidden() const { return busy_s > 0 ? 1 - waited_s / busy_s : 0; }
+  };
   struct StepTimes {
-    double total_s = 0, attention_s = 0, other_kernels_s = 0, ring_s = 0, collectives_s = 0;
+    double total_s = 0, attention_s = 0, other_kernels_s = 0;
+    CommTime ring, all_to_all, grads, other;
   };
   const StepTimes& last_step_times() const { return times_; }
   // Bytes this rank sent to other ranks of its sequence group (sp, and in a
@@ -95,10 +105,15 @@ class Model {
   int64_t all_to_all_bytes_sent() const;
   int64_t p2p_bytes_sent() const;
   void reset_bytes_sent();
-  // Ring attention's passes run under the kernels between their start and
-  // their wait (the default); off, each finishes where it starts (the
-  // baseline the overlap is measured against). HALYARD_NO_OVERLAP=1 turns
-  // it off for every model of the process.
+  // Overlap (the default): a communication thread runs the step's
+  // collectives in program order while the kernels run; ring passes and
+  // Ulysses' all-to-alls run between their start and their wait (the
+  // program puts kernels between them), and the gradient sums start bucket
+  // by bucket as the backward finishes them. Off, every collective blocks
+  // where it stands (the baseline the overlap is measured against).
+  // HALYARD_NO_OVERLAP=1 turns it off for every model of the process. It
+  // needs communicators that other threads may call (MPI: initialized with
+  // MPI_THREAD_SERIALIZED, as runtime::make_mpi_communicator does).
   void set_overlap(bool on) { overlap_ = on; }
 
   // Halide's worker threads (the pool is global to the process).
@@ -109,6 +124,8 @@ class Model {
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void ring_shift(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
+  class CommThread;
+  bool background() const;
   void validate(const int32_t* ids, const int32_t* labels, const int32_t* positions) const;
 
   // Halide's kernels may use aligned vector loads: every buffer they see
@@ -130,8 +147,11 @@ class Model {
   std::unique_ptr<Communicator> ulysses_, ring_;  // hybrid: the sp group split (sp_u, sp_r)
   bool reduce_grads_ = true;
   std::vector<float> scratch_;  // staging of collectives
-  std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer
+  std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
+  std::shared_ptr<CommThread> comm_thread_;  // when every communicator may be called from it
+  // The train step's gradients, by the call after which each is final.
+  std::vector<std::vector<int>> grads_final_after_;
   StepTimes times_;
   std::string profile_;
 };

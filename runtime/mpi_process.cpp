@@ -37,7 +37,9 @@ void ensure_mpi(const std::string& who) {
                 "fix: make every communicator before MPI_Finalize.");
   if (initialized) return;
   int provided = 0;
-  int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  // SERIALIZED: a model's communication thread makes the step's calls while
+  // the main thread computes (one thread at a time ever calls MPI).
+  int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
   if (rc != MPI_SUCCESS) throw Error("error: " + who + ": MPI_Init_thread failed: " + mpi_error_string(rc));
   std::atexit(finalize_at_exit);
 }

@@ -45,8 +45,12 @@ enum class CallKind : uint8_t {
   AllReduce,       // sum over the mesh, same type
   AllReduceGrads,  // no args: sums every parameter gradient over the mesh (last call of a train step)
   ConcatSeq,       // tiles (all args but the last) back to back along seq into the output (sequence tiling)
-  RingShift,       // x -> y: rank r receives the x of rank r - direction (ring attention's block pass): started here,
-  RingShiftWait,   // and finished here (same args), just before the first call that reads y
+  RingShift,       // x -> y: rank r receives the x of rank r - direction (ring attention's block pass)
+  // The finish of the collective an earlier call with the same args started
+  // (a ring pass, or a Ulysses all-to-all started as soon as its input was
+  // computed), just before the first call that reads its output: the calls
+  // between run while the data moves.
+  Wait,
 };
 
 struct CallSpec {

@@ -59,18 +59,52 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     return buffer_of[node] = static_cast<int>(prog.buffers.size()) - 1;
   };
   std::vector<PlannedCall> calls;
-  std::vector<size_t> started;  // calls of ring shifts whose wait is not placed yet
+  std::vector<size_t> started;  // calls of background collectives whose wait is not placed yet
   auto reads = [](const PlannedCall& c, int buffer, size_t outputs) {
     return std::find(c.args.begin(), c.args.end() - static_cast<std::ptrdiff_t>(outputs), buffer) !=
            c.args.end() - static_cast<std::ptrdiff_t>(outputs);
   };
+  // Collectives that run in the background: started at their place (a
+  // Ulysses all-to-all as soon as its input is computed, below), finished
+  // just before their output's first reader.
+  auto background = [&](const Stage& st) {
+    const Op op = g.node(st.root).op;
+    return op == Op::RingShift || op == Op::SeqToHeads || op == Op::HeadsToSeq;
+  };
+  // A Ulysses all-to-all starts right after the kernel that computes its
+  // input, so that the projections after it (k, v after q) run while it
+  // moves. (Ring passes are placed by the sharding itself: each starts when
+  // the pass before it has arrived.)
+  std::vector<size_t> stage_order;
+  {
+    std::map<int, size_t> producer;  // node -> stage writing it
+    for (size_t s = 0; s < p.stages.size(); ++s) {
+      producer[p.stages[s].root] = s;
+      for (int x : p.stages[s].extra_outputs) producer[x] = s;
+    }
+    std::map<size_t, std::vector<size_t>> after;  // stage -> all-to-alls hoisted to just after it
+    std::vector<bool> hoisted(p.stages.size(), false);
+    for (size_t s = 0; s < p.stages.size(); ++s) {
+      const Op op = g.node(p.stages[s].root).op;
+      if (op != Op::SeqToHeads && op != Op::HeadsToSeq) continue;
+      auto it = producer.find(p.stages[s].inputs.at(0));
+      if (it == producer.end() || is_runtime_op(g.node(p.stages[it->second].root).op)) continue;
+      after[it->second].push_back(s);
+      hoisted[s] = true;
+    }
+    for (size_t s = 0; s < p.stages.size(); ++s) {
+      if (hoisted[s]) continue;
+      stage_order.push_back(s);
+      for (size_t h : after[s]) stage_order.push_back(h);
+    }
+  }
   auto place_wait = [&](size_t k) {
     PlannedCall w = calls[started[k]];
     w.wait = true;
     calls.push_back(std::move(w));
     started.erase(started.begin() + static_cast<std::ptrdiff_t>(k));
   };
-  for (size_t s = 0; s < p.stages.size(); ++s) {
+  for (size_t s : stage_order) {
     const Stage& st = p.stages[s];
     PlannedCall c;
     c.stage = static_cast<int>(s);
@@ -80,7 +114,7 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     for (size_t k = 0; k < started.size();)  // in the order they started
       if (reads(c, calls[started[k]].args.back(), 1 + st.extra_outputs.size())) place_wait(k);
       else ++k;
-    if (g.node(st.root).op == Op::RingShift) started.push_back(calls.size());
+    if (background(st)) started.push_back(calls.size());
     calls.push_back(std::move(c));
   }
   while (!started.empty()) place_wait(started.size() - 1);

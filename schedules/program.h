@@ -32,10 +32,10 @@ struct PlannedBuffer {
 struct PlannedCall {
   int stage = -1;
   std::vector<int> args;  // buffer indices: inputs, then the output(s)
-  // The finish of an exchange that an earlier call of the same stage started
-  // (a ring shift): placed just before the first call that reads its output,
-  // so the kernels between run while the data moves. Its input stays alive
-  // until here.
+  // The finish of a collective that an earlier call of the same stage
+  // started (a ring shift, a Ulysses all-to-all): placed just before the
+  // first call that reads its output, so the kernels between run while the
+  // data moves. Its input stays alive until here.
   bool wait = false;
 };
 

@@ -68,6 +68,7 @@ class DiesOnSend : public runtime::Communicator {
   DiesOnSend(std::unique_ptr<runtime::Communicator> inner, int victim, int at)
       : Communicator(inner->rank(), inner->size(), inner->timeout_s()), inner_(std::move(inner)), victim_(victim), at_(at) {}
   const char* backend() const override { return inner_->backend(); }
+  bool other_threads_may_call() const override { return inner_->other_threads_may_call(); }
 
  protected:
   using T = runtime::CommType;
