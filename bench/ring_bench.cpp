@@ -100,7 +100,7 @@ std::vector<float> gather(runtime::Communicator& comm, double x) {
 void row(runtime::Communicator& comm, const char* what, double x, double scale, const char* unit) {
   const std::vector<float> all = gather(comm, x * scale);
   if (comm.rank() != 0) return;
-  std::printf("  %-44s", what);
+  std::printf("  %-52s", what);
   for (float v : all) std::printf(" %9.1f", v);
   const auto [lo, hi] = std::minmax_element(all.begin(), all.end());
   std::printf("  %s (max/min %.2f)\n", unit, *lo > 0 ? *hi / *lo : 0.0);
@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
   runtime::Model::set_num_threads(1);
   if (comm->rank() == 0)
     std::printf("tiny Llama, seq 4096 over 4 MPI ranks (1024 tokens each), batch 1, 1 thread per rank, median of %d "
-                "steps\n  %-44s %9s %9s %9s %9s\n",
+                "steps\n  %-52s %9s %9s %9s %9s\n",
                 steps, "per rank", "rank 0", "rank 1", "rank 2", "rank 3");
   struct Strategy {
     const char* name;
