@@ -457,6 +457,11 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     }
   } drain{in_flight, grad_sums};
   const bool bg = background();
+  // The collectives the program finishes later (a Wait on their output) run
+  // on until then; the others are waited for where they stand.
+  std::vector<bool> waited(static_cast<size_t>(p.num_buffers), false);
+  for (int c = 0; c < p.num_calls; ++c)
+    if (p.calls[c].kind == CallKind::Wait) waited[static_cast<size_t>(p.calls[c].args[1])] = true;
   // The gradient sums, bucket by bucket from the last parameter down (the
   // backward finishes them roughly in that order), each started once all of
   // its gradients are final. Host memory only: a GPU step's gradients come
@@ -505,9 +510,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       CommTime& t = time_of(call.kind);
       if (bg && call.kind != CallKind::ConcatSeq) {
         std::future<double> done = comm_thread_->submit([this, &call, &p, b = bufs.data()] { collective(call, p, b); });
-        const bool starts = call.kind == CallKind::RingShift || call.kind == CallKind::SeqToHeads ||
-                            call.kind == CallKind::HeadsToSeq;
-        if (starts) in_flight[call.args[1]] = InFlight{std::move(done), &t};
+        if (waited[static_cast<size_t>(call.args[1])]) in_flight[call.args[1]] = InFlight{std::move(done), &t};
         else finish(done, t);
       } else {
         collective(call, p, bufs.data());
