@@ -516,7 +516,6 @@ void Ctx::attention(int id, Func out) {
   // rows): those loops are not trimmed from below, because a bound loaded
   // per query cost the unpacked rows about 10% (attention_bench, seq 4096).
   Func nvis("keys_visible"), first("first_query");
-  Expr key_end;  // per query, keys [0, key_end) may be visible
   // The rank's own block holds the queries' own tokens, in row order: keys
   // up to the query's seq index, as on one rank (an affine bound, which
   // trims the score tiles too; another rank's block is trimmed by a count).
@@ -526,7 +525,6 @@ void Ctx::attention(int id, Func out) {
     kidx(i, b) = at(n.inputs[n.inputs.size() - 2], Env{{"seq", i}, {"batch", b}});
     qidx(i, b) = at(n.inputs.back(), Env{{"seq", i}, {"batch", b}});
     visible = cast<uint32_t>(qidx(i, b) - kidx(j, b)) <= cast<uint32_t>(pos(i, b));
-    key_end = i + 1;
     if (!own) {
       RDom rc(0, S, "r_count");
       nvis(i, b) = 0;
@@ -534,13 +532,11 @@ void Ctx::attention(int id, Func out) {
       first(j, b) = 0;
       first(j, b) += select(qidx(rc, b) < kidx(j, b), 1, 0);
       ls.funcs.small.push_back(nvis);
-      key_end = nvis(i, b);
     }
   } else {
     visible = cast<uint32_t>(i - j) <= cast<uint32_t>(pos(i, b));
-    key_end = i + 1;
   }
-  if (ring && !own) rj.where(rj < key_end);
+  if (ring && !own) rj.where(rj < nvis(i, b));
   else rj.where(rj <= i);
 
   // scores[j, i, h] = q_i . k_j * scale
@@ -556,7 +552,7 @@ void Ctx::attention(int id, Func out) {
     // vectorized reduction (the positional mask handles the diagonal block).
     const int block = S % 16 == 0 ? 16 : S % 8 == 0 ? 8 : 1;
     RDom rk(0, block, 0, S / block, "rk");
-    if (ring && !own) rk.where(rk.y * block < key_end);
+    if (ring && !own) rk.where(rk.y * block < nvis(i, b));
     else if (block > 1) rk.where(rk.y * block <= i);
     Expr key = rk.y * block + rk.x;
     Func m("row_max"), l("row_sum");
