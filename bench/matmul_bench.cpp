@@ -33,7 +33,11 @@ Halide::Buffer<float> random_buffer(const TensorType& t, std::mt19937& rng) {
 }
 
 // out = x[rows, K] . w[N, K]^T  (forward), or the gradient shapes when `kind` says so.
-void run_case(const char* what, int64_t rows, int64_t k, int64_t n, const char* kind, int reps) {
+struct Totals {
+  double flops = 0, halyard_s = 0, eigen_s = 0;
+};
+
+void run_case(const char* what, int64_t rows, int64_t k, int64_t n, const char* kind, int reps, Totals& tot) {
   Graph g;
   const Axis R{"seq", rows}, K{"model", k}, N{"ffn", n};
   Value out;
@@ -81,6 +85,7 @@ void run_case(const char* what, int64_t rows, int64_t k, int64_t n, const char* 
   Eigen::Map<RowMat> H(result.data(), C.rows(), C.cols());
   max_diff = (H - C).cwiseAbs().maxCoeff() / std::max(1e-30f, C.cwiseAbs().maxCoeff());
   const double flops = 2.0 * static_cast<double>(rows * k * n);
+  tot.flops += flops, tot.halyard_s += t_halide, tot.eigen_s += t_eigen;
   std::printf("%-28s %-10s %6lld x %5lld x %5lld   halyard %7.1f GFLOP/s   eigen %7.1f GFLOP/s   ratio %.2f   (rel diff %.1e)\n",
               what, kind, static_cast<long long>(rows), static_cast<long long>(k), static_cast<long long>(n),
               flops / t_halide * 1e-9, flops / t_eigen * 1e-9, t_eigen / t_halide, max_diff);
@@ -104,11 +109,21 @@ int main(int argc, char** argv) {
               "(Eigen threads: %d), median of %d\n",
               EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION, threads, Eigen::nbThreads(), reps);
   // The tiny Llama (hidden 256, ffn 768, vocab 256) at `seq` tokens.
-  run_case("q/o proj, lm_head", seq, 256, 256, "forward", reps);
-  run_case("gate/up proj", seq, 256, 768, "forward", reps);
-  run_case("down proj", seq, 768, 256, "forward", reps);
-  run_case("gate/up proj", seq, 256, 768, "grad_input", reps);
-  run_case("gate/up proj", seq, 256, 768, "grad_weight", reps);
-  run_case("down proj", seq, 768, 256, "grad_weight", reps);
+  Totals tot;
+  try {
+    run_case("q/o proj, lm_head", seq, 256, 256, "forward", reps, tot);
+    run_case("gate/up proj", seq, 256, 768, "forward", reps, tot);
+    run_case("down proj", seq, 768, 256, "forward", reps, tot);
+    run_case("gate/up proj", seq, 256, 768, "grad_input", reps, tot);
+    run_case("gate/up proj", seq, 256, 768, "grad_weight", reps, tot);
+    run_case("down proj", seq, 768, 256, "grad_weight", reps, tot);
+  } catch (const Halide::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  // Each side's rate over all the shapes together (total FLOPs / total time):
+  // bench.sh sets the training step's useful FLOP rate against Eigen's.
+  std::printf("{\"peer\":\"eigen\",\"seq\":%lld,\"threads\":%d,\"halyard_gflops\":%.1f,\"eigen_gflops\":%.1f}\n",
+              static_cast<long long>(seq), threads, tot.flops / tot.halyard_s * 1e-9, tot.flops / tot.eigen_s * 1e-9);
   return 0;
 }

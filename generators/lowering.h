@@ -66,6 +66,15 @@ struct LoweredStage {
 // Func, Adams2019's tiles read past input edges (Halide issue #5070).
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false);
 
+// The data caches the CPU schedules size their blocks by. Halide's Target
+// carries no cache sizes, so they are read from the build host (sysfs); the
+// defaults (32 KiB, 1 MiB) stand where it tells nothing. An AOT library is
+// tuned for the machine that builds it: the README's flow builds where it runs.
+struct CacheSizes {
+  int64_t l1d = 32 << 10, l2 = 1 << 20;
+};
+CacheSizes build_host_caches();
+
 void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t,
                   const KernelTiles& tiles = {});
 void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halide::Target& t);

@@ -3,11 +3,17 @@
 // Contractions get a register-blocked GEMM schedule: the output axis that is
 // contiguous in one operand is vectorized, rows from the other operand are
 // blocked in L2-sized panels and 4-row register tiles, panels run in
-// parallel. Attention runs per (batch, head, tile of queries or keys) in
-// parallel, its scores living only inside the tile. Everything else is
+// parallel; a sum over tokens (a weight gradient) runs in L1-sized blocks.
+// Attention runs per (batch, head, tile of queries or keys) in parallel, its
+// scores living only inside the tile. Everything else is
 // vectorized along its innermost axis and parallel over the outermost.
 #include "dsl/error.h"
 #include "generators/lowering.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <string>
 
 namespace halyard {
 
@@ -25,7 +31,16 @@ void pointwise(Func f, int vec, bool parallel = true) {
   f.vectorize(args.front(), vec, kGuard);
 }
 
-void schedule_contract(StageFuncs& F, const Graph& g, const Stage& st, int vec) {
+// The longest block of a sum (a power of two, 32 to 512 steps) whose
+// operand strips, `floats_per_step` floats each step, fill at most the L1.
+int block_of_sum(int64_t l1d_bytes, int floats_per_step) {
+  int kc = 32;
+  while (kc < 512 && 2 * kc * floats_per_step * 4 <= l1d_bytes) kc *= 2;
+  return kc;
+}
+
+void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int vec, const CacheSizes& caches) {
+  StageFuncs& F = ls.funcs;
   const Node& n = g.node(st.root);
   Func C = F.out, acc = F.contract_acc;
   const auto& vars = F.out_vars;  // innermost first
@@ -70,11 +85,44 @@ void schedule_contract(StageFuncs& F, const Graph& g, const Stage& st, int vec) 
     C.parallel(p);
     for (Func s : F.staged) s.compute_at(C, p).vectorize(s.args().front(), vec, kGuard);
     C.vectorize(ci, std::min(vec, VN)).unroll(ri);
-    acc.compute_at(C, ro);
-    acc.vectorize(col, std::min(vec, VN)).unroll(row);
-    std::vector<VarOrRVar> red = {col, row};
-    for (int d = 0; d < F.contract_rdom.dimensions(); ++d) red.push_back(F.contract_rdom[d]);
-    acc.update().reorder(red).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
+    // A weight gradient sums over tokens, an outer axis of both operands:
+    // every step of the sum reads a new cache line of each, at strides of a
+    // power-of-two row (1 or 3 KiB here) that map onto a few cache sets. So
+    // the sum runs in blocks of KC tokens whose operand strips stay in L1
+    // (B's VN columns and A's RT rows), each block's register tile added into
+    // the panel's accumulators in memory. Matmul_bench, Zen 4, 2 threads:
+    // 110-130 GFLOP/s unblocked, 170-210 blocked (Eigen 3.4: 140-167); KC
+    // from 64 to 512 within noise, packing the strips into contiguous copies
+    // 5-20% slower.
+    const std::string a_inner = at.axes.empty() ? "" : at.axes.back().name;
+    const bool strided_sum = F.contract_rdom.dimensions() == 1 && n.type.has(a_inner) && extent(0) % VN == 0;
+    const int KC = strided_sum ? block_of_sum(caches.l1d, VN + RT) : 0;
+    const auto sum_extent = strided_sum ? Internal::as_const_int(F.contract_rdom[0].extent()) : std::nullopt;
+    if (sum_extent && *sum_extent >= 2 * KC) {
+      acc.compute_at(C, p);
+      acc.vectorize(col, std::min(vec, VN));
+      Var aco("aco"), aci("aci"), aro("aro"), ari("ari"), u("u");
+      RVar rk = F.contract_rdom[0], rko("rko"), rki("rki");
+      Func blk = acc.update().split(rk, rko, rki, KC, TailStrategy::GuardWithIf).rfactor(rko, u);
+      // RoundUp keeps the tiles' extents constant, so the block's tile is a
+      // fixed-size array LLVM keeps in registers; the panel's columns are a
+      // multiple of VN and its rows of RT, so nothing is read past an edge.
+      acc.update()
+          .split(col, aco, aci, VN, TailStrategy::RoundUp)
+          .split(row, aro, ari, RT, TailStrategy::RoundUp)
+          .reorder(aci, ari, aro, aco, rko)
+          .vectorize(aci, std::min(vec, VN))
+          .unroll(aci)
+          .unroll(ari);
+      blk.compute_at(acc, aro).vectorize(col, std::min(vec, VN)).unroll(row);
+      blk.update().reorder(col, row, rki).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
+    } else {
+      acc.compute_at(C, ro);
+      acc.vectorize(col, std::min(vec, VN)).unroll(row);
+      std::vector<VarOrRVar> red = {col, row};
+      for (int d = 0; d < F.contract_rdom.dimensions(); ++d) red.push_back(F.contract_rdom[d]);
+      acc.update().reorder(red).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
+    }
   } else {
     C.split(col, co, ci, VN, TailStrategy::ShiftInwards).vectorize(ci, std::min(vec, VN));
     if (rank > 1) C.parallel(vars.back());
@@ -175,7 +223,30 @@ void schedule_bias_grad(StageFuncs& F, int vec) {
   if (args.size() > 1) sum.parallel(args.back());
 }
 
+// One cache's size from sysfs ("48K", "2048K", "32M"), or 0.
+int64_t sysfs_cache_bytes(int level, const std::string& type) {
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    std::ifstream lv(dir + "level"), ty(dir + "type"), sz(dir + "size");
+    int l = 0;
+    std::string t, size;
+    if (!(lv >> l) || !(ty >> t) || !(sz >> size)) return 0;
+    if (l != level || t != type) continue;
+    char* end = nullptr;
+    const int64_t v = std::strtoll(size.c_str(), &end, 10);
+    return v * (*end == 'K' ? 1024 : *end == 'M' ? 1024 * 1024 : 1);
+  }
+  return 0;
+}
+
 }  // namespace
+
+CacheSizes build_host_caches() {
+  CacheSizes c;
+  if (int64_t l1 = sysfs_cache_bytes(1, "Data"); l1 > 0) c.l1d = l1;
+  if (int64_t l2 = sysfs_cache_bytes(2, "Unified"); l2 > 0) c.l2 = l2;
+  return c;
+}
 
 void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target& t, const KernelTiles& tiles) {
   StageFuncs& F = ls.funcs;
@@ -196,7 +267,7 @@ void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
     pointwise(f, vec);
   }
   if (F.is_contract) {
-    schedule_contract(F, g, st, vec);
+    schedule_contract(ls, g, st, vec, build_host_caches());
   } else if (g.node(st.root).op == Op::BiasAddGrad) {
     schedule_bias_grad(F, vec);
   } else if (F.attn.kind >= 0) {

@@ -151,6 +151,18 @@ double Plan::flops() const {
   return f;
 }
 
+double Plan::model_flops() const {
+  const Graph& g = *model.graph;
+  double f = 0;
+  for (const Stage& st : forward.stages) {
+    if (is_collective(g.node(st.root).op)) continue;
+    f += op_flops(g, g.node(st.root));
+    for (int id : st.inlined) f += op_flops(g, g.node(id));
+    for (int x : st.extra_outputs) f += op_flops(g, g.node(x));
+  }
+  return 3 * f;
+}
+
 std::vector<double> Plan::attention_flops_per_rank() const {
   const Graph& g = *model.graph;
   const int64_t sp = std::max<int64_t>(schedule.mesh.sp, 1);
@@ -375,9 +387,10 @@ std::string Plan::report() const {
                     : "");
   os << line;
   std::snprintf(line, sizeof line,
-                "\npredicted step: %.4f s (compute %.4f, communication %.4f, optimizer %.4f); %.3f GFLOP per rank, "
-                "%.2f MiB sent per rank\n",
-                step_s, compute_s, communication_s, optimizer_s, flops() / 1e9, mib(collective_bytes_per_rank()));
+                "\npredicted step: %.4f s (compute %.4f, communication %.4f, optimizer %.4f); %.3f GFLOP per rank "
+                "(model FLOPs %.3f: 3x the forward's), %.2f MiB sent per rank\n",
+                step_s, compute_s, communication_s, optimizer_s, flops() / 1e9, model_flops() / 1e9,
+                mib(collective_bytes_per_rank()));
   os << line;
   // Ring attention's work differs between the ranks (the step waits for the busiest).
   bool ring = false;
@@ -411,6 +424,7 @@ std::string Plan::summary_json() const {
   j["communication_s"] = communication_s;
   j["optimizer_s"] = optimizer_s;
   j["flops_per_rank"] = flops();
+  j["model_flops_per_rank"] = model_flops();
   j["collective_bytes_per_rank"] = collective_bytes_per_rank();
   return j.dump();
 }

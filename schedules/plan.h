@@ -112,6 +112,10 @@ struct Plan {
   double step_s = 0;  // predicted: train step plus the optimizer update
 
   double flops() const;
+  // The step's useful work on a rank: the forward program's FLOPs and twice
+  // them for the backward (the convention of model-FLOP utilization). Neither
+  // recompute nor a backward kernel's second pass over the scores counts.
+  double model_flops() const;
   // The attention FLOPs of one train step (forward and backward kernels) on
   // each sp rank: with ring attention, each rank's queries see a different
   // share of the key blocks (contiguous: the last rank sees every block,

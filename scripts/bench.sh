@@ -46,7 +46,7 @@ echo "peers: Eigen $(sed -n 's/^#define EIGEN_\(WORLD\|MAJOR\|MINOR\)_VERSION \(
 echo
 
 echo "== matmul (generated kernels vs Eigen, $threads threads)"
-"$bin/matmul_bench" --threads "$threads"
+"$bin/matmul_bench" --threads "$threads" | tee "$out/matmul.json"
 
 echo; echo "== causal GQA attention forward+backward, seq 4096, heads 8, kv_heads 2, head_dim 32"
 "$bin/attention_bench" --threads "$threads" --seq 4096 2>/dev/null | tee "$out/attn_halyard.json"
@@ -75,6 +75,9 @@ done
 
 echo; echo "== tiny Llama training step (forward+backward), batch 1"
 for seq in 1024 4096 8192; do
+  # The step's useful work, from the plan: 3x the forward's FLOPs.
+  "$aot" --name plan --config "$root/examples/llama/configs/tiny.json" --schedule default --seq "$seq" --sp 1 --plan-only |
+    sed -n 's/.*(model FLOPs \([0-9.]*\):.*/{"seq":'"$seq"',"model_gflop":\1}/p' >> "$out/model_flops.json"
   for sched in default recompute checkpoint tiled; do
     "$bin/step_bench" --model "tiny_s${seq}_${sched}" --threads "$threads" --steps 5 | tee -a "$out/step_halyard.json"
   done
@@ -100,6 +103,21 @@ if ah and at:
     print(f"attention fwd+bwd: halyard {h['forward_backward_s']:.3f}s, pytorch {tt:.3f}s ({t.get('attention', '?')}, torch {t.get('torch')}), "
           f"speedup {tt / h['forward_backward_s']:.2f}x; peak RSS halyard {h['peak_rss_mib']:.0f} MiB, pytorch {t['peak_rss_mib']:.0f} MiB")
 peers = {r["seq"]: r for r in rows("step_torch.json")}
+# Useful FLOP rate: the plan's model FLOPs per step (3x the forward's, no
+# recompute) times steps per second, against Eigen's sgemm rate over the
+# model's GEMM shapes measured above (seq 4096, same threads).
+gflop = {r["seq"]: r["model_gflop"] for r in rows("model_flops.json")}
+eig = [r for r in rows("matmul.json") if r.get("peer") == "eigen"]
+eigen_rate = eig[0]["eigen_gflops"] if eig else None
+def useful(seq, tok_s):
+    if seq not in gflop or not eigen_rate: return ""
+    r = gflop[seq] * tok_s / seq
+    return f"{r:.0f} GFLOP/s = {100 * r / eigen_rate:.0f}% of Eigen's {eigen_rate:.0f}"
+if eigen_rate:
+    print(f"useful FLOPs per step (plan, 3x forward): " + ", ".join(f"seq {k}: {v:.1f} GFLOP" for k, v in sorted(gflop.items())))
+for seq, t in sorted(peers.items()):
+    u = useful(seq, t["tokens_per_s"])
+    if u: print(f"step seq {seq:>5} pytorch useful rate {u}")
 for h in rows("step_halyard.json"):
     t = peers.get(h["seq"])
     if not t: continue
@@ -107,4 +125,6 @@ for h in rows("step_halyard.json"):
           f"(torch {t['torch']}, {t['blas']}, {t['attention']}): {h['tokens_per_s'] / t['tokens_per_s']:.2f}x; "
           f"peak RSS {h['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB ({h['peak_rss_mib'] / t['peak_rss_mib']:.2f}x; "
           f"{h['peak_rss_mib'] / max(1.0, t['peak_rss_mib'] - t.get('import_rss_mib', 0)):.2f}x of torch's peak above its import)")
+    u = useful(h["seq"], h["tokens_per_s"])
+    if u: print(f"{'':16}halyard useful rate {u}")
 PY
