@@ -289,6 +289,8 @@ double op_flops(const Graph& g, const Node& n) {
   return r.flops ? r.flops(g, n) : 0.0;
 }
 
+double extra_output_flops(const Graph& g, const Node& n) { return n.op == Op::AttentionLse ? 0 : op_flops(g, n); }
+
 int64_t value_bytes(const TensorType& t) {
   const int64_t e = t.dtype == DType::f64 ? 8 : t.dtype == DType::bf16 ? 2 : 4;
   return t.numel() * e;

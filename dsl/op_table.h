@@ -89,6 +89,11 @@ double ring_block_flops(const Graph& g, const Node& n, int64_t rank);
 
 // FLOPs of a node (0 for leaves, views and collectives).
 double op_flops(const Graph& g, const Node& n);
+// FLOPs a node adds as a second output of another node's kernel
+// (Stage::extra_outputs): dV beside dK adds P^T.dO (its row counts only
+// that); the log-sum-exp beside its attention adds nothing, the attention's
+// softmax computes it.
+double extra_output_flops(const Graph& g, const Node& n);
 // Bytes of a node's output, and of all its operands and its output together:
 // what an op moves when every operand and the result live in memory.
 int64_t value_bytes(const TensorType& t);

@@ -565,31 +565,19 @@ void Ctx::attention(int id, Func out) {
     return std::pair{m, l};
   };
 
+  // The log-sum-exp, layout [batch, seq, heads]; a ring block's row with no
+  // visible key gets a finite lowest value, so that merging never computes
+  // inf - inf.
+  auto lse_of = [&](Func m, Func l) {
+    return ring ? select(l(i, h, b) > 0, m(i, h, b) + log(l(i, h, b)), lowest) : m(i, h, b) + log(l(i, h, b));
+  };
   if (n.op == Op::AttentionLse) {
     auto [m, l] = row_stats();
-    // layout [batch, seq, heads]; a ring block's row with no visible key gets
-    // a finite lowest value, so that merging never computes inf - inf.
-    if (ring) out(h, i, b) = select(l(i, h, b) > 0, m(i, h, b) + log(l(i, h, b)), lowest);
-    else out(h, i, b) = m(i, h, b) + log(l(i, h, b));
+    out(h, i, b) = lse_of(m, l);
     A.tile_var = i;
     return;
   }
   Func v = operand(n.inputs[2], "kv_heads", "v_s");
-  int saved_lse = -1;  // the backward's statistics, when the partition passes them
-  for (int in : st.inputs)
-    if (g.node(in).op == Op::AttentionLse) saved_lse = in;
-  if (n.op == Op::Attention && saved_lse >= 0) {
-    Func lse("lse_s"), p("p"), o_acc("o_acc");
-    lse(i, h, b) = at(saved_lse, Env{{"batch", b}, {"seq", i}, {"heads", h}});
-    p(j, i, h, b) = select(visible, exp(s(j, i, h, b) - lse(i, h, b)), cast(T, 0));
-    o_acc(d, h, i, b) = cast(T, 0);
-    o_acc(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
-    out(d, h, i, b) = o_acc(d, h, i, b);
-    A.pointwise = {p};
-    A.out_acc = o_acc;
-    A.tile_var = i;
-    return;
-  }
   if (n.op == Op::Attention) {
     auto [m, l] = row_stats();
     Func p("p"), o_acc("o_acc");
@@ -598,6 +586,13 @@ void Ctx::attention(int id, Func out) {
     o_acc(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
     if (ring) out(d, h, i, b) = select(l(i, h, b) > 0, o_acc(d, h, i, b) / l(i, h, b), cast(T, 0));
     else out(d, h, i, b) = o_acc(d, h, i, b) / l(i, h, b);
+    // The backward's statistics, when the partition has this kernel write them.
+    for (int x : st.extra_outputs)
+      if (g.node(x).op == Op::AttentionLse) {
+        Func lse("lse_out");
+        lse(h, i, b) = lse_of(m, l);
+        ls.funcs.extra_out = lse;
+      }
     A.pointwise = {p};
     A.out_acc = o_acc;
     A.tile_var = i;
@@ -676,7 +671,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.funcs.out_vars.clear();
     for (const auto& a : ls.funcs.out.args()) ls.funcs.out_vars.push_back(a);
   }
-  ls.pipeline = Pipeline(ls.funcs.out);
+  ls.pipeline = ls.funcs.extra_out.defined() ? Pipeline({ls.funcs.out, ls.funcs.extra_out}) : Pipeline(ls.funcs.out);
   return ls;
 }
 

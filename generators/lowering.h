@@ -42,6 +42,7 @@ struct AttentionFuncs {
 // What the schedulers need to know about the Funcs a stage was lowered to.
 struct StageFuncs {
   Halide::Func out;                         // the root, named "out"
+  Halide::Func extra_out;                   // a second output of another shape (attention's log-sum-exp)
   std::vector<Halide::Var> out_vars;        // Halide order (innermost first)
   std::vector<Halide::Func> small;          // per-token/row helpers (norm scales, lse)
   std::vector<Halide::Func> tables;         // per-token tables worth computing in parallel (RoPE's cos, sin)

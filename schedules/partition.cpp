@@ -83,8 +83,9 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     p.materialized[static_cast<size_t>(id)] = root;
   }
 
-  // When the backward's row statistics of an attention exist, the forward
-  // kernel reads them instead of recomputing them (and skips masked keys).
+  // When the backward needs an attention's row statistics (log-sum-exp),
+  // the attention's kernel writes them too: it computes them anyway, and a
+  // kernel of their own would compute the scores once more.
   std::map<int, int> lse_of;
   {
     std::map<std::vector<int>, int> attention_on;  // (q, k, positions[, key positions]) -> the forward attention
@@ -119,12 +120,13 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       }
     }
   }
+  for (const auto& [attn, lse] : lse_of) fused.insert(lse);
 
   for (int id = 0; id < n; ++id) {
     const Node& node = g.node(id);
     if (!needed[static_cast<size_t>(id)] || !p.materialized[static_cast<size_t>(id)]) continue;
     if (node.op == Op::Input || node.op == Op::Param || node.op == Op::SliceSeq) continue;  // buffers, not stages
-    if (fused.count(id)) continue;  // written by its dK's kernel
+    if (fused.count(id)) continue;  // written by its dK's (or its attention's) kernel
     Stage st;
     st.root = id;
     // Walk the inlined producers; buffers become inputs in first-use order.
@@ -152,15 +154,15 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.signature += "+dv:" + g.node(it->second).type.str();
     }
     if (auto it = lse_of.find(id); it != lse_of.end()) {
-      st.signature += "+lse:in" + std::to_string(st.inputs.size()) + ":" + g.node(it->second).type.str();
-      st.inputs.push_back(it->second);
+      st.extra_outputs.push_back(it->second);
+      st.signature += "+lse:" + g.node(it->second).type.str();
     }
     std::sort(st.inlined.begin(), st.inlined.end());
     p.stages.push_back(std::move(st));
   }
 
   // Execution order: each stage after the stages whose roots it reads (node
-  // order already is, except for forward attention reading later statistics).
+  // order already is, except for a value written by a later node's kernel).
   std::map<int, size_t> stage_of;
   for (size_t s2 = 0; s2 < p.stages.size(); ++s2) {
     stage_of[p.stages[s2].root] = s2;

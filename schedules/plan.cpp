@@ -158,7 +158,7 @@ double Plan::model_flops() const {
     if (is_collective(g.node(st.root).op)) continue;
     f += op_flops(g, g.node(st.root));
     for (int id : st.inlined) f += op_flops(g, g.node(id));
-    for (int x : st.extra_outputs) f += op_flops(g, g.node(x));
+    for (int x : st.extra_outputs) f += extra_output_flops(g, g.node(x));
   }
   return 3 * f;
 }
@@ -175,7 +175,7 @@ std::vector<double> Plan::attention_flops_per_rank() const {
          }()) {
       const Node& n = g.node(id);
       const std::string kind = stage_kind(g, n);
-      if (kind.rfind("attention", 0) != 0) continue;
+      if (kind.rfind("attention", 0) != 0 || (id != st.root && extra_output_flops(g, n) == 0)) continue;
       // the op table counts a ring block on its busiest rank; each rank's own here
       for (int64_t r = 0; r < sp; ++r) out[static_cast<size_t>(r)] += is_ring_block(n) ? ring_block_flops(g, n, r) : op_flops(g, n);
     }
@@ -268,7 +268,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     sc.label = std::string(op_name(root.op)) + " %" + std::to_string(st.root) + (root.name.empty() ? "" : " " + root.name);
     sc.flops = op_flops(g, root);
     for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
-    for (int x : st.extra_outputs) sc.flops += op_flops(g, g.node(x));
+    for (int x : st.extra_outputs) sc.flops += extra_output_flops(g, g.node(x));
     sc.bytes = stored(bytes);
     sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;

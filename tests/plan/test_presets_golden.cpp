@@ -2,8 +2,10 @@
 // bitwise the libraries' results of before: the loss and every gradient of
 // one train step of each preset's library equal, bit for bit, the values
 // committed in tests/fixtures/presets_golden.txt (written by this program
-// with --write from the libraries as they were before the rewrite): the
-// losses as exact hex floats, each gradient as a 64-bit FNV-1a hash of its bits.
+// with --write from the libraries as they were before the rewrite, and
+// rewritten when a kernel's arithmetic changes on purpose: last, when the
+// forward attention began writing its log-sum-exp): the losses as exact hex
+// floats, each gradient as a 64-bit FNV-1a hash of its bits.
 //
 //   test_presets_golden                 compare (ctest, label "plan")
 //   test_presets_golden --write FILE    record the current libraries' results
