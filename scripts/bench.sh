@@ -48,10 +48,12 @@ echo
 echo "== matmul (generated kernels vs Eigen, $threads threads)"
 "$bin/matmul_bench" --threads "$threads" | tee "$out/matmul.json"
 
-echo; echo "== causal GQA attention forward+backward, seq 4096, heads 8, kv_heads 2, head_dim 32"
-"$bin/attention_bench" --threads "$threads" --seq 4096 2>/dev/null | tee "$out/attn_halyard.json"
-[ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" attention --seq 4096 --heads 8 --kv-heads 2 \
-  --head-dim 32 --threads "$threads" --reps 3 | tee "$out/attn_torch.json"
+for seq in 4096 16384; do
+  echo; echo "== causal GQA attention forward+backward, seq $seq, heads 8, kv_heads 2, head_dim 32"
+  "$bin/attention_bench" --threads "$threads" --seq "$seq" --reps 3 2>/dev/null | tee -a "$out/attn_halyard.json"
+  [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" attention --seq "$seq" --heads 8 --kv-heads 2 \
+    --head-dim 32 --threads "$threads" --reps 3 | tee -a "$out/attn_torch.json"
+done
 
 echo; echo "== sequence-parallel strategies on 4 MPI ranks: attention time per rank, communication hidden"
 mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/ring_bench" --steps 5
@@ -96,11 +98,12 @@ d = sys.argv[1]
 def rows(name):
     p = os.path.join(d, name)
     return [json.loads(l) for l in open(p) if l.startswith("{")] if os.path.exists(p) else []
-ah, at = rows("attn_halyard.json"), rows("attn_torch.json")
-if ah and at:
-    h, t = ah[0], at[0]
+attn_peers = {r["seq"]: r for r in rows("attn_torch.json")}
+for h in rows("attn_halyard.json"):
+    t = attn_peers.get(h["seq"])
+    if not t: continue
     tt = t.get("forward_backward_s") or t.get("s_median") or t.get("median_s")
-    print(f"attention fwd+bwd: halyard {h['forward_backward_s']:.3f}s, pytorch {tt:.3f}s ({t.get('attention', '?')}, torch {t.get('torch')}), "
+    print(f"attention fwd+bwd seq {h['seq']}: halyard {h['forward_backward_s']:.3f}s, pytorch {tt:.3f}s ({t.get('attention', '?')}, torch {t.get('torch')}), "
           f"speedup {tt / h['forward_backward_s']:.2f}x; peak RSS halyard {h['peak_rss_mib']:.0f} MiB, pytorch {t['peak_rss_mib']:.0f} MiB")
 peers = {r["seq"]: r for r in rows("step_torch.json")}
 # Useful FLOP rate: the plan's model FLOPs per step (3x the forward's, no
