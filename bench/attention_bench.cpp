@@ -8,7 +8,11 @@
 // kernels never hold a [seq, seq] matrix). scripts/bench.sh prints it next to
 // PyTorch's attention on the same shapes.
 //   attention_bench [--seq S] [--heads H] [--kv-heads KV] [--head-dim D] [--threads T] [--reps R]
+//                   [--kernel library|halide] [--query-block Q] [--key-block K]
+// --kernel is the schedule's attention_kernel (library: the forward, and one
+// backward writing dQ, dK and dV); the blocks are its kernel_tiles.
 #include <HalideBuffer.h>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -18,13 +22,27 @@
 #include "dsl/autodiff.h"
 #include "dsl/ops.h"
 #include "generators/lowering.h"
+#include "runtime/attention_cpu.h"
 #include "runtime/model.h"
 
 using namespace halyard;
 
 int main(int argc, char** argv) {
-  std::map<std::string, int> o = {{"--seq", 4096}, {"--heads", 8}, {"--kv-heads", 2}, {"--head-dim", 32}, {"--threads", 2}, {"--reps", 5}};
-  for (int i = 1; i + 1 < argc; i += 2) o[argv[i]] = std::atoi(argv[i + 1]);
+  std::map<std::string, int> o = {{"--seq", 4096}, {"--heads", 8}, {"--kv-heads", 2}, {"--head-dim", 32}, {"--threads", 2}, {"--reps", 5}, {"--query-block", 0}, {"--key-block", 0}};
+  std::string kernel = "library";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::string(argv[i]) == "--kernel") kernel = argv[i + 1];
+    else o[argv[i]] = std::atoi(argv[i + 1]);
+  }
+  const auto& kinds = Schedule::attention_kernels();
+  if (std::find(kinds.begin(), kinds.end(), kernel) == kinds.end()) {
+    std::fprintf(stderr, "error: --kernel %s\nlegal: library, halide\n", kernel.c_str());
+    return 2;
+  }
+  Schedule sched;
+  sched.attention_kernel = kernel;
+  sched.kernel_tiles.attention_queries = o["--query-block"];
+  sched.kernel_tiles.attention_keys = o["--key-block"];
   runtime::keep_freed_memory();
   setenv("HL_NUM_THREADS", std::to_string(o["--threads"]).c_str(), 1);
   const Axis B{"batch", 1}, S{"seq", o["--seq"]}, H{"heads", o["--heads"]}, KV{"kv_heads", o["--kv-heads"]},
@@ -38,7 +56,7 @@ int main(int argc, char** argv) {
   Value r = input(g, "r", DType::f32, out.type().axes);
   Value loss = contract_to(out, r, {});
   Gradients grads = grad(loss, {q, k, v});
-  Partition p = partition(g, {grads[q].id, grads[k].id, grads[v].id}, Schedule{});
+  Partition p = partition(g, {grads[q].id, grads[k].id, grads[v].id}, sched);
 
   // Every buffer a stage reads or writes, filled with small random-ish values.
   std::map<int, Halide::Buffer<>> bufs;
@@ -72,17 +90,18 @@ int main(int argc, char** argv) {
     if (op != Op::Attention && op != Op::AttentionLse && op != Op::AttentionGradQ && op != Op::AttentionGradK &&
         op != Op::AttentionGradV)
       continue;
-    LoweredStage ls = lower_stage(g, st);
+    LoweredStage ls = lower_stage(g, st, false, sched.kernel_tiles);
     try {
-      schedule_cpu(ls, g, st, t);
+      schedule_cpu(ls, g, st, t, sched.kernel_tiles);
       ls.pipeline.compile_jit(t);
     } catch (const Halide::Error& e) {
       std::fprintf(stderr, "%s: %s\n", op_name(op), e.what());
       return 1;
     }
     for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(buffer(st.inputs[i]));
-    kernels.push_back({std::string(op_name(op)) + (st.extra_outputs.empty() ? "" : op == Op::Attention ? "+lse" : "+v"),
-                       std::move(ls), st.root, st.extra_outputs});
+    std::string name = op_name(op);
+    for (int x : st.extra_outputs) name += g.node(x).op == Op::AttentionLse ? "+lse" : g.node(x).op == Op::AttentionGradV ? "+v" : "+q";
+    kernels.push_back({name + (st.library ? " (library)" : ""), std::move(ls), st.root, st.extra_outputs});
   }
   double fwd = 0, total = 0;
   for (Kernel& kern : kernels) {
@@ -94,8 +113,8 @@ int main(int argc, char** argv) {
     if (kern.name.rfind("attention+", 0) == 0 || kern.name == "attention") fwd = s;
     std::fprintf(stderr, "  %-18s %8.1f ms\n", kern.name.c_str(), s * 1e3);
   }
-  std::printf("{\"peer\":\"halyard\",\"bench\":\"attention\",\"seq\":%d,\"heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,"
+  std::printf("{\"peer\":\"halyard\",\"bench\":\"attention\",\"kernel\":\"%s\",\"isa\":\"%s\",\"seq\":%d,\"heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,"
               "\"threads\":%d,\"forward_s\":%.4f,\"forward_backward_s\":%.4f,\"peak_rss_mib\":%.1f}\n",
-              o["--seq"], o["--heads"], o["--kv-heads"], o["--head-dim"], o["--threads"], fwd, total, bench::peak_rss_mib());
+              kernel.c_str(), kernel == "library" ? runtime::attention_cpu::isa() : "halide host target", o["--seq"], o["--heads"], o["--kv-heads"], o["--head-dim"], o["--threads"], fwd, total, bench::peak_rss_mib());
   return 0;
 }

@@ -289,7 +289,15 @@ double op_flops(const Graph& g, const Node& n) {
   return r.flops ? r.flops(g, n) : 0.0;
 }
 
-double extra_output_flops(const Graph& g, const Node& n) { return n.op == Op::AttentionLse ? 0 : op_flops(g, n); }
+double extra_output_flops(const Graph& g, const Node& n) {
+  if (n.op == Op::AttentionLse) return 0;  // the forward's row statistics
+  if (n.op == Op::AttentionGradQ) {        // beside dK (the library's single pass): one product more, dS.K
+    const TensorType& q = in_type(g, n, 0);
+    const double s = static_cast<double>(q.size("seq"));
+    return static_cast<double>(q.size("batch") * q.size("heads")) * s * (s + 1) / 2 * 2 * static_cast<double>(q.size("head_dim"));
+  }
+  return op_flops(g, n);
+}
 
 int64_t value_bytes(const TensorType& t) {
   const int64_t e = t.dtype == DType::f64 ? 8 : t.dtype == DType::bf16 ? 2 : 4;

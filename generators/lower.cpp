@@ -7,6 +7,7 @@
 #include "dsl/ops.h"
 #include "dsl/op_table.h"
 #include "generators/lowering.h"
+#include "runtime/attention_cpu.h"
 
 namespace halyard {
 
@@ -50,6 +51,7 @@ struct Ctx {
   const Stage& st;
   LoweredStage& ls;
   bool for_autoscheduler;
+  const KernelTiles& tiles;
   std::map<int, Func> funcs;
   std::map<std::string, Var> var_of;
 
@@ -91,6 +93,8 @@ struct Ctx {
 
   Func get(int id);
   Func lower(int id);
+  ExternFuncArgument buffer(int id, const std::string& name);
+  void library_attention(int id, Func out);
   Func norm_scale(int x, const std::string& axis, double eps, const std::string& tag);
   void attention(int id, Func out);
 };
@@ -403,7 +407,8 @@ Func Ctx::lower(int id) {
     case Op::AttentionGradK:
     case Op::AttentionGradV:
       HALYARD_CHECK(is_root, "attention is never inlined");
-      attention(id, f);
+      if (st.library) library_attention(id, f);
+      else attention(id, f);
       break;
     case Op::TokenCount: {  // how many labels are real tokens
       const TensorType& lt = type(in(0));
@@ -591,7 +596,7 @@ void Ctx::attention(int id, Func out) {
       if (g.node(x).op == Op::AttentionLse) {
         Func lse("lse_out");
         lse(h, i, b) = lse_of(m, l);
-        ls.funcs.extra_out = lse;
+        ls.funcs.extra_outs = {lse};
       }
     A.pointwise = {p};
     A.out_acc = o_acc;
@@ -654,16 +659,68 @@ void Ctx::attention(int id, Func out) {
   A.out_acc = acc;
 }
 
+// A value an extern stage reads: the stage's input buffer, or (an inlined
+// expression, such as RoPE of a projection) a copy computed once per call.
+ExternFuncArgument Ctx::buffer(int id, const std::string& name) {
+  if (auto it = std::find(st.inputs.begin(), st.inputs.end(), id); it != st.inputs.end())
+    return ls.inputs[static_cast<size_t>(it - st.inputs.begin())];
+  const auto names = type(id).axis_names();
+  Func f = copy(id, name, names);
+  ls.funcs.root_copies.push_back(f);
+  return f;
+}
+
+// Attention through the library kernels (runtime/attention_cpu.h), one
+// extern call per stage: the forward writes [head_dim + 1] floats per query
+// and head (the output, then the log-sum-exp); the backward, per kv head,
+// dQ of each of the group's heads, then dK, then dV. The stage's outputs
+// are copies of those.
+void Ctx::library_attention(int id, Func out) {
+  const Node& n = g.node(id);
+  const TensorType& qt = type(n.inputs[0]);
+  const TensorType& kt = type(n.inputs[1]);
+  const int H = static_cast<int>(qt.size("heads")), KV = static_cast<int>(kt.size("kv_heads")),
+            D = static_cast<int>(qt.size("head_dim")), grp = H / KV;
+  const std::vector<Var> vs = vars(n.type.axis_names());  // (head_dim, heads | kv_heads, seq, batch)
+  const Var d = vs[0], hh = vs[1], t = vs[2], b = vs[3];
+  std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"),
+                                          buffer(n.inputs[2], "v_s"), buffer(n.inputs[3], "pos_s")};
+  Func call("attention_library");
+  Var x("x"), i("i"), w("w"), task("task");
+  if (n.op == Op::Attention) {
+    args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
+    call.define_extern("halyard_attention_forward", args, Float(32), {x, i, task, b}, NameMangling::C);
+    out(vs) = call(d, t, hh, b);
+    for (int e : st.extra_outputs) {
+      HALYARD_CHECK(g.node(e).op == Op::AttentionLse, "the library forward writes the log-sum-exp only");
+      Func lse("lse_out");
+      lse(hh, t, b) = call(D, t, hh, b);
+      ls.funcs.extra_outs.push_back(lse);
+    }
+  } else {
+    HALYARD_CHECK(n.op == Op::AttentionGradK && st.extra_outputs.size() == 2, "the library backward writes dK, dV, dQ");
+    for (int k = 4; k <= 6; ++k) args.push_back(buffer(n.inputs[static_cast<size_t>(k)], "attention_operand" + std::to_string(k)));
+    args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
+    call.define_extern("halyard_attention_backward", args, Float(32), {x, i, w, task, b}, NameMangling::C);
+    out(vs) = call(d, t, grp, hh, b);  // dK
+    Func dv("dv_out"), dq("dq_out");
+    dv(vs) = call(d, t, grp + 1, hh, b);
+    dq(vs) = call(d, t, hh % grp, hh / grp, b);  // (its heads axis is the query heads)
+    ls.funcs.extra_outs = {dv, dq};
+  }
+  ls.funcs.library = call;
+}
+
 }  // namespace
 
-LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler) {
+LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles) {
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
     ls.inputs.emplace_back(halide_type(t.dtype), t.rank(), "in" + std::to_string(k));
     ls.args.push_back(ls.inputs.back());
   }
-  Ctx c{g, st, ls, for_autoscheduler, {}, {}};
+  Ctx c{g, st, ls, for_autoscheduler, tiles, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
   if (ls.funcs.attn.kind >= 0) {
@@ -671,7 +728,12 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.funcs.out_vars.clear();
     for (const auto& a : ls.funcs.out.args()) ls.funcs.out_vars.push_back(a);
   }
-  ls.pipeline = ls.funcs.extra_out.defined() ? Pipeline({ls.funcs.out, ls.funcs.extra_out}) : Pipeline(ls.funcs.out);
+  std::vector<Func> outs = {ls.funcs.out};
+  outs.insert(outs.end(), ls.funcs.extra_outs.begin(), ls.funcs.extra_outs.end());
+  ls.pipeline = Pipeline(outs);
+  if (ls.funcs.library.defined())
+    ls.pipeline.set_jit_externs({{"halyard_attention_forward", JITExtern(&halyard_attention_forward)},
+                                 {"halyard_attention_backward", JITExtern(&halyard_attention_backward)}});
   return ls;
 }
 

@@ -42,13 +42,15 @@ struct AttentionFuncs {
 // What the schedulers need to know about the Funcs a stage was lowered to.
 struct StageFuncs {
   Halide::Func out;                         // the root, named "out"
-  Halide::Func extra_out;                   // a second output of another shape (attention's log-sum-exp)
+  std::vector<Halide::Func> extra_outs;     // outputs of other shapes, one per Stage::extra_outputs (attention's
+                                            // log-sum-exp; the library backward's dV and dQ), or none (a Tuple)
   std::vector<Halide::Var> out_vars;        // Halide order (innermost first)
   std::vector<Halide::Func> small;          // per-token/row helpers (norm scales, lse)
   std::vector<Halide::Func> tables;         // per-token tables worth computing in parallel (RoPE's cos, sin)
   std::vector<Halide::Func> staged;         // operands a heavy op reads many times
   std::vector<Halide::Func> root_copies;    // transposed copies computed once per call
   AttentionFuncs attn;                      // attention kernels only (attn.kind >= 0)
+  Halide::Func library;                     // a library kernel's extern call (Stage::library)
   bool is_contract = false;
   Halide::RDom contract_rdom;
   Halide::Func contract_acc;                // the reduction; `out` copies it
@@ -65,7 +67,9 @@ struct LoweredStage {
 // Builds the algorithm of a stage (no schedule yet). `for_autoscheduler`
 // reduces contractions straight into the output: with a separate accumulator
 // Func, Adams2019's tiles read past input edges (Halide issue #5070).
-LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false);
+// Library kernels are extern stages; their addresses are set as the
+// pipeline's JIT externs, so JIT and AOT callers alike need nothing more.
+LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false, const KernelTiles& tiles = {});
 
 // The data caches the CPU schedules size their blocks by. Halide's Target
 // carries no cache sizes, so they are read from the build host (sysfs); the

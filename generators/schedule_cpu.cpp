@@ -61,7 +61,16 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
       break;
     }
   const int VN = std::min(2 * vec, extent(0));
-  const int RT = row_k < 0 ? 1 : std::min(vec >= 16 ? 8 : 6, extent(row_k));
+  // A weight gradient (below) tiles its rows exactly, with no tail: rows a
+  // multiple of the register tile. 6 rows (the AVX2 tile) divide few of the
+  // model's widths (160, 256), so such a sum takes the largest tile from 2
+  // up that divides them (on Zen 3, AVX2: 160 rows read past their edge
+  // with 6).
+  const std::string a_inner = at.axes.empty() ? "" : at.axes.back().name;
+  const bool strided_sum = row_k >= 0 && F.contract_rdom.dimensions() == 1 && n.type.has(a_inner) && extent(0) % VN == 0;
+  int RT = row_k < 0 ? 1 : std::min(vec >= 16 ? 8 : 6, extent(row_k));
+  if (strided_sum)
+    while (RT > 2 && extent(row_k) % RT != 0) --RT;
   Var co("co"), ci("ci"), ro("ro"), ri("ri"), rb("rb"), par("par");
   std::vector<VarOrRVar> order;
   if (row_k >= 0) {
@@ -94,10 +103,9 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
     // 110-130 GFLOP/s unblocked, 170-210 blocked (Eigen 3.4: 140-167); KC
     // from 64 to 512 within noise, packing the strips into contiguous copies
     // 5-20% slower.
-    const std::string a_inner = at.axes.empty() ? "" : at.axes.back().name;
-    const bool strided_sum = F.contract_rdom.dimensions() == 1 && n.type.has(a_inner) && extent(0) % VN == 0;
-    const int KC = strided_sum ? block_of_sum(caches.l1d, VN + RT) : 0;
-    const auto sum_extent = strided_sum ? Internal::as_const_int(F.contract_rdom[0].extent()) : std::nullopt;
+    const bool blocked = strided_sum && extent(row_k) % RT == 0;
+    const int KC = blocked ? block_of_sum(caches.l1d, VN + RT) : 0;
+    const auto sum_extent = blocked ? Internal::as_const_int(F.contract_rdom[0].extent()) : std::nullopt;
     if (sum_extent && *sum_extent >= 2 * KC) {
       acc.compute_at(C, p);
       acc.vectorize(col, std::min(vec, VN));
@@ -172,7 +180,7 @@ void schedule_attention(StageFuncs& F, int vec, const KernelTiles& tiles) {
   } else {  // out(d, h|g, i|j, b)
     Var d = args[0], h = args[1], t = args[2], b = args[3];
     out.split(t, to, tt, tile, TailStrategy::ShiftInwards);
-    if (F.extra_out.defined()) {
+    if (!F.extra_outs.empty()) {
       // A second output shares the tile loop through compute_with, which
       // needs plain (not fused) loops: parallel over the tiles of each head.
       out.reorder(d, tt, to, h, b).parallel(to);
@@ -197,8 +205,8 @@ void schedule_attention(StageFuncs& F, int vec, const KernelTiles& tiles) {
     // keep the query loop inside the head loop for dK/dV (ri.y inside ri.x)
     if (rvars.size() == 2) order = {aa[0], aa[2], RVar(rvars[1].var), RVar(rvars[0].var)};
     acc.update().reorder(order).vectorize(aa[0], std::min(vec, VN)).unroll(aa[0]).unroll(aa[2]);
-    if (F.extra_out.defined()) {  // the log-sum-exp (h, i, b), in the same loop over query tiles
-      Func lse = F.extra_out;
+    if (!F.extra_outs.empty()) {  // the log-sum-exp (h, i, b), in the same loop over query tiles
+      Func lse = F.extra_outs[0];
       auto la = lse.args();
       lse.split(la[1], to, tt, tile, TailStrategy::ShiftInwards)
           .reorder(tt, to, la[0], la[2])
@@ -296,7 +304,13 @@ void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
     f.compute_root();
     pointwise(f, vec);
   }
-  if (F.is_contract) {
+  if (F.library.defined()) {
+    // One library call (it runs its tasks on Halide's thread pool); the
+    // stage's outputs are vectorized copies of what it wrote.
+    F.library.compute_root();
+    pointwise(F.out, vec);
+    for (Func f : F.extra_outs) pointwise(f, vec);
+  } else if (F.is_contract) {
     schedule_contract(ls, g, st, vec, build_host_caches());
   } else if (g.node(st.root).op == Op::BiasAddGrad) {
     schedule_bias_grad(F, vec);

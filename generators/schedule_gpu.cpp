@@ -47,7 +47,7 @@ void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
   if (F.contract_acc.defined()) all.push_back(F.contract_acc);
   for (Func f : all) on_gpu(f);
   on_gpu(F.out);
-  if (F.extra_out.defined()) on_gpu(F.extra_out);
+  for (Func f : F.extra_outs) on_gpu(f);
 }
 
 void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st) {
@@ -60,11 +60,11 @@ void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st) {
   Region r;
   for (int d = t.rank() - 1; d >= 0; --d) r.push_back({0, static_cast<int>(t.axes[static_cast<size_t>(d)].size)});
   ls.funcs.out.set_estimates(r);
-  if (ls.funcs.extra_out.defined()) {
-    const TensorType& x = g.node(st.extra_outputs.at(0)).type;
+  for (size_t k = 0; k < ls.funcs.extra_outs.size(); ++k) {
+    const TensorType& x = g.node(st.extra_outputs.at(k)).type;
     Region rx;
     for (int d = x.rank() - 1; d >= 0; --d) rx.push_back({0, static_cast<int>(x.axes[static_cast<size_t>(d)].size)});
-    ls.funcs.extra_out.set_estimates(rx);
+    ls.funcs.extra_outs[k].set_estimates(rx);
   }
 }
 

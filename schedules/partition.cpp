@@ -103,13 +103,19 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   }
 
   // dK and dV of one attention recompute the same probabilities over the
-  // same key tiles: one kernel writes both.
-  std::map<int, int> dv_of;  // dK node -> dV node
+  // same key tiles: one kernel writes both. The library's backward writes
+  // dQ too (FlashAttention-2's single pass).
+  const bool library = s.library_attention();
+  std::map<int, int> dv_of, dq_of;  // dK node -> its dV, its dQ (library kernels)
   std::set<int> fused;
   {
-    std::map<std::vector<int>, int> grad_v_on;  // operands -> an unpaired dV
-    for (int id = 0; id < n; ++id)
-      if (needed[static_cast<size_t>(id)] && g.node(id).op == Op::AttentionGradV) grad_v_on.emplace(g.node(id).inputs, id);
+    std::map<std::vector<int>, int> grad_v_on, grad_q_on;  // operands -> an unpaired dV, dQ
+    for (int id = 0; id < n; ++id) {
+      if (!needed[static_cast<size_t>(id)]) continue;
+      if (g.node(id).op == Op::AttentionGradV) grad_v_on.emplace(g.node(id).inputs, id);
+      if (g.node(id).op == Op::AttentionGradQ && library && !is_ring_block(g.node(id)))
+        grad_q_on.emplace(g.node(id).inputs, id);
+    }
     for (int id = 0; id < n; ++id) {
       const Node& x = g.node(id);
       if (!needed[static_cast<size_t>(id)] || x.op != Op::AttentionGradK) continue;
@@ -117,6 +123,11 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
         dv_of[id] = it->second;
         fused.insert(it->second);
         grad_v_on.erase(it);
+        if (auto q = grad_q_on.find(x.inputs); q != grad_q_on.end()) {
+          dq_of[id] = q->second;
+          fused.insert(q->second);
+          grad_q_on.erase(q);
+        }
       }
     }
   }
@@ -153,6 +164,13 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.extra_outputs.push_back(it->second);
       st.signature += "+dv:" + g.node(it->second).type.str();
     }
+    if (auto it = dq_of.find(id); it != dq_of.end()) {
+      st.extra_outputs.push_back(it->second);
+      st.signature += "+dq:" + g.node(it->second).type.str();
+      st.library = true;
+    }
+    if (library && node.op == Op::Attention && !is_ring_block(node)) st.library = true;
+    if (st.library) st.signature += "+library";
     if (auto it = lse_of.find(id); it != lse_of.end()) {
       st.extra_outputs.push_back(it->second);
       st.signature += "+lse:" + g.node(it->second).type.str();

@@ -29,6 +29,10 @@ struct Stage {
   std::string signature;       // structure + types; equal => same kernel
   int kernel = -1;             // index into Partition::kernels; -1 for a collective
   std::vector<int> extra_outputs;  // nodes the kernel writes too (dV with dK: they share the probabilities)
+  // The kernel calls a library (runtime/attention_cpu.h) instead of being
+  // generated: the schedule's attention_kernel. Its backward writes dK, then
+  // dV and dQ as extra outputs.
+  bool library = false;
 };
 
 struct Partition {

@@ -57,6 +57,20 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
+  if (st.library) {  // runtime/attention_cpu_impl.h and the copies around it (generators/lower.cpp)
+    const TensorType& q = g.node(n.inputs[0]).type;
+    const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");
+    const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
+    const bool fwd = n.op == Op::Attention;
+    for (size_t k = 0; k < (fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
+    const int64_t tasks = rows * (fwd ? H : KV), per_task = fwd ? (D + 1) * S : D * S * (H / KV + 2);
+    s.add(tasks * per_task * 4);  // what the call wrote, copied into the outputs
+    for (int64_t t2 = 0; t2 < std::min<int64_t>(threads, tasks); ++t2) {
+      // k and v packed (twice, and k once more, in the backward); dK, dV padded where D is not a whole vector
+      for (int c = 0; c < (fwd ? 2 : D == Dp ? 3 : 5); ++c) s.add(S * Dp * 4);
+    }
+    return s;
+  }
   switch (n.op) {
     case Op::Contract: {
       if (n.type.rank() == 0) break;
@@ -177,7 +191,8 @@ std::vector<double> Plan::attention_flops_per_rank() const {
       const std::string kind = stage_kind(g, n);
       if (kind.rfind("attention", 0) != 0 || (id != st.root && extra_output_flops(g, n) == 0)) continue;
       // the op table counts a ring block on its busiest rank; each rank's own here
-      for (int64_t r = 0; r < sp; ++r) out[static_cast<size_t>(r)] += is_ring_block(n) ? ring_block_flops(g, n, r) : op_flops(g, n);
+      const double own = id == st.root ? op_flops(g, n) : extra_output_flops(g, n);
+      for (int64_t r = 0; r < sp; ++r) out[static_cast<size_t>(r)] += is_ring_block(n) ? ring_block_flops(g, n, r) : own;
     }
   }
   return out;

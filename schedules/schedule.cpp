@@ -216,6 +216,7 @@ std::string Schedule::to_json() const {
   if (seq_tile > 0) j["seq_tile"] = seq_tile;
   if (loss_seq_tile > 0) j["loss_seq_tile"] = loss_seq_tile;
   if (!autoscheduler.empty()) j["autoscheduler"] = autoscheduler;
+  if (attention_kernel != "library") j["attention_kernel"] = attention_kernel;
   if (kernel_tiles != KernelTiles{})
     j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
                          {"attention_keys", kernel_tiles.attention_keys}};
@@ -237,6 +238,7 @@ std::string Schedule::str() const {
   if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
   if (loss_seq_tile > 0) s += ", loss tile " + std::to_string(loss_seq_tile);
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
+  if (attention_kernel != "library") s += ", " + attention_kernel + " attention kernels";
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
   if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
   return s;
@@ -364,6 +366,10 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         else if (t.key() == "attention_keys") s.kernel_tiles.attention_keys = static_cast<int>(n);
         else bad(what, "unknown kernel tile \"" + t.key() + "\".\nlegal: attention_queries, attention_keys.");
       }
+    } else if (key == "attention_kernel" && v.is_string()) {
+      s.attention_kernel = v.get<std::string>();
+      if (std::find(attention_kernels().begin(), attention_kernels().end(), s.attention_kernel) == attention_kernels().end())
+        bad(what, "attention_kernel \"" + s.attention_kernel + "\".\nlegal: " + join(attention_kernels()) + ".");
     } else if (key == "loss_seq_tile") {
       s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
@@ -374,7 +380,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), sequence_layout (\"contiguous\" | \"zigzag\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
@@ -404,6 +410,11 @@ const std::vector<std::string>& Schedule::strategies() {
 
 const std::vector<std::string>& Schedule::sequence_layouts() {
   static const std::vector<std::string> names = {"contiguous", "zigzag"};
+  return names;
+}
+
+const std::vector<std::string>& Schedule::attention_kernels() {
+  static const std::vector<std::string> names = {"library", "halide"};
   return names;
 }
 

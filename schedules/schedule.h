@@ -100,6 +100,12 @@ struct Schedule {
   // "" for the hand-written loop schedules, or a Halide autoscheduler name.
   std::string autoscheduler;
   KernelTiles kernel_tiles;
+  // Attention's kernels: "library" (runtime/attention_cpu.h, FlashAttention-2:
+  // one backward pass writes dQ, dK and dV) or "halide" (generated: a dQ
+  // kernel and a dK/dV kernel). Ring blocks, GPU targets and the
+  // autoscheduler always get Halide's.
+  std::string attention_kernel = "library";
+  bool library_attention() const { return attention_kernel == "library" && autoscheduler.empty(); }
 
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;
@@ -127,6 +133,7 @@ struct Schedule {
   // The head redistributions the vocabulary offers (what the search tries).
   static const std::vector<std::string>& strategies();
   static const std::vector<std::string>& sequence_layouts();
+  static const std::vector<std::string>& attention_kernels();
 };
 
 // Rules of the classic policies, for presets and for the search.

@@ -50,7 +50,11 @@ echo "== matmul (generated kernels vs Eigen, $threads threads)"
 
 for seq in 4096 16384; do
   echo; echo "== causal GQA attention forward+backward, seq $seq, heads 8, kv_heads 2, head_dim 32"
+  # The schedule's default (library kernels, FlashAttention-2), then the
+  # Halide-generated kernels it replaced, at 4096 (16384 takes them minutes).
   "$bin/attention_bench" --threads "$threads" --seq "$seq" --reps 3 2>/dev/null | tee -a "$out/attn_halyard.json"
+  [ "$seq" = 4096 ] && "$bin/attention_bench" --threads "$threads" --seq "$seq" --reps 3 --kernel halide 2>/dev/null |
+    tee -a "$out/attn_halyard_halide.json"
   [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" attention --seq "$seq" --heads 8 --kv-heads 2 \
     --head-dim 32 --threads "$threads" --reps 3 | tee -a "$out/attn_torch.json"
 done
@@ -99,11 +103,11 @@ def rows(name):
     p = os.path.join(d, name)
     return [json.loads(l) for l in open(p) if l.startswith("{")] if os.path.exists(p) else []
 attn_peers = {r["seq"]: r for r in rows("attn_torch.json")}
-for h in rows("attn_halyard.json"):
+for h in rows("attn_halyard.json") + rows("attn_halyard_halide.json"):
     t = attn_peers.get(h["seq"])
     if not t: continue
     tt = t.get("forward_backward_s") or t.get("s_median") or t.get("median_s")
-    print(f"attention fwd+bwd seq {h['seq']}: halyard {h['forward_backward_s']:.3f}s, pytorch {tt:.3f}s ({t.get('attention', '?')}, torch {t.get('torch')}), "
+    print(f"attention fwd+bwd seq {h['seq']} ({h.get('kernel', '?')} kernels): halyard {h['forward_backward_s']:.3f}s, pytorch {tt:.3f}s ({t.get('attention', '?')}, torch {t.get('torch')}), "
           f"speedup {tt / h['forward_backward_s']:.2f}x; peak RSS halyard {h['peak_rss_mib']:.0f} MiB, pytorch {t['peak_rss_mib']:.0f} MiB")
 peers = {r["seq"]: r for r in rows("step_torch.json")}
 # Useful FLOP rate: the plan's model FLOPs per step (3x the forward's, no

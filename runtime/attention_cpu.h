@@ -1,0 +1,64 @@
+// The CPU library kernels of causal grouped-query attention, which a
+// schedule may choose instead of Halide-generated attention kernels
+// (Schedule::attention_kernel = "library"; generators/lower.cpp calls them
+// as Halide extern stages). FlashAttention-2's algorithm, O(S) memory: the
+// forward writes the output and each row's log-sum-exp; one backward pass
+// writes dQ, dK and dV (attention_cpu_impl.h).
+//
+// Halide calls each entry point once per stage, with the whole output; the
+// tasks run in parallel on Halide's thread pool: the forward one per
+// (batch, query head), the backward one per (batch, kv head). In a bounds
+// query they ask for their inputs whole.
+// Buffers are Halide's, innermost first:
+//   q, o, dO  [head_dim, heads, seq, batch]   k, v  [head_dim, kv_heads, seq, batch]
+//   pos       [seq, batch] (int32)            lse   [heads, seq, batch]
+//   forward out  [head_dim + 1, seq, heads, batch]: the output, then the lse
+//                (or [head_dim, ...] where the stage does not write the lse)
+//   backward out [head_dim, seq, heads/kv_heads + 2, kv_heads, batch]:
+//                dQ of each head of the group, then dK, then dV
+#pragma once
+
+#include <cstdint>
+
+struct halide_buffer_t;
+
+extern "C" {
+int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                              int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                              halide_buffer_t* out);
+int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, int heads, int kv_heads,
+                               int query_block, int key_block, halide_buffer_t* out);
+}
+
+namespace halyard::runtime::attention_cpu {
+
+// One query head of one row (the forward's task); rows of q, k, v are
+// head_dim floats each, `*_ld` floats apart.
+struct Head {
+  int64_t S = 0;
+  int D = 0, query_block = 0, key_block = 0;  // blocks: 0 for the defaults
+  float scale = 1;
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t q_ld = 0, k_ld = 0, v_ld = 0;
+  const int32_t* pos = nullptr;
+};
+
+// The query heads that share one kv head (the backward's task).
+struct Group {
+  int64_t S = 0;
+  int D = 0, heads = 1, query_block = 0, key_block = 0;
+  float scale = 1;
+  const float *k = nullptr, *v = nullptr;
+  int64_t k_ld = 0, v_ld = 0;
+  const int32_t* pos = nullptr;
+  static constexpr int kMaxHeads = 64;
+  const float *q[kMaxHeads] = {}, *o[kMaxHeads] = {}, *dO[kMaxHeads] = {}, *lse[kMaxHeads] = {};
+  int64_t q_ld = 0, o_ld = 0, dO_ld = 0, lse_ld = 0;
+};
+
+// The ISA the entry points run with on this CPU ("avx512", "avx2", "base"; the
+// widest it runs, or the one HALYARD_ATTENTION_ISA names if it runs that one).
+const char* isa();
+
+}  // namespace halyard::runtime::attention_cpu

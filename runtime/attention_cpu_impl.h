@@ -1,0 +1,422 @@
+// Causal grouped-query attention on the CPU, FlashAttention-2's way: the
+// forward keeps a query block's running max, sum and output while it walks
+// the key blocks; the backward walks the key blocks once, and for each one
+// the query blocks that see it, producing dK and dV in a block-sized
+// accumulator and adding into dQ (5 products per tile instead of the 7 of
+// separate dQ and dK/dV kernels). Memory is O(S): nothing of [S, S] exists.
+//
+// This file is compiled once per vector ISA (attention_cpu_avx512.cpp,
+// _avx2.cpp, _base.cpp) inside namespace HALYARD_ISA; attention_cpu.cpp picks
+// one at run time from the CPU's features. Vectors are GCC vector types of
+// the ISA's native width (a wider generic vector on a narrower ISA spills
+// through the stack: 18 s instead of well under one at seq 4096, AVX2), and
+// the register tiles come from the ISA's register count.
+//
+// Visibility is the DSL's (dsl/ops.h): key j is visible to query i when
+// 0 <= i - j <= pos[i], causal within each document of a packed row.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "runtime/attention_cpu.h"
+
+#ifndef HALYARD_ISA
+#error "define HALYARD_ISA (the namespace of this compilation) before including attention_cpu_impl.h"
+#endif
+
+namespace halyard::runtime::attention_cpu::HALYARD_ISA {
+namespace {
+
+// One native vector of W floats, and the register tiles (rows x vectors of
+// accumulators, 12 to 16 registers' worth) for this ISA's register file.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int kNtRows = 8, kNtVecs = 2;  // scores: 16 of 32 zmm
+constexpr int kNnRows = 6, kNnVecs = 2;  // products along head_dim: 12 zmm
+#elif defined(__AVX2__)
+constexpr int W = 8;
+constexpr int kNtRows = 6, kNtVecs = 2;  // 12 of 16 ymm
+constexpr int kNnRows = 6, kNnVecs = 2;
+#else
+constexpr int W = 4;
+constexpr int kNtRows = 6, kNtVecs = 2;  // 12 of 16 xmm
+constexpr int kNnRows = 6, kNnVecs = 2;
+#endif
+typedef float v16 __attribute__((vector_size(W * 4)));
+typedef int32_t i16 __attribute__((vector_size(W * 4)));
+typedef uint32_t u16 __attribute__((vector_size(W * 4)));
+
+inline __attribute__((always_inline)) v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline __attribute__((always_inline)) void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+// (x - 0 is x exactly, so this folds to a broadcast; x + 0 would not: -0 + 0 is +0.)
+inline __attribute__((always_inline)) v16 splat(float x) { return x - v16{}; }
+inline __attribute__((always_inline)) float hmax(v16 v) {
+  float m = v[0];
+  for (int k = 1; k < W; ++k) m = std::max(m, v[k]);
+  return m;
+}
+// A row's sum in one order on every ISA (so that results are bitwise the
+// same on an AVX2 and an AVX-512 machine): 16 lanes, lane l summing the
+// elements l, l + 16, ...; then the lanes in order. On narrower ISAs the
+// 16 lanes are 16 / W vectors.
+constexpr int kSumLanes = 16, kSumParts = kSumLanes / W;
+struct RowSum {
+  v16 part[kSumParts] = {};
+  inline __attribute__((always_inline)) void add(int c, v16 x) { part[(c / W) % kSumParts] += x; }
+  float total() const {
+    float lanes[kSumLanes];
+    std::memcpy(lanes, part, sizeof lanes);
+    float s = 0;
+    for (float x : lanes) s += x;
+    return s;
+  }
+};
+
+// 2^x for x <= 0 (larger inputs are clamped to 126, smaller to -126): the
+// integer part goes into the exponent, 2^r on [-1/2, 1/2] is a degree-6
+// polynomial (relative error below 2e-7).
+inline __attribute__((always_inline)) v16 exp2v(v16 x) {
+  x = x < -126.0f ? splat(-126.0f) : x;
+  x = x > 126.0f ? splat(126.0f) : x;
+  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 t = x + magic;
+  const v16 r = x - (t - magic);
+  v16 p = splat(1.5403530393e-4f);
+  p = p * r + 1.3333558146e-3f;
+  p = p * r + 9.6181291076e-3f;
+  p = p * r + 5.5504108665e-2f;
+  p = p * r + 2.4022650696e-1f;
+  p = p * r + 6.9314718056e-1f;
+  p = p * r + 1.0f;
+  i16 n, bits;
+  std::memcpy(&n, &t, sizeof n);
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += (n - 0x4B400000) << 23;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// C[r][c] = sum_k A[r*lda + k] * B[k*ldb + c] for r < rows, c < cols (cols a
+// multiple of W, rows a multiple of R): the columns vectorized, A broadcast.
+template <int R, int NV>
+inline __attribute__((always_inline)) void nt_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                                                   int64_t ldc, int K) {
+  v16 acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) acc[r][n] = v16{};
+  for (int k = 0; k < K; ++k) {
+    v16 b[NV];
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) b[n] = load(B + k * ldb + n * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const v16 a = splat(A[r * lda + k]);
+#pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n) acc[r][n] += a * b[n];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) store(C + r * ldc + n * W, acc[r][n]);
+}
+
+// The last rows of a block in one tile of as many rows (one row at a time
+// would leave too few independent sums to hide the FMA latency).
+template <int NV, int R = 1>
+inline __attribute__((always_inline)) void nt_rest(int n, const float* A, int64_t lda, const float* B, int64_t ldb,
+                                                   float* C, int64_t ldc, int K) {
+  if constexpr (R < kNtRows) {
+    if (n == R) return nt_tile<R, NV>(A, lda, B, ldb, C, ldc, K);
+    nt_rest<NV, R + 1>(n, A, lda, B, ldb, C, ldc, K);
+  }
+}
+
+void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int rows, int cols, int K) {
+  for (int c0 = 0; c0 < cols; c0 += kNtVecs * W) {
+    int r0 = 0;
+    if (c0 + kNtVecs * W <= cols) {
+      for (; r0 + kNtRows <= rows; r0 += kNtRows) nt_tile<kNtRows, kNtVecs>(A + r0 * lda, lda, B + c0, ldb, C + r0 * ldc + c0, ldc, K);
+      if (r0 < rows) nt_rest<kNtVecs>(rows - r0, A + r0 * lda, lda, B + c0, ldb, C + r0 * ldc + c0, ldc, K);
+    } else {
+      for (int c = c0; c < cols; c += W)
+        for (r0 = 0; r0 < rows; ++r0) nt_tile<1, 1>(A + r0 * lda, lda, B + c, ldb, C + r0 * ldc + c, ldc, K);
+    }
+  }
+}
+
+// C[r][:] += sum_k P[r*prs + k*pcs] * X[k*ldx + :] for r < rows, k < inner,
+// over Dp columns (a multiple of W): the columns vectorized, P broadcast.
+// With (prs, pcs) = (ld, 1) this is P.X; with (1, ld) it is P^T.X.
+template <int R, int NV>
+inline __attribute__((always_inline)) void nn_tile(const float* P, int64_t prs, int64_t pcs, const float* X, int64_t ldx,
+                                                   float* C, int64_t ldc, int inner) {
+  v16 acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) acc[r][n] = load(C + r * ldc + n * W);
+  for (int k = 0; k < inner; ++k) {
+    v16 x[NV];
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) x[n] = load(X + k * ldx + n * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const v16 p = splat(P[r * prs + k * pcs]);
+#pragma GCC unroll 4
+      for (int n = 0; n < NV; ++n) acc[r][n] += p * x[n];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int n = 0; n < NV; ++n) store(C + r * ldc + n * W, acc[r][n]);
+}
+
+template <int NV, int R = 1>
+inline __attribute__((always_inline)) void nn_rest(int n, const float* P, int64_t prs, int64_t pcs, const float* X,
+                                                   int64_t ldx, float* C, int64_t ldc, int inner) {
+  if constexpr (R < kNnRows) {
+    if (n == R) return nn_tile<R, NV>(P, prs, pcs, X, ldx, C, ldc, inner);
+    nn_rest<NV, R + 1>(n, P, prs, pcs, X, ldx, C, ldc, inner);
+  }
+}
+
+void gemm_nn_acc(const float* P, int64_t prs, int64_t pcs, const float* X, int64_t ldx, float* C, int64_t ldc, int rows,
+                 int inner, int Dp) {
+  for (int d0 = 0; d0 < Dp; d0 += kNnVecs * W) {
+    if (d0 + kNnVecs * W <= Dp) {
+      int r0 = 0;
+      for (; r0 + kNnRows <= rows; r0 += kNnRows)
+        nn_tile<kNnRows, kNnVecs>(P + r0 * prs, prs, pcs, X + d0, ldx, C + r0 * ldc + d0, ldc, inner);
+      if (r0 < rows) nn_rest<kNnVecs>(rows - r0, P + r0 * prs, prs, pcs, X + d0, ldx, C + r0 * ldc + d0, ldc, inner);
+    } else {
+      for (int d = d0; d < Dp; d += W)
+        for (int r0 = 0; r0 < rows; ++r0) nn_tile<1, 1>(P + r0 * prs, prs, pcs, X + d, ldx, C + r0 * ldc + d, ldc, inner);
+    }
+  }
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Blocks (0: the default). Measured with the kernels alone (seq 4096, 8/2
+// heads, d 32, two threads; AMD EPYC Zen 3, AVX2, one after another): 128
+// queries x 64 keys 350 ms, 64 x 64 452 ms, 96 x 96 463 ms.
+// Key blocks are a whole number of the widest ISA's score tiles (32 keys),
+// so that every ISA sums in the same blocks.
+inline int query_block(int requested) { return requested > 0 ? requested : 128; }
+inline int key_block(int requested) { return static_cast<int>(round_up(requested > 0 ? requested : 64, 32)); }
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// Masks one block row: s[c] for key j0 + c stays where visible, else -inf.
+inline void mask_row(float* s, int Bc, int64_t i, int64_t j0, int32_t pos) {
+  i16 iota;
+  for (int k = 0; k < W; ++k) iota[k] = k;
+  const v16 ninf = splat(-INFINITY);
+  for (int c = 0; c < Bc; c += W) {
+    const i16 dist = static_cast<int32_t>(i - j0 - c) - iota;  // i - j
+    const u16 ud = reinterpret_cast<const u16&>(dist);
+    const auto vis = ud <= static_cast<uint32_t>(pos);
+    store(s + c, vis ? load(s + c) : ninf);
+  }
+}
+
+// Per query block: the least and greatest document start (i - pos[i]) of its
+// real rows, so that key blocks before every row's document are skipped and
+// those inside every row's visible range need no mask.
+struct BlockBounds {
+  int64_t lo_min, lo_max;
+};
+std::vector<BlockBounds> block_bounds(const int32_t* pos, int64_t S, int Br) {
+  std::vector<BlockBounds> out;
+  for (int64_t i0 = 0; i0 < S; i0 += Br) {
+    BlockBounds b{INT64_MAX, INT64_MIN};
+    for (int64_t i = i0; i < std::min<int64_t>(S, i0 + Br); ++i) {
+      const int64_t lo = std::max<int64_t>(0, i - pos[i]);
+      b.lo_min = std::min(b.lo_min, lo);
+      b.lo_max = std::max(b.lo_max, lo);
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+
+// Packs rows [r0, r0 + rows) of a [S, D] operand (row stride ld) into
+// dst[rows_pad][Dp], zeros past the rows and past D.
+void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad, int D, int Dp, float* dst) {
+  for (int r = 0; r < rows_pad; ++r) {
+    float* d = dst + static_cast<int64_t>(r) * Dp;
+    if (r0 + r < S) {
+      std::memcpy(d, src + (r0 + r) * ld, sizeof(float) * static_cast<size_t>(D));
+      std::fill(d + D, d + Dp, 0.0f);
+    } else {
+      std::fill(d, d + Dp, 0.0f);
+    }
+  }
+}
+// The transpose in blocks of Bc keys, each block [D][Bc] contiguous:
+// dst[(j / Bc) * D * Bc + d * Bc + j % Bc] = src[j * ld + d], zeros past S.
+// (One [D][S] transpose would put a block's D rows a power of two apart, on
+// the same few L1 sets: 4x slower at seq 4096.)
+void pack_transposed(const float* src, int64_t ld, int64_t S, int64_t Sp, int D, int Bc, float* dst) {
+  std::fill(dst, dst + static_cast<int64_t>(D) * Sp, 0.0f);
+  for (int64_t j = 0; j < S; ++j) {
+    float* blk = dst + j / Bc * D * Bc + j % Bc;
+    for (int d = 0; d < D; ++d) blk[d * Bc] = src[j * ld + d];
+  }
+}
+
+}  // namespace
+
+void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t lse_ld) {
+  const int64_t S = a.S;
+  const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block);
+  const int64_t Sp = round_up(S, std::max(Br, Bc));
+  std::vector<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp * Dp)), q(static_cast<size_t>(Br * Dp)),
+      o(static_cast<size_t>(Br * Dp)), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br)), l(static_cast<size_t>(Br));
+  pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data());
+  pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data());
+  const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
+  const v16 cv = splat(c);
+  const auto bounds = block_bounds(a.pos, S, Br);
+  for (int64_t i0 = 0; i0 < S; i0 += Br) {
+    const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
+    const BlockBounds bb = bounds[static_cast<size_t>(i0 / Br)];
+    pack_rows(a.q, a.q_ld, S, i0, Br, D, Dp, q.data());
+    std::fill(o.begin(), o.end(), 0.0f);
+    std::fill(m.begin(), m.end(), -INFINITY);
+    std::fill(l.begin(), l.end(), 0.0f);
+    for (int64_t j0 = bb.lo_min / Bc * Bc; j0 < i0 + rows; j0 += Bc) {
+      gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, s.data(), Bc, rows, Bc, D);
+      const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
+      for (int r = 0; r < rows; ++r) {
+        float* sr = s.data() + static_cast<int64_t>(r) * Bc;
+        if (!full) mask_row(sr, Bc, i0 + r, j0, a.pos[i0 + r]);
+        v16 mx = load(sr);
+        for (int cc = W; cc < Bc; cc += W) {
+          const v16 x = load(sr + cc);
+          mx = mx > x ? mx : x;
+        }
+        const float bmax = hmax(mx);
+        if (bmax == -INFINITY) {  // this row sees no key of the block
+          std::fill(sr, sr + Bc, 0.0f);
+          continue;
+        }
+        float& mr = m[static_cast<size_t>(r)];
+        const float mnew = std::max(mr, bmax * c);
+        const float alpha = mr == -INFINITY ? 0.0f : std::exp2(mr - mnew);
+        RowSum sum;
+        const v16 mv = splat(mnew);
+        for (int cc = 0; cc < Bc; cc += W) {
+          const v16 x = load(sr + cc);
+          const v16 p = exp2v(x * cv - mv);
+          const v16 pz = x == -INFINITY ? v16{} : p;
+          sum.add(cc, pz);
+          store(sr + cc, pz);
+        }
+        l[static_cast<size_t>(r)] = l[static_cast<size_t>(r)] * alpha + sum.total();
+        mr = mnew;
+        if (alpha != 1.0f) {
+          float* orow = o.data() + static_cast<int64_t>(r) * Dp;
+          const v16 av = splat(alpha);
+          for (int d = 0; d < Dp; d += W) store(orow + d, load(orow + d) * av);
+        }
+      }
+      gemm_nn_acc(s.data(), Bc, 1, v.data() + j0 * Dp, Dp, o.data(), Dp, rows, Bc, Dp);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float inv = 1.0f / l[static_cast<size_t>(r)];
+      float* dst = out + (i0 + r) * out_ld;
+      for (int d = 0; d < D; ++d) dst[d] = o[static_cast<size_t>(r * Dp + d)] * inv;
+      lse[(i0 + r) * lse_ld] = (m[static_cast<size_t>(r)] + std::log2(l[static_cast<size_t>(r)])) * kLn2;
+    }
+  }
+}
+
+// Per head of the group, per query block (its q and dO packed, its dQ in a
+// block accumulator), the key blocks it sees: dK and dV sum over the
+// group's heads and the queries in [S][Dp] accumulators (the outputs
+// themselves when head_dim is a whole number of vectors). Scratch: k and v
+// packed three ways, S x Dp floats each.
+void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, int64_t dk_ld, float* dv, int64_t dv_ld) {
+  const int64_t S = a.S;
+  const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block),
+            grp = a.heads;
+  const int64_t Sp = round_up(S, std::max(Br, Bc));
+  const bool direct = D == Dp;
+  std::vector<float> kT(static_cast<size_t>(D * Sp)), vT(static_cast<size_t>(D * Sp)), kr(static_cast<size_t>(Sp * Dp)),
+      q(static_cast<size_t>(Br * Dp)), dO(static_cast<size_t>(Br * Dp)), dqb(static_cast<size_t>(Br * Dp)),
+      p(static_cast<size_t>(Br * Bc)), ds(static_cast<size_t>(Br * Bc)), lse2(static_cast<size_t>(Br)),
+      dsum(static_cast<size_t>(Br)), pads(direct ? 0 : static_cast<size_t>(2 * Sp * Dp));
+  pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data());
+  pack_transposed(a.v, a.v_ld, S, Sp, D, Bc, vT.data());
+  pack_rows(a.k, a.k_ld, S, 0, static_cast<int>(Sp), D, Dp, kr.data());
+  float* dka = direct ? dk : pads.data();
+  float* dva = direct ? dv : pads.data() + Sp * Dp;
+  const int64_t dka_ld = direct ? dk_ld : Dp, dva_ld = direct ? dv_ld : Dp;
+  for (int64_t j = 0; j < S; ++j) {
+    std::fill(dka + j * dka_ld, dka + j * dka_ld + Dp, 0.0f);
+    std::fill(dva + j * dva_ld, dva + j * dva_ld + Dp, 0.0f);
+  }
+  const float c = a.scale * kLog2e;
+  const v16 cv = splat(c), sc = splat(a.scale);
+  const auto bounds = block_bounds(a.pos, S, Br);
+  for (int w = 0; w < grp; ++w) {
+    for (int64_t i0 = 0; i0 < S; i0 += Br) {
+      const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
+      const BlockBounds bb = bounds[static_cast<size_t>(i0 / Br)];
+      pack_rows(a.q[w], a.q_ld, S, i0, Br, D, Dp, q.data());
+      pack_rows(a.dO[w], a.dO_ld, S, i0, Br, D, Dp, dO.data());
+      std::fill(dqb.begin(), dqb.end(), 0.0f);
+      for (int r = 0; r < rows; ++r) {  // lse in log2 units; D_i = dO_i . O_i
+        const int64_t i = i0 + r;
+        lse2[static_cast<size_t>(r)] = a.lse[w][i * a.lse_ld] * kLog2e;
+        const float* orow = a.o[w] + i * a.o_ld;
+        float acc = 0;
+        for (int d = 0; d < D; ++d) acc += orow[d] * dO[static_cast<size_t>(r * Dp + d)];
+        dsum[static_cast<size_t>(r)] = acc;
+      }
+      for (int64_t j0 = bb.lo_min / Bc * Bc; j0 < i0 + rows; j0 += Bc) {
+        const int keys = static_cast<int>(std::min<int64_t>(Bc, S - j0));
+        gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, p.data(), Bc, rows, Bc, D);
+        gemm_nt(dO.data(), Dp, vT.data() + j0 * D, Bc, ds.data(), Bc, rows, Bc, D);
+        const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
+        for (int r = 0; r < rows; ++r) {
+          float* pr = p.data() + static_cast<int64_t>(r) * Bc;
+          float* dr = ds.data() + static_cast<int64_t>(r) * Bc;
+          const v16 lv = splat(lse2[static_cast<size_t>(r)]), dv0 = splat(dsum[static_cast<size_t>(r)]);
+          if (!full) mask_row(pr, Bc, i0 + r, j0, a.pos[i0 + r]);
+          for (int cc = 0; cc < Bc; cc += W) {
+            const v16 x = load(pr + cc);
+            const v16 e = exp2v(x * cv - lv);
+            const v16 pz = x == -INFINITY ? v16{} : e;
+            store(pr + cc, pz);
+            store(dr + cc, pz * (load(dr + cc) - dv0) * sc);
+          }
+        }
+        // dV += P^T dO, dK += dS^T Q over this block's queries; dQ += dS K.
+        gemm_nn_acc(p.data(), 1, Bc, dO.data(), Dp, dva + j0 * dva_ld, dva_ld, keys, rows, Dp);
+        gemm_nn_acc(ds.data(), 1, Bc, q.data(), Dp, dka + j0 * dka_ld, dka_ld, keys, rows, Dp);
+        gemm_nn_acc(ds.data(), Bc, 1, kr.data() + j0 * Dp, Dp, dqb.data(), Dp, rows, Bc, Dp);
+      }
+      for (int r = 0; r < rows; ++r)
+        std::memcpy(dq[w] + (i0 + r) * dq_ld, dqb.data() + static_cast<int64_t>(r) * Dp, sizeof(float) * static_cast<size_t>(D));
+    }
+  }
+  if (!direct)
+    for (int64_t j = 0; j < S; ++j) {
+      std::memcpy(dk + j * dk_ld, dka + j * Dp, sizeof(float) * static_cast<size_t>(D));
+      std::memcpy(dv + j * dv_ld, dva + j * Dp, sizeof(float) * static_cast<size_t>(D));
+    }
+}
+
+}  // namespace halyard::runtime::attention_cpu::HALYARD_ISA
