@@ -132,6 +132,23 @@ void par_for(int n, F f) {
   for (std::thread& t : pool) t.join();
 }
 
+// The kv head g of row b, as every task reads it.
+KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, int g, int b, int S,
+                 int D, int query_block, int key_block) {
+  KeyRows a;
+  a.S = S;
+  a.D = D;
+  a.query_block = query_block;
+  a.key_block = key_block;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  a.k = at<const float>(k, {0, g, 0, b});
+  a.v = at<const float>(v, {0, g, 0, b});
+  a.k_ld = k->dim[2].stride;
+  a.v_ld = v->dim[2].stride;
+  a.pos = at<const int32_t>(pos, {0, b});
+  return a;
+}
+
 }  // namespace
 
 const char* isa() { return kernels().name; }
@@ -156,24 +173,14 @@ extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k,
   if (out->dim[0].min != 0 || out->dim[1].min != 0 || q->dim[0].stride != 1 || k->dim[0].stride != 1 ||
       v->dim[0].stride != 1 || out->dim[0].stride != 1)
     return fail("halyard_attention_forward: rows must be whole and head_dim dense");
-  const int kv = kv_heads;
-  if (kv < 1 || heads % kv) return fail("halyard_attention_forward: kv_heads must divide heads");
+  if (kv_heads < 1 || heads % kv_heads) return fail("halyard_attention_forward: kv_heads must divide heads");
   const int h0 = out->dim[2].min, nh = out->dim[2].extent;
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
-      a.S = S;
-      a.D = D;
-      a.query_block = query_block;
-      a.key_block = key_block;
-      a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+      static_cast<KeyRows&>(a) = key_rows(k, v, pos, h / (heads / kv_heads), b, S, D, query_block, key_block);
       a.q = at<const float>(q, {0, h, 0, b});
-      a.k = at<const float>(k, {0, h / (heads / kv), 0, b});
-      a.v = at<const float>(v, {0, h / (heads / kv), 0, b});
       a.q_ld = q->dim[2].stride;
-      a.k_ld = k->dim[2].stride;
-      a.v_ld = v->dim[2].stride;
-      a.pos = at<const int32_t>(pos, {0, b});
       std::vector<float> unused(lse ? 0 : static_cast<size_t>(S));
       kernels().forward(a, at<float>(out, {0, 0, h, b}), out->dim[1].stride,
                         lse ? at<float>(out, {D, 0, h, b}) : unused.data(), lse ? out->dim[1].stride : 1);
@@ -203,17 +210,8 @@ extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k
   par_for(nb * ng, [&](int task) {
       const int b = b0 + task / ng, g = g0 + task % ng;
       Group a;
-      a.S = S;
-      a.D = D;
+      static_cast<KeyRows&>(a) = key_rows(k, v, pos, g, b, S, D, query_block, key_block);
       a.heads = grp;
-      a.query_block = query_block;
-      a.key_block = key_block;
-      a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-      a.k = at<const float>(k, {0, g, 0, b});
-      a.v = at<const float>(v, {0, g, 0, b});
-      a.k_ld = k->dim[2].stride;
-      a.v_ld = v->dim[2].stride;
-      a.pos = at<const int32_t>(pos, {0, b});
       float* dq[Group::kMaxHeads];
       for (int w = 0; w < grp; ++w) {
         const int h = g * grp + w;

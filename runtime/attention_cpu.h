@@ -33,25 +33,26 @@ int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_bu
 
 namespace halyard::runtime::attention_cpu {
 
-// One query head of one row (the forward's task); rows of q, k, v are
+// What every task reads of one kv head of one row: rows of k and v are
 // head_dim floats each, `*_ld` floats apart.
-struct Head {
+struct KeyRows {
   int64_t S = 0;
   int D = 0, query_block = 0, key_block = 0;  // blocks: 0 for the defaults
-  float scale = 1;
-  const float *q = nullptr, *k = nullptr, *v = nullptr;
-  int64_t q_ld = 0, k_ld = 0, v_ld = 0;
-  const int32_t* pos = nullptr;
-};
-
-// The query heads that share one kv head (the backward's task).
-struct Group {
-  int64_t S = 0;
-  int D = 0, heads = 1, query_block = 0, key_block = 0;
   float scale = 1;
   const float *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0;
   const int32_t* pos = nullptr;
+};
+
+// One query head of one row (the forward's task).
+struct Head : KeyRows {
+  const float* q = nullptr;
+  int64_t q_ld = 0;
+};
+
+// The query heads that share one kv head (the backward's task).
+struct Group : KeyRows {
+  int heads = 1;
   static constexpr int kMaxHeads = 64;
   const float *q[kMaxHeads] = {}, *o[kMaxHeads] = {}, *dO[kMaxHeads] = {}, *lse[kMaxHeads] = {};
   int64_t q_ld = 0, o_ld = 0, dO_ld = 0, lse_ld = 0;
