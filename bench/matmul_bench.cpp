@@ -1,19 +1,23 @@
-// Generated matmul kernels against Eigen at the tiny Llama's shapes.
+// Generated matmul kernels against Eigen: every contraction kernel of the
+// tiny Llama's train step.
 //
-// Each contraction is built in the DSL, partitioned and lowered by the same
-// code as an AOT build (lower_stage + schedule_cpu), JIT-compiled, and timed
-// side by side with Eigen's GEMM on the same data and thread count. Prints
-// GFLOP/s and the ratio; never asserts.
-//   matmul_bench [--threads N] [--seq S] [--reps R]
+// The model is planned as llama_aot plans it (batch and all: a weight
+// gradient sums over batch and seq), each distinct contraction stage lowered
+// and scheduled by the same code as an AOT build (lower_stage +
+// schedule_cpu), JIT-compiled, and timed side by side with Eigen's GEMM on
+// the same data and thread count. Prints GFLOP/s and the ratio; never asserts.
+//   matmul_bench [--threads N] [--seq S] [--reps R] [--config tiny.json]
 #include <Eigen/Dense>
 #include <HalideBuffer.h>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <set>
 #include <string>
 
 #include "bench/bench_util.h"
 #include "dsl/ops.h"
+#include "examples/llama/llama_builder.h"
 #include "generators/lowering.h"
 #include "runtime/model.h"
 
@@ -32,31 +36,47 @@ Halide::Buffer<float> random_buffer(const TensorType& t, std::mt19937& rng) {
   return b;
 }
 
-// out = x[rows, K] . w[N, K]^T  (forward), or the gradient shapes when `kind` says so.
 struct Totals {
   double flops = 0, halyard_s = 0, eigen_s = 0;
 };
 
-void run_case(const char* what, int64_t rows, int64_t k, int64_t n, const char* kind, int reps, Totals& tot) {
-  Graph g;
-  const Axis R{"seq", rows}, K{"model", k}, N{"ffn", n};
-  Value out;
-  std::string eigen_form;
-  if (std::string(kind) == "forward") {  // y[s, f] = sum_m x[s, m] w[f, m]
-    Value x = input(g, "x", DType::f32, {R, K});
-    Value w = param(g, "w", DType::f32, {N, K});
-    out = contract(x, w, {"model"});
-  } else if (std::string(kind) == "grad_input") {  // dx[s, m] = sum_f dy[s, f] w[f, m]
-    Value dy = input(g, "dy", DType::f32, {R, N});
-    Value w = param(g, "w", DType::f32, {N, K});
-    out = contract_to(dy, w, {"seq", "model"});
-  } else {  // dw[f, m] = sum_s dy[s, f] x[s, m]
-    Value dy = input(g, "dy", DType::f32, {R, N});
-    Value x = input(g, "x", DType::f32, {R, K});
-    out = contract_to(dy, x, {"ffn", "model"});
+// An operand as a matrix: its axes the output keeps, then the summed ones
+// (or the other way round), each group contiguous, as in every contraction
+// of the Llama. Empty when it is not one.
+struct MatrixView {
+  bool ok = false, kept_first = true;
+  int64_t kept = 1, summed = 1;
+};
+
+MatrixView matrix_view(const TensorType& t, const TensorType& out) {
+  MatrixView v;
+  std::string groups;  // 'k' or 's' per axis, outermost first
+  for (const Axis& a : t.axes) {
+    const bool kept = out.has(a.name);
+    (kept ? v.kept : v.summed) *= a.size;
+    groups += kept ? 'k' : 's';
   }
-  Partition p = partition(g, {out.id}, Schedule{});
-  const Stage& st = p.stages.at(0);
+  const auto first_s = groups.find('s'), last_k = groups.rfind('k');
+  const auto first_k = groups.find('k'), last_s = groups.rfind('s');
+  v.kept_first = last_k == std::string::npos || first_s == std::string::npos || last_k < first_s;
+  v.ok = v.kept_first || last_s < first_k;
+  return v;
+}
+
+// One of the model's contraction kernels, built, lowered and scheduled as
+// its AOT build does, against Eigen's GEMM on the same data and threads.
+void run_case(const Graph& g, const Stage& st, int reps, Totals& tot) {
+  const Node& n = g.node(st.root);
+  const TensorType &ta = g.node(n.inputs[0]).type, &tb = g.node(n.inputs[1]).type;
+  const bool operands_in = st.inputs.size() == 2 && st.inputs[0] == n.inputs[0] && st.inputs[1] == n.inputs[1];
+  const MatrixView va = matrix_view(ta, n.type), vb = matrix_view(tb, n.type);
+  // The output as [a's kept axes, b's kept axes] or the other way round.
+  const bool out_ab = n.type.axes.empty() || ta.has(n.type.axes.front().name);
+  std::string what = n.name + (n.backward ? " (backward)" : "");
+  if (!operands_in || !va.ok || !vb.ok) {
+    std::printf("%-44s (not a plain GEMM of its inputs: no Eigen peer)\n", what.c_str());
+    return;
+  }
   LoweredStage ls = lower_stage(g, st);
   Halide::Target t = Halide::get_host_target();
   schedule_cpu(ls, g, st, t);
@@ -68,27 +88,34 @@ void run_case(const char* what, int64_t rows, int64_t k, int64_t n, const char* 
   }
   // Eigen first: Halide's worker threads keep spinning for a while after a
   // pipeline returns, which would steal cores from Eigen's OpenMP threads.
-  const TensorType& t0 = g.node(st.inputs[0]).type;
-  const TensorType& t1 = g.node(st.inputs[1]).type;
-  Eigen::Map<RowMat> A(ins[0].data(), t0.axes[0].size, t0.axes[1].size);
-  Eigen::Map<RowMat> B(ins[1].data(), t1.axes[0].size, t1.axes[1].size);
-  RowMat C(out.type().axes[0].size, out.type().axes[1].size);
-  double t_eigen;
-  if (std::string(kind) == "forward") t_eigen = bench::median_seconds([&] { C.noalias() = A * B.transpose(); }, reps);
-  else if (std::string(kind) == "grad_input") t_eigen = bench::median_seconds([&] { C.noalias() = A * B; }, reps);
-  else t_eigen = bench::median_seconds([&] { C.noalias() = A.transpose() * B; }, reps);
-  Halide::Buffer<float> result = random_buffer(out.type(), rng);
+  Eigen::Map<RowMat> A(ins[0].data(), va.kept_first ? va.kept : va.summed, va.kept_first ? va.summed : va.kept);
+  Eigen::Map<RowMat> B(ins[1].data(), vb.kept_first ? vb.kept : vb.summed, vb.kept_first ? vb.summed : vb.kept);
+  RowMat C(out_ab ? va.kept : vb.kept, out_ab ? vb.kept : va.kept);
+  Halide::Buffer<float> result = random_buffer(n.type, rng);
   ls.pipeline.compile_jit(t);
-  const double t_halide = bench::median_seconds([&] { ls.pipeline.realize(result); }, reps);
+  auto halyard = [&] { ls.pipeline.realize(result); };
+  auto time_gemm = [&](const auto& L, const auto& R) {  // C = L R^T, L and R [kept x summed]
+    return std::make_pair(bench::median_seconds([&] { C.noalias() = L * R.transpose(); }, reps),
+                          bench::median_seconds(halyard, reps));
+  };
+  auto with_b = [&](const auto& L, bool b_side) {
+    const MatrixView& v = b_side ? vb : va;
+    const Eigen::Map<RowMat>& M = b_side ? B : A;
+    return v.kept_first ? time_gemm(L, M) : time_gemm(L, M.transpose());
+  };
+  const MatrixView& vl = out_ab ? va : vb;
+  const Eigen::Map<RowMat>& ML = out_ab ? A : B;
+  const auto [t_eigen, t_halide] = vl.kept_first ? with_b(ML, out_ab) : with_b(ML.transpose(), out_ab);
 
-  double max_diff = 0;
   Eigen::Map<RowMat> H(result.data(), C.rows(), C.cols());
-  max_diff = (H - C).cwiseAbs().maxCoeff() / std::max(1e-30f, C.cwiseAbs().maxCoeff());
-  const double flops = 2.0 * static_cast<double>(rows * k * n);
+  const double max_diff = (H - C).cwiseAbs().maxCoeff() / std::max(1e-30f, C.cwiseAbs().maxCoeff());
+  const double flops = 2.0 * static_cast<double>(va.kept) * static_cast<double>(vb.kept) * static_cast<double>(va.summed);
   tot.flops += flops, tot.halyard_s += t_halide, tot.eigen_s += t_eigen;
-  std::printf("%-28s %-10s %6lld x %5lld x %5lld   halyard %7.1f GFLOP/s   eigen %7.1f GFLOP/s   ratio %.2f   (rel diff %.1e)\n",
-              what, kind, static_cast<long long>(rows), static_cast<long long>(k), static_cast<long long>(n),
-              flops / t_halide * 1e-9, flops / t_eigen * 1e-9, t_eigen / t_halide, max_diff);
+  const char* kind = !n.backward ? "forward" : n.type.has("seq") ? "grad_input" : "grad_weight";
+  std::printf("%-44s %-11s %5lld x %5lld, sum %5lld   halyard %6.1f GFLOP/s   eigen %6.1f GFLOP/s   ratio %.2f   (rel diff %.1e)\n",
+              what.c_str(), kind, static_cast<long long>(C.rows()), static_cast<long long>(C.cols()),
+              static_cast<long long>(va.summed), flops / t_halide * 1e-9, flops / t_eigen * 1e-9, t_eigen / t_halide,
+              max_diff);
 }
 
 }  // namespace
@@ -96,11 +123,13 @@ void run_case(const char* what, int64_t rows, int64_t k, int64_t n, const char* 
 int main(int argc, char** argv) {
   int threads = 2, reps = 9;
   int64_t seq = 4096;
+  std::string config = HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i];
     if (k == "--threads") threads = std::atoi(argv[i + 1]);
     else if (k == "--seq") seq = std::atoll(argv[i + 1]);
     else if (k == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (k == "--config") config = argv[i + 1];
   }
   runtime::keep_freed_memory();
   setenv("HL_NUM_THREADS", std::to_string(threads).c_str(), 1);
@@ -108,15 +137,15 @@ int main(int argc, char** argv) {
   std::printf("matmul: generated Halide kernels (JIT, same lowering and schedule as AOT) vs Eigen %d.%d.%d, %d threads "
               "(Eigen threads: %d), median of %d\n",
               EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION, threads, Eigen::nbThreads(), reps);
-  // The tiny Llama (hidden 256, ffn 768, vocab 256) at `seq` tokens.
+  // Every distinct contraction kernel of the tiny Llama's train step (the
+  // default schedule at `seq` tokens, batch 1), as its AOT build makes them.
   Totals tot;
   try {
-    run_case("q/o proj, lm_head", seq, 256, 256, "forward", reps, tot);
-    run_case("gate/up proj", seq, 256, 768, "forward", reps, tot);
-    run_case("down proj", seq, 768, 256, "forward", reps, tot);
-    run_case("gate/up proj", seq, 256, 768, "grad_input", reps, tot);
-    run_case("gate/up proj", seq, 256, 768, "grad_weight", reps, tot);
-    run_case("down proj", seq, 768, 256, "grad_weight", reps, tot);
+    Plan p = plan(llama::llama_builder(), {config, 1, seq}, Schedule::named("default"), Cluster::named("local-cpu"));
+    const Graph& g = *p.model.graph;
+    std::set<std::string> seen;
+    for (const Stage& st : p.train.stages)
+      if (g.node(st.root).op == Op::Contract && seen.insert(st.signature).second) run_case(g, st, reps, tot);
   } catch (const Halide::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

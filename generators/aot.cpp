@@ -202,8 +202,8 @@ int run(const Options& o, const ModelBuilder& build) {
     throw UserError("error: --sp " + std::to_string(o.sp) + " but schedule \"" + sched.name + "\" says mesh sp=" +
                     std::to_string(sched.mesh.sp) + ".\nfix: drop SP from halyard_add_model, or make them agree.");
   if (o.sp > 0) sched.mesh.sp = o.sp;
-  // The library attention kernels are CPU code.
-  if (parse_target(o.target).has_gpu_feature()) sched.attention_kernel = "halide";
+  // The library kernels are CPU code.
+  if (parse_target(o.target).has_gpu_feature()) sched.attention_kernel = sched.weight_grad_kernel = "halide";
   Plan p = plan(build, {o.config, o.batch, o.seq}, sched, cluster);
   if (!o.schedule_out.empty()) {  // the schedule built, as a file a user can pin and edit
     std::ofstream out(o.schedule_out);

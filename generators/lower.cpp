@@ -8,6 +8,7 @@
 #include "dsl/op_table.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
+#include "runtime/gemm_cpu.h"
 
 namespace halyard {
 
@@ -95,6 +96,7 @@ struct Ctx {
   Func lower(int id);
   ExternFuncArgument buffer(int id, const std::string& name);
   void library_attention(int id, Func out);
+  void library_weight_grad(int id, Func out);
   Func norm_scale(int x, const std::string& axis, double eps, const std::string& tag);
   void attention(int id, Func out);
 };
@@ -258,6 +260,10 @@ Func Ctx::lower(int id) {
       break;
     }
     case Op::Contract: {
+      if (st.library && is_root) {
+        library_weight_grad(id, f);
+        break;
+      }
       const TensorType &ta = type(in(0)), &tb = type(in(1));
       std::vector<std::string> summed;  // innermost first
       for (auto it = ta.axes.rbegin(); it != ta.axes.rend(); ++it)
@@ -711,6 +717,23 @@ void Ctx::library_attention(int id, Func out) {
   ls.funcs.library = call;
 }
 
+// A weight gradient through the library GEMM (runtime/gemm_cpu.h): one
+// extern call writing the whole gradient; the stage's output is a copy.
+void Ctx::library_weight_grad(int id, Func out) {
+  const Node& n = g.node(id);
+  WeightGradForm form;
+  HALYARD_CHECK(weight_grad_form(g, n, &form), "a library weight gradient has the form weight_grad_form checks");
+  std::vector<ExternFuncArgument> args = {buffer(n.inputs[static_cast<size_t>(form.a)], "wg_a"),
+                                          buffer(n.inputs[static_cast<size_t>(form.b)], "wg_b"), Expr(form.a_dims),
+                                          Expr(form.b_dims)};
+  for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.tokens.size() ? form.tokens[k] : 1)));
+  const std::vector<Var> vs = vars(n.type.axis_names());
+  Func call("weight_grad_library");
+  call.define_extern("halyard_weight_grad", args, Float(32), vs, NameMangling::C);
+  out(vs) = call(vs);
+  ls.funcs.library = call;
+}
+
 }  // namespace
 
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles) {
@@ -733,7 +756,8 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   ls.pipeline = Pipeline(outs);
   if (ls.funcs.library.defined())
     ls.pipeline.set_jit_externs({{"halyard_attention_forward", JITExtern(&halyard_attention_forward)},
-                                 {"halyard_attention_backward", JITExtern(&halyard_attention_backward)}});
+                                 {"halyard_attention_backward", JITExtern(&halyard_attention_backward)},
+                                 {"halyard_weight_grad", JITExtern(&halyard_weight_grad)}});
   return ls;
 }
 

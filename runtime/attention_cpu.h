@@ -59,7 +59,7 @@ struct Group : KeyRows {
 };
 
 // The ISA the entry points run with on this CPU ("avx512", "avx2", "base"; the
-// widest it runs, or the one HALYARD_ATTENTION_ISA names if it runs that one).
+// widest it runs, or the one HALYARD_CPU_ISA names if it runs that one).
 const char* isa();
 
 }  // namespace halyard::runtime::attention_cpu

@@ -5,12 +5,11 @@
 // accumulator and adding into dQ (5 products per tile instead of the 7 of
 // separate dQ and dK/dV kernels). Memory is O(S): nothing of [S, S] exists.
 //
-// This file is compiled once per vector ISA (attention_cpu_avx512.cpp,
-// _avx2.cpp, _base.cpp) inside namespace HALYARD_ISA; attention_cpu.cpp picks
+// This file is compiled once per vector ISA (cpu_kernels_avx512.cpp,
+// _avx2.cpp, _base.cpp) inside namespace HALYARD_ISA; cpu_kernels.cpp picks
 // one at run time from the CPU's features. Vectors are GCC vector types of
-// the ISA's native width (a wider generic vector on a narrower ISA spills
-// through the stack: 18 s instead of well under one at seq 4096, AVX2), and
-// the register tiles come from the ISA's register count.
+// the ISA's native width (cpu_vector.h), and the register tiles come from
+// the ISA's register count.
 //
 // Visibility is the DSL's (dsl/ops.h): key j is visible to query i when
 // 0 <= i - j <= pos[i], causal within each document of a packed row.
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "runtime/attention_cpu.h"
+#include "runtime/cpu_vector.h"
 
 #ifndef HALYARD_ISA
 #error "define HALYARD_ISA (the namespace of this compilation) before including attention_cpu_impl.h"
@@ -29,33 +29,21 @@
 namespace halyard::runtime::attention_cpu::HALYARD_ISA {
 namespace {
 
-// One native vector of W floats, and the register tiles (rows x vectors of
-// accumulators, 12 to 16 registers' worth) for this ISA's register file.
+using namespace cpu_vector::HALYARD_ISA;
+using v16 = vf;
+using i16 = vi;
+using u16 = vu;
+
+// The register tiles (rows x vectors of accumulators, 12 to 16 registers'
+// worth) for this ISA's register file.
 #if defined(__AVX512F__)
-constexpr int W = 16;
 constexpr int kNtRows = 8, kNtVecs = 2;  // scores: 16 of 32 zmm
 constexpr int kNnRows = 6, kNnVecs = 2;  // products along head_dim: 12 zmm
-#elif defined(__AVX2__)
-constexpr int W = 8;
-constexpr int kNtRows = 6, kNtVecs = 2;  // 12 of 16 ymm
-constexpr int kNnRows = 6, kNnVecs = 2;
 #else
-constexpr int W = 4;
-constexpr int kNtRows = 6, kNtVecs = 2;  // 12 of 16 xmm
+constexpr int kNtRows = 6, kNtVecs = 2;  // 12 of 16 ymm (or xmm)
 constexpr int kNnRows = 6, kNnVecs = 2;
 #endif
-typedef float v16 __attribute__((vector_size(W * 4)));
-typedef int32_t i16 __attribute__((vector_size(W * 4)));
-typedef uint32_t u16 __attribute__((vector_size(W * 4)));
 
-inline __attribute__((always_inline)) v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline __attribute__((always_inline)) void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-// (x - 0 is x exactly, so this folds to a broadcast; x + 0 would not: -0 + 0 is +0.)
-inline __attribute__((always_inline)) v16 splat(float x) { return x - v16{}; }
 inline __attribute__((always_inline)) float hmax(v16 v) {
   float m = v[0];
   for (int k = 1; k < W; ++k) m = std::max(m, v[k]);
@@ -103,31 +91,12 @@ inline __attribute__((always_inline)) v16 exp2v(v16 x) {
   return out;
 }
 
-// C[r][c] = sum_k A[r*lda + k] * B[k*ldb + c] for r < rows, c < cols (cols a
-// multiple of W, rows a multiple of R): the columns vectorized, A broadcast.
+// C[r][c] = sum_k A[r*lda + k] * B[k*ldb + c] for r < R, c < NV * W:
+// the columns vectorized, A broadcast.
 template <int R, int NV>
 inline __attribute__((always_inline)) void nt_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                                                    int64_t ldc, int K) {
-  v16 acc[R][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) acc[r][n] = v16{};
-  for (int k = 0; k < K; ++k) {
-    v16 b[NV];
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) b[n] = load(B + k * ldb + n * W);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const v16 a = splat(A[r * lda + k]);
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) acc[r][n] += a * b[n];
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) store(C + r * ldc + n * W, acc[r][n]);
+  nn_tile<R, NV, false>(A, lda, 1, B, ldb, C, ldc, K);
 }
 
 // The last rows of a block in one tile of as many rows (one row at a time
@@ -154,34 +123,7 @@ void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
   }
 }
 
-// C[r][:] += sum_k P[r*prs + k*pcs] * X[k*ldx + :] for r < rows, k < inner,
-// over Dp columns (a multiple of W): the columns vectorized, P broadcast.
-// With (prs, pcs) = (ld, 1) this is P.X; with (1, ld) it is P^T.X.
-template <int R, int NV>
-inline __attribute__((always_inline)) void nn_tile(const float* P, int64_t prs, int64_t pcs, const float* X, int64_t ldx,
-                                                   float* C, int64_t ldc, int inner) {
-  v16 acc[R][NV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) acc[r][n] = load(C + r * ldc + n * W);
-  for (int k = 0; k < inner; ++k) {
-    v16 x[NV];
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) x[n] = load(X + k * ldx + n * W);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const v16 p = splat(P[r * prs + k * pcs]);
-#pragma GCC unroll 4
-      for (int n = 0; n < NV; ++n) acc[r][n] += p * x[n];
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int n = 0; n < NV; ++n) store(C + r * ldc + n * W, acc[r][n]);
-}
-
+// (nn_tile, C[r][:] += P.X over a register tile, is cpu_vector.h's.)
 template <int NV, int R = 1>
 inline __attribute__((always_inline)) void nn_rest(int n, const float* P, int64_t prs, int64_t pcs, const float* X,
                                                    int64_t ldx, float* C, int64_t ldc, int inner) {
@@ -208,13 +150,19 @@ void gemm_nn_acc(const float* P, int64_t prs, int64_t pcs, const float* X, int64
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Blocks (0: the default). Measured with the kernels alone (seq 4096, 8/2
-// heads, d 32, two threads; AMD EPYC Zen 3, AVX2, one after another): 128
-// queries x 64 keys 350 ms, 64 x 64 452 ms, 96 x 96 463 ms.
-// Key blocks are a whole number of the widest ISA's score tiles (32 keys),
-// so that every ISA sums in the same blocks.
+// Blocks (0: the default; the entry points choose the query block from the
+// L2, cpu_kernels.cpp). Measured with the kernels alone (8/2 heads, d 32,
+// two threads): AMD EPYC Zen 3, AVX2, seq 4096: 128 queries x 64 keys 350
+// ms, 64 x 64 452 ms, 96 x 96 463 ms; Intel Xeon (Sapphire Rapids class),
+// AVX-512, seq 16384: 128 x 64 3.5-4.2 s, 128 x 128 3.2 s, 256 x 128 2.4-3.0 s,
+// 256 x 256 3.1 s, 512 x 128 3.0 s (at 4096 all within noise, 0.16-0.17 s):
+// a longer key block spreads each row's max, sum and rescale over more
+// keys, a taller query block halves the backward's passes over the packed
+// k and v and over dK and dV. Key blocks are a whole number of the widest
+// ISA's score tiles (32 keys), so that every ISA (and every L2) sums in the
+// same blocks; the query block does not change any sum's order.
 inline int query_block(int requested) { return requested > 0 ? requested : 128; }
-inline int key_block(int requested) { return static_cast<int>(round_up(requested > 0 ? requested : 64, 32)); }
+inline int key_block(int requested) { return static_cast<int>(round_up(requested > 0 ? requested : 128, 32)); }
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // Masks one block row: s[c] for key j0 + c stays where visible, else -inf.

@@ -44,6 +44,35 @@ std::string attrs_key(const Node& n) {
 
 }  // namespace
 
+bool weight_grad_form(const Graph& g, const Node& n, WeightGradForm* form) {
+  if (n.op != Op::Contract || n.type.rank() == 0 || n.type.dtype != DType::f32) return false;
+  const TensorType &t0 = g.node(n.inputs[0]).type, &t1 = g.node(n.inputs[1]).type;
+  if (t0.dtype != DType::f32 || t1.dtype != DType::f32) return false;
+  const int b = t1.has(n.type.axes.back().name) && !t0.has(n.type.axes.back().name) ? 1 : 0, a = 1 - b;
+  const TensorType &ta = a ? t1 : t0, &tb = b ? t1 : t0;
+  // Splits an operand's axes into summed (outermost) then kept.
+  auto split = [&](const TensorType& t, std::vector<std::string>& summed, std::vector<std::string>& kept) {
+    for (const Axis& ax : t.axes) {
+      const bool k = n.type.has(ax.name);
+      if (!k && !kept.empty()) return false;
+      (k ? kept : summed).push_back(ax.name);
+    }
+    return true;
+  };
+  std::vector<std::string> sa, ka, sb, kb;
+  if (!split(ta, sa, ka) || !split(tb, sb, kb) || sa.empty() || sa != sb || sa.size() > 3 || ka.empty()) return false;
+  std::vector<std::string> expect = ka;
+  expect.insert(expect.end(), kb.begin(), kb.end());
+  if (expect != n.type.axis_names()) return false;  // (an axis in both operands is in neither group's place)
+  if (form) {
+    form->a = a, form->b = b;
+    form->a_dims = static_cast<int>(ka.size()), form->b_dims = static_cast<int>(kb.size());
+    form->tokens.clear();
+    for (auto it = sa.rbegin(); it != sa.rend(); ++it) form->tokens.push_back(ta.size(*it));
+  }
+  return true;
+}
+
 Partition partition(const Graph& g, const std::vector<int>& outputs, const Schedule& s) {
   const int n = g.size();
   // Nodes the outputs depend on, and their consumers among those.
@@ -170,6 +199,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.library = true;
     }
     if (library && node.op == Op::Attention && !is_ring_block(node)) st.library = true;
+    if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;
     if (st.library) st.signature += "+library";
     if (auto it = lse_of.find(id); it != lse_of.end()) {
       st.extra_outputs.push_back(it->second);

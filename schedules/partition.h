@@ -29,11 +29,23 @@ struct Stage {
   std::string signature;       // structure + types; equal => same kernel
   int kernel = -1;             // index into Partition::kernels; -1 for a collective
   std::vector<int> extra_outputs;  // nodes the kernel writes too (dV with dK: they share the probabilities)
-  // The kernel calls a library (runtime/attention_cpu.h) instead of being
-  // generated: the schedule's attention_kernel. Its backward writes dK, then
-  // dV and dQ as extra outputs.
+  // The kernel calls a library instead of being generated: attention
+  // (runtime/attention_cpu.h, the schedule's attention_kernel; its backward
+  // writes dK, then dV and dQ as extra outputs) or a weight gradient
+  // (runtime/gemm_cpu.h, the schedule's weight_grad_kernel).
   bool library = false;
 };
+
+// A contraction the weight-gradient library computes: out[rows..., cols...]
+// = sum over tokens of A[tokens..., rows...] B[tokens..., cols...], each
+// operand's summed axes outermost and in the same order (at most 3), its
+// kept ones in the output's order, B holding the output's innermost axis.
+struct WeightGradForm {
+  int a = -1, b = -1;          // which input is A (rows), which B (columns)
+  int a_dims = 0, b_dims = 0;  // kept axes of each
+  std::vector<int64_t> tokens; // the summed axes' sizes, innermost first
+};
+bool weight_grad_form(const Graph& g, const Node& n, WeightGradForm* form = nullptr);
 
 struct Partition {
   std::vector<Stage> stages;           // in execution order

@@ -57,6 +57,22 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
+  if (st.library && n.op == Op::Contract) {  // runtime/gemm_cpu_impl.h and the copies around it
+    WeightGradForm form;
+    weight_grad_form(g, n, &form);
+    copy_unless_buffer(static_cast<size_t>(form.a));
+    copy_unless_buffer(static_cast<size_t>(form.b));
+    s.add(value_bytes(n.type));  // what the call wrote, copied into the output
+    // B's packed block on each thread: 256 tokens x its columns, at most 1 MiB
+    // (half of a 2 MiB L2; gemm_cpu::weight_grad sizes it from the host's L2)
+    const TensorType& b = g.node(n.inputs[static_cast<size_t>(form.b)]).type;
+    int64_t cols = 1;
+    for (const Axis& ax : b.axes)
+      if (n.type.has(ax.name)) cols *= ax.size;
+    const int64_t per_thread = 256 * 4 * std::min<int64_t>(cols + 32, (int64_t{1} << 20) / (4 * 256));
+    for (int t2 = 0; t2 < threads; ++t2) s.add(per_thread);
+    return s;
+  }
   if (st.library) {  // runtime/attention_cpu_impl.h and the copies around it (generators/lower.cpp)
     const TensorType& q = g.node(n.inputs[0]).type;
     const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");

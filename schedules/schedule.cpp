@@ -217,6 +217,7 @@ std::string Schedule::to_json() const {
   if (loss_seq_tile > 0) j["loss_seq_tile"] = loss_seq_tile;
   if (!autoscheduler.empty()) j["autoscheduler"] = autoscheduler;
   if (attention_kernel != "library") j["attention_kernel"] = attention_kernel;
+  if (weight_grad_kernel != "library") j["weight_grad_kernel"] = weight_grad_kernel;
   if (kernel_tiles != KernelTiles{})
     j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
                          {"attention_keys", kernel_tiles.attention_keys}};
@@ -239,6 +240,7 @@ std::string Schedule::str() const {
   if (loss_seq_tile > 0) s += ", loss tile " + std::to_string(loss_seq_tile);
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
   if (attention_kernel != "library") s += ", " + attention_kernel + " attention kernels";
+  if (weight_grad_kernel != "library") s += ", " + weight_grad_kernel + " weight-gradient kernels";
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
   if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
   return s;
@@ -370,6 +372,10 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       s.attention_kernel = v.get<std::string>();
       if (std::find(attention_kernels().begin(), attention_kernels().end(), s.attention_kernel) == attention_kernels().end())
         bad(what, "attention_kernel \"" + s.attention_kernel + "\".\nlegal: " + join(attention_kernels()) + ".");
+    } else if (key == "weight_grad_kernel" && v.is_string()) {
+      s.weight_grad_kernel = v.get<std::string>();
+      if (std::find(attention_kernels().begin(), attention_kernels().end(), s.weight_grad_kernel) == attention_kernels().end())
+        bad(what, "weight_grad_kernel \"" + s.weight_grad_kernel + "\".\nlegal: " + join(attention_kernels()) + ".");
     } else if (key == "loss_seq_tile") {
       s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
@@ -380,7 +386,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }

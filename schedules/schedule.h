@@ -106,6 +106,11 @@ struct Schedule {
   // autoscheduler always get Halide's.
   std::string attention_kernel = "library";
   bool library_attention() const { return attention_kernel == "library" && autoscheduler.empty(); }
+  // Weight-gradient contractions (a sum over the tokens, schedules/partition.h:
+  // weight_grad_form): "library" (runtime/gemm_cpu.h, a packed GEMM) or
+  // "halide" (generated). GPU targets and the autoscheduler get Halide's.
+  std::string weight_grad_kernel = "library";
+  bool library_weight_grad() const { return weight_grad_kernel == "library" && autoscheduler.empty(); }
 
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;
@@ -133,7 +138,7 @@ struct Schedule {
   // The head redistributions the vocabulary offers (what the search tries).
   static const std::vector<std::string>& strategies();
   static const std::vector<std::string>& sequence_layouts();
-  static const std::vector<std::string>& attention_kernels();
+  static const std::vector<std::string>& attention_kernels();  // (also the weight-gradient kernels)
 };
 
 // Rules of the classic policies, for presets and for the search.

@@ -8,15 +8,17 @@
 //
 // The linear layer's three contractions run at token counts below, at and
 // past the blocks that weight gradients are summed in (schedule_cpu.cpp: 32
-// to 512 tokens, chosen from the L1 size), none of them a multiple of a
-// block, and with column counts that are and are not a multiple of the
-// register tile (the latter keeps the unblocked schedule).
+// to 512 tokens, chosen from the L1 size; the library's 256), none of them a
+// multiple of a block, and with column counts that are and are not a
+// multiple of the register tile (the latter keeps the unblocked schedule),
+// through Halide's kernels and the library's.
 #include <gtest/gtest.h>
 
 #include <HalideBuffer.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <cstdio>
 #include <random>
@@ -34,27 +36,52 @@ namespace {
 struct Case {
   const char* kind;
   int64_t tokens, k, n;
+  std::string kernel = "halide";  // the schedule's weight_grad_kernel
+  int64_t batch = 0;              // > 0: a batch axis outside seq (summed with it in a weight gradient)
+  int64_t heads = 0;              // > 0: the n axis as [heads, n / heads] (a projection's output)
 };
 
 std::string name_of(const Case& c) {
-  return std::string(c.kind) + " " + std::to_string(c.tokens) + "x" + std::to_string(c.k) + "x" + std::to_string(c.n);
+  return std::string(c.kind) + " " + std::to_string(c.tokens) + "x" + std::to_string(c.k) + "x" + std::to_string(c.n) +
+         (c.batch ? " batch " + std::to_string(c.batch) : "") + (c.heads ? " heads " + std::to_string(c.heads) : "") +
+         " " + c.kernel;
+}
+
+std::vector<std::string> with_names(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
 }
 
 // The largest difference from the reference, relative to its largest magnitude.
 double run_case(const Case& c) {
   Graph g;
-  const Axis R{"seq", c.tokens}, K{"model", c.k}, N{"ffn", c.n};
+  const Axis R{"seq", c.tokens}, K{"model", c.k};
+  std::vector<Axis> rows = {R}, n_axes = {Axis{"ffn", c.n}};
+  if (c.batch) rows.insert(rows.begin(), Axis{"batch", c.batch});
+  if (c.heads) n_axes = {Axis{"heads", c.heads}, Axis{"ffn", c.n / c.heads}};
+  auto with = [](std::vector<Axis> a, const std::vector<Axis>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  std::vector<std::string> n_names, row_names;
+  for (const Axis& a : n_axes) n_names.push_back(a.name);
+  for (const Axis& a : rows) row_names.push_back(a.name);
   Value out;
   const std::string kind = c.kind;
   if (kind == "forward") {  // y[s, f] = sum_m x[s, m] w[f, m]
-    out = contract(input(g, "a", DType::f32, {R, K}), param(g, "b", DType::f32, {N, K}), {"model"});
+    out = contract(input(g, "a", DType::f32, with(rows, {K})), param(g, "b", DType::f32, with(n_axes, {K})), {"model"});
   } else if (kind == "grad_input") {  // dx[s, m] = sum_f dy[s, f] w[f, m]
-    out = contract_to(input(g, "a", DType::f32, {R, N}), param(g, "b", DType::f32, {N, K}), {"seq", "model"});
+    out = contract_to(input(g, "a", DType::f32, with(rows, n_axes)), param(g, "b", DType::f32, with(n_axes, {K})),
+                      with_names(row_names, {"model"}));
   } else {  // dw[f, m] = sum_s dy[s, f] x[s, m]
-    out = contract_to(input(g, "a", DType::f32, {R, N}), input(g, "b", DType::f32, {R, K}), {"ffn", "model"});
+    out = contract_to(input(g, "a", DType::f32, with(rows, n_axes)), input(g, "b", DType::f32, with(rows, {K})),
+                      with_names(n_names, {"model"}));
   }
-  Partition p = partition(g, {out.id}, Schedule{});
+  Schedule sched;
+  sched.weight_grad_kernel = c.kernel;
+  Partition p = partition(g, {out.id}, sched);
   const Stage& st = p.stages.at(0);
+  EXPECT_EQ(st.library, kind == "grad_weight" && c.kernel == "library") << name_of(c);
   LoweredStage ls = lower_stage(g, st);
   const Halide::Target t = Halide::get_host_target();
   schedule_cpu(ls, g, st, t);
@@ -90,12 +117,7 @@ double run_case(const Case& c) {
   return diff / scale;
 }
 
-TEST(Kernels, ContractionsMatchTheInterpreterAtEveryLength) {
-  const std::vector<Case> cases = {
-      {"forward", 300, 64, 160},       {"grad_input", 300, 64, 160},    {"grad_weight", 37, 64, 160},
-      {"grad_weight", 300, 64, 160},   {"grad_weight", 1100, 64, 160},  {"grad_weight", 2053, 64, 160},
-      {"grad_weight", 1100, 160, 64},  {"grad_weight", 1100, 72, 100},
-  };
+void run_contraction_cases(const std::vector<Case>& cases) {
   for (const Case& c : cases) {
     double err = 1;
     try {
@@ -104,10 +126,58 @@ TEST(Kernels, ContractionsMatchTheInterpreterAtEveryLength) {
       ADD_FAILURE() << name_of(c) << ": Halide: " << e.what();
       continue;
     }
-    std::printf("  %-28s max |diff| / max |ref| = %.2e\n", name_of(c).c_str(), err);
+    std::printf("  %-48s max |diff| / max |ref| = %.2e\n", name_of(c).c_str(), err);
     // f32 sums of up to 2053 products: rounding grows like sqrt(n) * 6e-8.
     EXPECT_LE(err, 2e-5) << name_of(c);
   }
+}
+
+TEST(Kernels, ContractionsMatchTheInterpreterAtEveryLength) {
+  run_contraction_cases({
+      {"forward", 300, 64, 160},       {"grad_input", 300, 64, 160},    {"grad_weight", 37, 64, 160},
+      {"grad_weight", 300, 64, 160},   {"grad_weight", 1100, 64, 160},  {"grad_weight", 2053, 64, 160},
+      {"grad_weight", 1100, 160, 64},  {"grad_weight", 1100, 72, 100},
+      {"forward", 300, 64, 160, "halide", 2, 4},  {"grad_input", 300, 64, 160, "halide", 2, 4},
+      {"grad_weight", 300, 64, 160, "halide", 2, 4},
+  });
+}
+
+// The library weight gradient (runtime/gemm_cpu.h): token counts below, at
+// and past its 256-token blocks, none a multiple of them; rows and columns
+// that are and are not multiples of its register tile (12 or 6 rows, 32, 16
+// or 8 columns); a batch axis summed with seq; a [heads, head_dim] operand
+// on either side; and a forward and an input gradient, which stay Halide's.
+const std::vector<Case>& library_cases() {
+  static const std::vector<Case> cases = {
+      {"grad_weight", 37, 64, 160, "library"},   {"grad_weight", 300, 64, 160, "library"},
+      {"grad_weight", 1100, 64, 160, "library"}, {"grad_weight", 2053, 64, 160, "library"},
+      {"grad_weight", 1100, 160, 64, "library"}, {"grad_weight", 300, 72, 100, "library"},
+      {"grad_weight", 300, 13, 7, "library"},    {"grad_weight", 300, 64, 160, "library", 3},
+      {"grad_weight", 300, 64, 160, "library", 2, 4}, {"grad_weight", 260, 96, 64, "library", 1, 2},
+      {"forward", 300, 64, 160, "library", 2},   {"grad_input", 300, 64, 160, "library", 2},
+  };
+  return cases;
+}
+
+TEST(Kernels, LibraryWeightGradientsMatchTheInterpreterAtEveryLength) { run_contraction_cases(library_cases()); }
+
+// Every vector ISA this CPU runs (runtime/cpu_kernels.cpp chooses the
+// widest): the narrower variants are what other machines run.
+void in_every_isa(const std::function<void()>& run) {
+  for (const char* isa : {"base", "avx2", "avx512"}) {
+    setenv("HALYARD_CPU_ISA", isa, 1);
+    if (std::string(runtime::attention_cpu::isa()) != isa) {
+      std::printf("  [SKIP] this CPU does not run the %s variant\n", isa);
+      continue;
+    }
+    std::printf("  ISA %s\n", isa);
+    run();
+  }
+  unsetenv("HALYARD_CPU_ISA");
+}
+
+TEST(Kernels, LibraryWeightGradientsMatchTheInterpreterInEveryIsa) {
+  in_every_isa([] { run_contraction_cases({library_cases()[2], library_cases()[6], library_cases()[8]}); });
 }
 
 Halide::Buffer<> buffer_of(const TensorType& t) {
@@ -217,7 +287,7 @@ TEST(Kernels, AttentionMatchesTheInterpreterAtEveryLength) {
 }
 
 // The library kernels (runtime/attention_cpu.h) on lengths that are not
-// multiples of their blocks (128 queries, 64 keys), several rows, and
+// multiples of their blocks (128 or 256 queries, 128 keys), several rows, and
 // head_dims that are not a whole number of vectors (padded copies).
 TEST(Kernels, LibraryAttentionMatchesTheInterpreterAtEveryLength) {
   run_attention_cases({{37, false, "library"}, {300, false, "library"}, {520, false, "library"},
@@ -225,19 +295,8 @@ TEST(Kernels, LibraryAttentionMatchesTheInterpreterAtEveryLength) {
                        {200, true, "library", 24, 1}, {64, false, "library", 32, 1}});
 }
 
-// Every vector ISA this CPU runs (runtime/attention_cpu.cpp chooses the
-// widest): the narrower variants are what other machines run.
 TEST(Kernels, LibraryAttentionMatchesTheInterpreterInEveryIsa) {
-  for (const char* isa : {"base", "avx2", "avx512"}) {
-    setenv("HALYARD_ATTENTION_ISA", isa, 1);
-    if (std::string(runtime::attention_cpu::isa()) != isa) {
-      std::printf("  [SKIP] this CPU does not run the %s variant\n", isa);
-      continue;
-    }
-    std::printf("  ISA %s\n", isa);
-    run_attention_cases({{300, false, "library"}, {200, true, "library", 24, 2}});
-  }
-  unsetenv("HALYARD_ATTENTION_ISA");
+  in_every_isa([] { run_attention_cases({{300, false, "library"}, {200, true, "library", 24, 2}}); });
 }
 
 }  // namespace

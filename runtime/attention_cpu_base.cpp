@@ -1,3 +1,0 @@
-// attention_cpu_impl.h compiled for one vector ISA (flags: runtime/CMakeLists.txt).
-#define HALYARD_ISA base
-#include "runtime/attention_cpu_impl.h"
