@@ -199,7 +199,12 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.library = true;
     }
     if (library && node.op == Op::Attention && !is_ring_block(node)) st.library = true;
-    if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;
+    // The library reads its operands from buffers: a weight gradient whose
+    // operand is computed inline would need a whole copy of it (Halide's
+    // kernel stages it per panel), so that one stays Halide's.
+    if (s.library_weight_grad() && weight_grad_form(g, node) && p.materialized[static_cast<size_t>(node.inputs[0])] &&
+        p.materialized[static_cast<size_t>(node.inputs[1])])
+      st.library = true;
     if (st.library) st.signature += "+library";
     if (auto it = lse_of.find(id); it != lse_of.end()) {
       st.extra_outputs.push_back(it->second);
