@@ -40,11 +40,10 @@ struct Operands {
 };
 constexpr int kMaxKc = 1024;
 
-// The register tile of the ISA in use: rows of A by columns of B.
+// A register tile: rows of A by columns of B (each ISA's, cpu_kernels.cpp).
 struct Tile {
   int rows = 0, cols = 0;
 };
-Tile tile();
 
 // The whole product on the calling thread and Halide's pool: one task per
 // thread, each a block of rows (for benchmarks and tests; the extern stage
