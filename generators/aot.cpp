@@ -3,6 +3,7 @@
 
 #include <Halide.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -187,6 +188,24 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
   os << "};\n";
 }
 
+// A Halide buffer steps each dimension by a 32-bit stride (halide_dimension_t),
+// whatever the target: an axis of more than one element whose stride does
+// not fit is refused before anything is compiled. (An axis of one element is
+// never stepped; the runtime gives it any stride.)
+void check_strides(const Node& n) {
+  int64_t stride = 1;
+  for (auto it = n.type.axes.rbegin(); it != n.type.axes.rend(); ++it) {
+    if (it->size > 1 && (stride > kMax32Bit || it->size > kMax32Bit))
+      throw UserError("error: tensor \"" + n.name + "\" " + n.type.str() + ": its \"" + it->name + "\" axis (" +
+                      std::to_string(it->size) + ") is stepped " + std::to_string(stride) +
+                      " elements at a time; a Halide buffer's strides and extents hold at most " +
+                      std::to_string(kMax32Bit) +
+                      ".\nfix: train one row per rank (batch 1), or split the sequence over more ranks (SP), so "
+                      "that each rank's rows hold fewer elements.");
+    stride *= it->size;
+  }
+}
+
 int run(const Options& o, const ModelBuilder& build) {
   Halide::Target target = parse_target(o.target).with_feature(Halide::Target::NoRuntime);
   if (o.runtime_only) {
@@ -239,6 +258,10 @@ int run(const Options& o, const ModelBuilder& build) {
       if (fresh) kernels.push_back(&st);
       st.kernel = it->second;
     }
+  // A kernel over a value of 2^31 bytes or more needs 64-bit addressing;
+  // linked modules share one target, so then the whole library has it.
+  if (std::any_of(kernels.begin(), kernels.end(), [](const Stage* st) { return st->large_buffers; }))
+    target = target.with_feature(Halide::Target::LargeBuffers);
   std::printf("halyard_aot %s: %s; %d nodes, %zu stages (train), %zu (forward), %zu kernels; arena %.2f MiB (train), %.2f MiB (forward)\n",
               o.name.c_str(), sched.str().c_str(), g.size(), train.stages.size(), fwd.stages.size(), kernels.size(),
               static_cast<double>(train_prog.arena_bytes) / (1 << 20), static_cast<double>(fwd_prog.arena_bytes) / (1 << 20));
@@ -250,6 +273,8 @@ int run(const Options& o, const ModelBuilder& build) {
                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     return 0;
   }
+  for (const Program* prog : {&train_prog, &fwd_prog})
+    for (const PlannedBuffer& b : prog->buffers) check_strides(g.node(b.node));
   if (!sched.autoscheduler.empty()) {
     const std::string lib = o.plugin_dir + "/libautoschedule_" + [&] {
       std::string s = sched.autoscheduler;

@@ -3,6 +3,7 @@
 
 #include <HalideRuntime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -11,6 +12,7 @@
 #include <mutex>
 #include <thread>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -387,11 +389,18 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     hb.type = halide_type_of(s.type);
     hb.dimensions = s.rank;
     hb.dim = &dims[static_cast<size_t>(b * kMaxRank)];
-    int32_t stride = 1;
+    // Strides are 32-bit in halide_dimension_t (the generator refused any
+    // that overflow); a dimension of one element is never stepped, so its
+    // stride may be clamped.
+    int64_t stride = 1;
     for (int d = 0; d < s.rank; ++d) {  // innermost first
       const int64_t extent = s.shape[s.rank - 1 - d];
-      hb.dim[d] = halide_dimension_t(0, static_cast<int32_t>(extent), stride);
-      stride *= static_cast<int32_t>(extent);
+      if (extent > 1 && (stride > INT32_MAX || extent > INT32_MAX))
+        throw Error("error: buffer \"" + std::string(s.name) + "\" has a dimension of " + std::to_string(extent) +
+                    " elements, " + std::to_string(stride) + " apart: beyond a Halide buffer's 32-bit strides.\n"
+                    "fix: rebuild the library with halyard_aot, which refuses such a tensor and says how to split it.");
+      hb.dim[d] = halide_dimension_t(0, static_cast<int32_t>(extent), static_cast<int32_t>(std::min<int64_t>(stride, INT32_MAX)));
+      stride *= extent;
     }
     if (s.storage == Storage::View) {  // a tile: the rows of an earlier buffer, with its strides
       const halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];

@@ -199,17 +199,20 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.library = true;
     }
     if (library && node.op == Op::Attention && !is_ring_block(node)) st.library = true;
-    // The library reads its operands from buffers: a weight gradient whose
-    // operand is computed inline would need a whole copy of it (Halide's
-    // kernel stages it per panel), so that one stays Halide's.
-    if (s.library_weight_grad() && weight_grad_form(g, node) && p.materialized[static_cast<size_t>(node.inputs[0])] &&
-        p.materialized[static_cast<size_t>(node.inputs[1])])
-      st.library = true;
+    // The library reads its operands from buffers: one computed inline is
+    // computed once, whole, into a copy (the plan counts it as scratch).
+    if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;
     if (st.library) st.signature += "+library";
     if (auto it = lse_of.find(id); it != lse_of.end()) {
       st.extra_outputs.push_back(it->second);
       st.signature += "+lse:" + g.node(it->second).type.str();
     }
+    // (A library call writes the root and the extra outputs into one buffer.)
+    int64_t written = value_bytes(node.type);
+    for (int v : st.extra_outputs) written += value_bytes(g.node(v).type);
+    st.large_buffers = written > kMax32Bit;
+    for (const std::vector<int>* vs : {&st.inputs, &st.inlined})
+      for (int v : *vs) st.large_buffers = st.large_buffers || value_bytes(g.node(v).type) > kMax32Bit;
     std::sort(st.inlined.begin(), st.inlined.end());
     p.stages.push_back(std::move(st));
   }

@@ -14,6 +14,7 @@
 // feeds a collective is materialized.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,11 @@
 #include "schedules/schedule.h"
 
 namespace halyard {
+
+// Halide's 32-bit limits: the most bytes a buffer may hold without 64-bit
+// addressing (large_buffers), and the largest stride or extent of any
+// dimension (halide_dimension_t), with or without it.
+constexpr int64_t kMax32Bit = (int64_t{1} << 31) - 1;
 
 struct Stage {
   int root = -1;               // the node this stage materializes
@@ -34,6 +40,10 @@ struct Stage {
   // writes dK, then dV and dQ as extra outputs) or a weight gradient
   // (runtime/gemm_cpu.h, the schedule's weight_grad_kernel).
   bool library = false;
+  // A value the kernel reads or computes, or all it writes together, holds
+  // 2^31 bytes or more: it is compiled with 64-bit addressing (Halide's
+  // large_buffers).
+  bool large_buffers = false;
 };
 
 // A contraction the weight-gradient library computes: out[rows..., cols...]

@@ -107,9 +107,10 @@ struct Schedule {
   std::string attention_kernel = "library";
   bool library_attention() const { return attention_kernel == "library" && autoscheduler.empty(); }
   // Weight-gradient contractions (a sum over the tokens, schedules/partition.h:
-  // weight_grad_form) whose operands are stored: "library" (runtime/gemm_cpu.h,
-  // a packed GEMM) or "halide" (generated). An operand computed inline, GPU
-  // targets and the autoscheduler get Halide's.
+  // weight_grad_form): "library" (runtime/gemm_cpu.h, a packed GEMM; an
+  // operand computed inline is computed once into a whole copy, which the
+  // plan counts) or "halide" (generated). GPU targets and the autoscheduler
+  // get Halide's.
   std::string weight_grad_kernel = "library";
   bool library_weight_grad() const { return weight_grad_kernel == "library" && autoscheduler.empty(); }
 

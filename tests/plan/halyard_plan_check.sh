@@ -55,5 +55,10 @@ expect_error 'give one of --model NAME and --config FILE' "$plan"
 expect_error 'the least memory any plan needs is' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" \
   --seq 65536 --schedule autosp --ranks 2 --memory-per-rank 268435456 --cluster local-cpu --plan-only
 grep -q "ranks would fit" "$dir/err.txt" || fail "the infeasible build does not name the ranks that would fit"
+# Two rows of 3M tokens: [batch, seq, ffn] steps its batch axis 2.3G
+# elements, past a Halide buffer's 32-bit strides; refused before compiling.
+expect_error "a Halide buffer's strides and extents hold at most" "$aot" --name big \
+  --config "$src/examples/llama/configs/tiny.json" --batch 2 --seq 3000000 --out "$dir"
+grep -q 'fix: train one row per rank' "$dir/err.txt" || fail "the stride error names no fix"
 "$plan" --help | grep -q "usage: halyard-plan" || fail "--help"
 echo "halyard-plan: ok"

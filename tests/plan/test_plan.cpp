@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
@@ -185,6 +187,32 @@ TEST(Plan, FlopsPerStageEqualTheFormulasForALlamaBlock) {
   EXPECT_DOUBLE_EQ(fwd_attention, pairs * (4 * D + 5));
   std::printf("  layer 0: %.0f forward projection FLOPs, %.0f backward, %.0f forward attention\n", fwd_contract,
               bwd_contract, fwd_attention);
+}
+
+// A kernel over a value of 2^31 bytes or more is compiled with 64-bit
+// addressing (the generator then gives the library Halide's large_buffers):
+// the tiny Llama at 2^20 tokens holds [seq, ffn] values of 3 GiB, while
+// its k projection reads 1 GiB and writes 256 MiB.
+TEST(Plan, StagesOverValuesOf2GiBAndMoreNeed64BitAddressing) {
+  const Plan big = plan(llama::llama_builder(), {kTiny, 1, int64_t{1} << 20}, Schedule::named("default"),
+                        Cluster::named("local-cpu"));
+  const Graph& g = *big.model.graph;
+  std::map<std::string, bool> forward_large;
+  int large = 0;
+  for (const Stage& st : big.train.stages) {
+    int64_t most = value_bytes(g.node(st.root).type);
+    for (int v : st.extra_outputs) most += value_bytes(g.node(v).type);  // written together
+    for (const std::vector<int>* vs : {&st.inputs, &st.inlined})
+      for (int v : *vs) most = std::max(most, value_bytes(g.node(v).type));
+    EXPECT_EQ(st.large_buffers, most > kMax32Bit) << g.node(st.root).name;
+    large += st.large_buffers;
+    forward_large.emplace(g.node(st.root).name, st.large_buffers);  // the first stage of a name is the forward's
+  }
+  EXPECT_TRUE(forward_large.at("model.layers.0.mlp.gate_proj"));
+  EXPECT_FALSE(forward_large.at("model.layers.0.self_attn.k_proj"));
+  EXPECT_GT(large, 0);
+  const Plan small = plan(llama::llama_builder(), {kTiny, 1, 4096}, Schedule::named("default"), Cluster::named("local-cpu"));
+  for (const Stage& st : small.train.stages) EXPECT_FALSE(st.large_buffers);
 }
 
 // Ulysses: (2h + 2h_kv) N / P bytes per layer forward, (P-1)/P of it leaving the rank; the backward the same again.

@@ -4,8 +4,8 @@
 // committed in tests/fixtures/presets_golden.txt (written by this program
 // with --write from the libraries as they were before the rewrite, and
 // rewritten when a kernel's arithmetic changes on purpose: last, when
-// attention moved to the library kernels of runtime/attention_cpu.h, whose
-// sums run in one order on every ISA): the losses as exact hex
+// weight gradients with an operand computed inline moved to the library
+// GEMM of runtime/gemm_cpu.h, which sums in its own blocks): the losses as exact hex
 // floats, each gradient as a 64-bit FNV-1a hash of its bits.
 //
 //   test_presets_golden                 compare (ctest, label "plan")
