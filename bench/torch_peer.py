@@ -2,12 +2,19 @@
 
   torch_peer.py step --config CONFIG.json --seq N --batch B --threads T --steps K
                      [--weights W.safetensors] [--tokens FILE] [--attention auto|sdpa|explicit]
+                     [--device cpu|cuda] [--dtype f32|bf16]
       Llama-3 decoder (HF LlamaForCausalLM math restated in plain torch, f32),
       1 warm-up then K timed forward+backward steps (no optimizer), grads
       cleared between steps. Fields: peer, torch, blas, threads, seq, batch,
       attention, loss (of the first step), step_s_median, step_s_all,
       tokens_per_s (B*N/median), peak_rss_mib.
+      --device cuda runs on GPU 0 (timings synchronized) and adds device,
+      peak_device_mib (torch.cuda.max_memory_allocated over the whole run,
+      weights included) and peak_reserved_mib (its caching allocator's);
+      --dtype bf16 keeps weights and activations in bf16, with the norms'
+      statistics and the loss computed in f32, as HF's Llama does.
   torch_peer.py attention --seq N --heads H --kv-heads KV --head-dim D --threads T --reps K
+                          [--device cpu|cuda] [--dtype f32|bf16]
       causal GQA attention forward+backward alone, median of K after 1 warm-up.
   torch_peer.py matmul --m M --n N --k K --threads T --reps R
       f32 x[M,K] @ W[N,K].T, median of R after 1 warm-up, and GFLOP/s.
@@ -106,6 +113,22 @@ def timed(fn, reps):
         fn()
         ts.append(time.perf_counter() - t0)
     return first, ts
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_fields(device):
+    if device != "cuda":
+        return {}
+    return {"device": torch.cuda.get_device_name(0),
+            "peak_device_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+            "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
+
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def emit(obj):
@@ -242,7 +265,9 @@ def load_tokens(path, batch, seq, vocab):
 
 
 def rms_norm(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    # The statistics in f32 (a no-op for f32 activations), as HF's LlamaRMSNorm.
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
 def rotate_half(x):
@@ -268,7 +293,7 @@ def causal_attention(q, k, v, kind):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # default scale 1/sqrt(D)
     S = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, S, S]
-    mask = torch.ones(S, S, dtype=torch.bool).triu(1)
+    mask = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -294,7 +319,7 @@ def forward_loss(d, p, input_ids, labels, cos, sin, attention):
     head = p["model.embed_tokens.weight"] if d.tied else p["lm_head.weight"]
     logits = F.linear(x, head)  # [B, S, vocab]
     # Labels arrive already shifted to the next token, so no shift here.
-    return F.cross_entropy(logits.reshape(-1, d.vocab), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.reshape(-1, d.vocab).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def cmd_step(a):
@@ -302,26 +327,27 @@ def cmd_step(a):
         d = Dims(json.load(f), a.config)
     attention = pick_attention(a.attention)
     print("torch_peer: attention=%s" % attention, file=sys.stderr)
+    dev, dt = a.device, DTYPES[a.dtype]
     p = load_weights(d, a.weights) if a.weights else init_weights(d)
-    for t in p.values():
-        t.requires_grad_(True)
-    input_ids, labels = load_tokens(a.tokens, a.batch, a.seq, d.vocab)
-    cos, sin = rope_cos_sin(a.seq, d.head_dim, d.theta)
+    p = {k: t.to(device=dev, dtype=dt).requires_grad_(True) for k, t in p.items()}
+    input_ids, labels = (t.to(dev) for t in load_tokens(a.tokens, a.batch, a.seq, d.vocab))
+    cos, sin = (t.to(device=dev, dtype=dt) for t in rope_cos_sin(a.seq, d.head_dim, d.theta))
 
     def step():
         for t in p.values():
             t.grad = None  # frees last step's grads, like zero_grad(set_to_none=True)
         loss = forward_loss(d, p, input_ids, labels, cos, sin, attention)
         loss.backward()
+        sync(dev)
         return loss.item()
 
     loss, ts = timed(step, a.steps)
     med = median(ts)
     emit({"peer": "pytorch-eager", "torch": torch.__version__, "blas": blas_name(), "threads": a.threads,
-          "seq": a.seq, "batch": a.batch, "attention": attention, "loss": round(loss, 6),
+          "seq": a.seq, "batch": a.batch, "attention": attention, "dtype": a.dtype, "loss": round(loss, 6),
           "step_s_median": round(med, 4), "step_s_all": [round(t, 4) for t in ts],
           "tokens_per_s": round(a.batch * a.seq / med, 1), "peak_rss_mib": round(peak_rss_mib(), 1),
-          "import_rss_mib": IMPORT_RSS_MIB})
+          "import_rss_mib": IMPORT_RSS_MIB, **device_fields(dev)})
 
 
 def cmd_attention(a):
@@ -330,22 +356,28 @@ def cmd_attention(a):
     attention = pick_attention(a.attention)
     print("torch_peer: attention=%s" % attention, file=sys.stderr)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(a.batch, a.heads, a.seq, a.head_dim, generator=g).requires_grad_(True)
-    k = torch.randn(a.batch, a.kv_heads, a.seq, a.head_dim, generator=g).requires_grad_(True)
-    v = torch.randn(a.batch, a.kv_heads, a.seq, a.head_dim, generator=g).requires_grad_(True)
-    dout = torch.randn(a.batch, a.heads, a.seq, a.head_dim, generator=g)
+    dev, dt = a.device, DTYPES[a.dtype]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=dev, dtype=dt)
+
+    q = randn(a.batch, a.heads, a.seq, a.head_dim).requires_grad_(True)
+    k = randn(a.batch, a.kv_heads, a.seq, a.head_dim).requires_grad_(True)
+    v = randn(a.batch, a.kv_heads, a.seq, a.head_dim).requires_grad_(True)
+    dout = randn(a.batch, a.heads, a.seq, a.head_dim)
 
     def run():
         for t in (q, k, v):
             t.grad = None
         causal_attention(q, k, v, attention).backward(dout)
+        sync(dev)
 
     _, ts = timed(run, a.reps)
     emit({"peer": "pytorch-eager", "bench": "attention", "torch": torch.__version__, "blas": blas_name(),
           "threads": a.threads, "seq": a.seq, "batch": a.batch, "heads": a.heads, "kv_heads": a.kv_heads,
-          "head_dim": a.head_dim, "attention": attention, "s_median": round(median(ts), 4),
+          "head_dim": a.head_dim, "attention": attention, "dtype": a.dtype, "s_median": round(median(ts), 4),
           "s_all": [round(t, 4) for t in ts], "peak_rss_mib": round(peak_rss_mib(), 1),
-          "import_rss_mib": IMPORT_RSS_MIB})
+          "import_rss_mib": IMPORT_RSS_MIB, **device_fields(dev)})
 
 
 def cmd_matmul(a):
@@ -375,6 +407,8 @@ def main():
     s.add_argument("--weights")
     s.add_argument("--tokens", default=DEFAULT_TOKENS)
     s.add_argument("--attention", choices=["auto", "sdpa", "explicit"], default="auto", help=attn_help)
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="f32")
 
     t = sub.add_parser("attention", help="causal attention forward+backward time")
     t.add_argument("--seq", type=int, required=True)
@@ -385,6 +419,8 @@ def main():
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--reps", type=int, default=5)
     t.add_argument("--attention", choices=["auto", "sdpa", "explicit"], default="auto", help=attn_help)
+    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    t.add_argument("--dtype", choices=sorted(DTYPES), default="f32")
 
     m = sub.add_parser("matmul", help="x[M,K] @ W[N,K].T time and GFLOP/s")
     m.add_argument("--m", type=int, required=True)
@@ -398,6 +434,8 @@ def main():
         v = getattr(a, name, None)
         if v is not None and v < 1:
             sys.exit("error: --%s is %d; it must be >= 1" % (name.replace("_", "-"), v))
+    if getattr(a, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda, but torch %s sees no CUDA device" % torch.__version__)
     global IMPORT_RSS_MIB
     IMPORT_RSS_MIB = round(peak_rss_mib(), 1)
     torch.set_num_threads(a.threads)

@@ -6,6 +6,7 @@
 #include "dsl/error.h"
 #include "dsl/ops.h"
 #include "dsl/op_table.h"
+#include "generators/bf16.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
 #include "runtime/gemm_cpu.h"
@@ -18,11 +19,13 @@ Type halide_type(DType t) {
   switch (t) {
     case DType::f32: return Float(32);
     case DType::f64: return Float(64);
-    case DType::bf16: return BFloat(16);
+    case DType::bf16: return Float(32);
     case DType::i32: return Int(32);
   }
   return Float(32);
 }
+
+Type halide_storage_type(DType t) { return t == DType::bf16 ? UInt(16) : halide_type(t); }
 
 std::map<int, std::function<Expr(const std::vector<Expr>&)>>& pointwise_lowerings() {
   static std::map<int, std::function<Expr(const std::vector<Expr>&)>> m;
@@ -109,7 +112,7 @@ Func Ctx::get(int id) {
     ImageParam ip = ls.inputs[k];
     f = Func("in" + std::to_string(k) + "_f");
     auto names = type(id).axis_names();
-    f(vars(names)) = ip(vars(names));
+    f(vars(names)) = type(id).dtype == DType::bf16 ? bf16_decode(ip(vars(names))) : ip(vars(names));
   } else {
     f = lower(id);
   }
@@ -740,7 +743,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
-    ls.inputs.emplace_back(halide_type(t.dtype), t.rank(), "in" + std::to_string(k));
+    ls.inputs.emplace_back(halide_storage_type(t.dtype), t.rank(), "in" + std::to_string(k));
     ls.args.push_back(ls.inputs.back());
   }
   Ctx c{g, st, ls, for_autoscheduler, tiles, {}, {}};

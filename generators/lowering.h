@@ -86,7 +86,10 @@ void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Halid
 // Sets input and output estimates from the graph's types (autoscheduler, bounds).
 void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st);
 
+// The Halide type a value of `t` is computed in, and the one its buffers hold:
+// the same but for bf16, computed in f32 and stored as UInt(16) (bf16.h).
 Halide::Type halide_type(DType t);
+Halide::Type halide_storage_type(DType t);
 
 // The lowering of an elementwise op added through the op table
 // (dsl/op_table.h: register_op): its output element from its operands'

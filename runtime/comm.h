@@ -209,7 +209,7 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int n, double t
 // color = world_rank / sp. Its ranks (also in error messages) are group ranks.
 std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultCommTimeoutS, int color = -1);
 
-// This process's rank of MPI_COMM_WORLD over NCCL, for GPUs (runtime/comm_nccl.cpp;
+// This process's rank of MPI_COMM_WORLD over NCCL, for GPUs (runtime/comm_nccl_mpi.cpp;
 // link halyard_comm_nccl, built only where CMake finds CUDA and NCCL). backend()
 // is "NCCL". Differences from the contract above:
 // - Buffers are DEVICE memory on this rank's GPU (cudaMalloc or managed); a host
@@ -232,5 +232,11 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultC
 // Every rank must call it, in the same order as its other communicators. With no
 // CUDA device it throws "error: NCCL communicator on rank r: no CUDA device ...".
 std::unique_ptr<Communicator> make_nccl_communicator(double timeout_s = kDefaultCommTimeoutS);
+
+// A group of one over NCCL, without MPI: rank 0 of 1 on this thread's current
+// CUDA device. The collectives still launch NCCL's kernels, so a GPU node
+// without MPI (scripts/gpu_check.sh) checks NCCL, its libraries and the
+// device-buffer contract. Same errors as above with no CUDA device.
+std::unique_ptr<Communicator> make_nccl_single_rank(double timeout_s = kDefaultCommTimeoutS);
 
 }  // namespace halyard::runtime

@@ -1,13 +1,8 @@
-// The NCCL communicator: one rank of MPI_COMM_WORLD, one GPU, device buffers
-// (see make_nccl_communicator in comm.h for what differs from the MPI backend).
-//
-// Startup, over MPI_COMM_WORLD, every step polled against the timeout:
-//   1. each rank counts its CUDA devices; the ranks all-gather whether they
-//      have one, so a CPU-only rank fails everywhere at once, with its name,
-//      instead of leaving its peers to time out;
-//   2. the node-local rank picks the device (modulo the device count);
-//   3. rank 0 makes the ncclUniqueId and broadcasts it;
-//   4. ncclCommInitRankConfig with blocking = 0.
+// The NCCL communicator: one rank, one GPU, device buffers (see
+// make_nccl_communicator in comm.h for what differs from the MPI backend).
+// This file needs no MPI: the bootstrap over MPI_COMM_WORLD lives in
+// comm_nccl_mpi.cpp, and make_nccl_single_rank() here makes a group of one
+// for GPU nodes that have no MPI (scripts/gpu_check.sh).
 //
 // The NCCL communicator is non-blocking, so no NCCL call can wait on a peer:
 // a call that would returns ncclInProgress, and ncclCommGetAsyncError is polled
@@ -16,7 +11,6 @@
 // communicator is aborted (ncclCommAbort ends kernels stuck on a dead peer) and
 // every later call throws, quoting the first failure.
 #include <cuda_runtime.h>
-#include <mpi.h>
 #include <nccl.h>
 
 #include <atomic>
@@ -25,39 +19,20 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "runtime/comm.h"
+#include "runtime/comm_nccl_open.h"
 #include "runtime/error.h"
-#include "runtime/mpi_process.h"
 
 namespace halyard::runtime {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-// Calls done() until it returns true or the deadline passes. Spins (yielding)
-// for the first millisecond, where most collectives end, then sleeps 50 us so
-// that a long wait does not take a core from the rank's own threads.
-template <typename Done>
-bool poll_until(Clock::time_point deadline, Done&& done) {
-  const auto start = Clock::now();
-  for (;;) {
-    if (done()) return true;
-    const auto now = Clock::now();
-    if (now >= deadline) return false;
-    if (now - start < std::chrono::milliseconds(1))
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
+using nccl_detail::deadline_after;
+using nccl_detail::poll_until;
 
 ncclDataType_t nccl_type(CommType t) {
   switch (t) {
@@ -67,18 +42,6 @@ ncclDataType_t nccl_type(CommType t) {
     case CommType::I64: return ncclInt64;
   }
   return ncclFloat32;
-}
-
-std::string seconds_text(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", s);
-  return buf;
-}
-
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
 }
 
 // Switches this thread to `device` and back: the caller's current device is
@@ -103,8 +66,13 @@ class DeviceScope {
 
 class NcclCommunicator final : public Communicator {
  public:
-  // Only checks the timeout (the base class words that error); open() does the rest.
-  NcclCommunicator(int rank, int size, double timeout_s) : Communicator(rank, size, timeout_s) {}
+  // Only checks the timeout (the base class words that error); open() does the
+  // rest. `on_failure` runs before any error is thrown (the MPI bootstrap
+  // marks the process so that it does not finalize MPI with a dead peer).
+  NcclCommunicator(int rank, int size, double timeout_s, std::function<void()> on_failure)
+      : Communicator(rank, size, timeout_s), on_failure_(std::move(on_failure)) {
+    if (!on_failure_) on_failure_ = [] {};
+  }
 
   ~NcclCommunicator() override {
     if (device_ < 0) return;
@@ -140,7 +108,7 @@ class NcclCommunicator final : public Communicator {
                             std::to_string(size());
     auto cuda = [&](cudaError_t rc, const char* call) {
       if (rc == cudaSuccess) return;
-      mark_mpi_failed();
+      on_failure_();
       throw Error("error: " + who + ": " + call + " on CUDA device " + std::to_string(device_) +
                   " failed: " + cudaGetErrorString(rc));
     };
@@ -168,7 +136,7 @@ class NcclCommunicator final : public Communicator {
       if (!finished) {
         ncclCommAbort(comm_);
         comm_ = nullptr;
-        mark_mpi_failed();
+        on_failure_();
         throw Error("error: " + who + " timed out after " + seconds_string(timeout_s()) +
                     " s waiting for a peer (dead or stuck?) in ncclCommInitRankConfig\n"
                     "every rank must make its communicators in the same order; NCCL_DEBUG=INFO shows how far "
@@ -179,7 +147,7 @@ class NcclCommunicator final : public Communicator {
       const std::string detail = comm_ != nullptr ? last_error() : "";
       if (comm_ != nullptr) ncclCommAbort(comm_);
       comm_ = nullptr;
-      mark_mpi_failed();
+      on_failure_();
       throw Error("error: " + who + ": ncclCommInitRankConfig on CUDA device " + std::to_string(device_) +
                   " failed: " + ncclGetErrorString(state) + detail +
                   (state == ncclInvalidUsage ? "\nNCCL needs one GPU per rank; fix: run at most as many ranks per "
@@ -337,7 +305,7 @@ class NcclCommunicator final : public Communicator {
 
   [[noreturn]] void fail(const std::string& message, const std::string& summary) {
     failure_ = summary;
-    mark_mpi_failed();
+    on_failure_();
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
     throw Error(message);
@@ -431,126 +399,41 @@ class NcclCommunicator final : public Communicator {
   size_t scratch_bytes_ = 0;
   ncclResult_t last_result_ = ncclSuccess;  // of the latest NCCL call
   std::string failure_;                     // the first failure, one line; empty while healthy
+  std::function<void()> on_failure_;
 };
-
-// Polls an MPI request of the bootstrap; throws on error or at the deadline.
-void wait_mpi(MPI_Request* request, double timeout_s, const std::string& who, const char* call,
-              const char* what) {
-  int rc = MPI_SUCCESS;
-  const bool done = poll_until(deadline_after(timeout_s), [&] {
-    int flag = 0;
-    rc = MPI_Test(request, &flag, MPI_STATUS_IGNORE);
-    return rc != MPI_SUCCESS || flag != 0;
-  });
-  if (done && rc == MPI_SUCCESS) return;
-  mark_mpi_failed();
-  if (!done)
-    throw Error("error: " + who + " timed out after " + seconds_text(timeout_s) +
-                " s waiting for a peer (dead or stuck?) " + what +
-                "\nevery rank must make its communicators in the same order.");
-  throw Error("error: " + who + ": " + call + " failed: " + mpi_error_string(rc));
-}
-
-// The rank among the processes of this node: mpirun's variable when it set
-// one, else MPI's shared-memory split (blocking, but by now every rank is known
-// to be inside the factory, since all of them answered the all-gather).
-int local_rank(int rank, const std::string& who) {
-  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) {
-    char* end = nullptr;
-    long value = std::strtol(env, &end, 10);
-    if (end != env && *end == 0 && value >= 0) return static_cast<int>(value);
-  }
-  MPI_Comm node = MPI_COMM_NULL;
-  int rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-  if (rc != MPI_SUCCESS) throw Error("error: " + who + ": MPI_Comm_split_type failed: " + mpi_error_string(rc));
-  int local = 0;
-  MPI_Comm_rank(node, &local);
-  MPI_Comm_free(&node);
-  return local;
-}
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_nccl_communicator(double timeout_s) {
-  ensure_mpi("make_nccl_communicator");
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  auto comm = std::make_unique<NcclCommunicator>(rank, size, timeout_s);
-  const std::string who = "make_nccl_communicator on rank " + std::to_string(rank) + " of " + std::to_string(size);
+std::unique_ptr<Communicator> unopened_nccl_communicator(int rank, int size, double timeout_s,
+                                                         std::function<void()> on_failure) {
+  return std::make_unique<NcclCommunicator>(rank, size, timeout_s, std::move(on_failure));
+}
 
-  // The buffers MPI writes into. A request that times out cannot be
-  // cancelled (MPI has no way to cancel a collective) and may still write
-  // them later, so they are leaked then rather than freed.
-  struct Bootstrap {
-    int has_device = 0;
-    std::vector<int> everyone;
-    struct {
-      int result;
-      ncclUniqueId id;
-    } id{};
-  };
-  auto boot = std::make_unique<Bootstrap>();
-  auto wait = [&](MPI_Request* request, const char* call, const char* what) {
-    try {
-      wait_mpi(request, timeout_s, who, call, what);
-    } catch (const Error&) {
-      (void)boot.release();
-      throw;
-    }
-  };
+void open_nccl(Communicator& comm, int device, const ncclUniqueId& id) {
+  static_cast<NcclCommunicator&>(comm).open(device, id);
+}
 
-  // 1. Who has a GPU.
+std::unique_ptr<Communicator> make_nccl_single_rank(double timeout_s) {
+  const std::string who = "make_nccl_single_rank";
+  auto comm = unopened_nccl_communicator(0, 1, timeout_s, nullptr);  // checks the timeout first
   int devices = 0;
   const cudaError_t count_rc = cudaGetDeviceCount(&devices);
-  if (count_rc != cudaSuccess) {
+  if (count_rc != cudaSuccess) cudaGetLastError();
+  if (count_rc != cudaSuccess || devices == 0)
+    throw Error(std::string("error: NCCL communicator on rank 0: no CUDA device (cudaGetDeviceCount: ") +
+                (count_rc != cudaSuccess ? cudaGetErrorString(count_rc) : "0 devices") +
+                "); fix: run on GPU nodes or use make_mpi_communicator()");
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
-    devices = 0;
+    device = 0;
   }
-  const bool has_device = devices > 0;
-  const std::string no_device =
-      "error: NCCL communicator on rank " + std::to_string(rank) + ": no CUDA device (cudaGetDeviceCount: " +
-      (count_rc != cudaSuccess ? std::string(cudaGetErrorString(count_rc)) : "0 devices") +
-      "); fix: run on GPU nodes or use make_mpi_communicator()";
-  boot->has_device = has_device ? 1 : 0;
-  boot->everyone.assign(static_cast<size_t>(size), 0);
-  MPI_Request request;
-  int rc = MPI_Iallgather(&boot->has_device, 1, MPI_INT, boot->everyone.data(), 1, MPI_INT, MPI_COMM_WORLD, &request);
-  if (rc != MPI_SUCCESS) throw Error("error: " + who + ": MPI_Iallgather failed: " + mpi_error_string(rc));
-  try {
-    wait(&request, "MPI_Iallgather", "while the ranks counted their CUDA devices");
-  } catch (const Error&) {
-    if (!has_device) throw Error(no_device);  // the root cause, whatever the peers did
-    throw;
-  }
-  if (!has_device) throw Error(no_device);
-  std::vector<int> without;
-  for (int p = 0; p < size; ++p)
-    if (!boot->everyone[static_cast<size_t>(p)]) without.push_back(p);
-  if (!without.empty())
-    throw Error("error: NCCL communicator on rank " + std::to_string(rank) + ": " + ranks_text(without) +
-                (without.size() == 1 ? " has" : " have") +
-                " no CUDA device; fix: run on GPU nodes or use make_mpi_communicator()");
-
-  // 2. Which GPU.
-  const int device = local_rank(rank, who) % devices;
-  const cudaError_t set_rc = cudaSetDevice(device);
-  if (set_rc != cudaSuccess)
-    throw Error("error: " + who + ": cudaSetDevice(" + std::to_string(device) +
-                ") failed: " + cudaGetErrorString(set_rc));
-
-  // 3. The id, with rank 0's result so that its failure is everyone's error.
-  if (rank == 0) boot->id.result = static_cast<int>(ncclGetUniqueId(&boot->id.id));
-  rc = MPI_Ibcast(&boot->id, static_cast<int>(sizeof boot->id), MPI_BYTE, 0, MPI_COMM_WORLD, &request);
-  if (rc != MPI_SUCCESS) throw Error("error: " + who + ": MPI_Ibcast failed: " + mpi_error_string(rc));
-  wait(&request, "MPI_Ibcast", "while rank 0 broadcast the NCCL unique id");
-  if (boot->id.result != ncclSuccess)
-    throw Error("error: " + who + ": ncclGetUniqueId on rank 0 failed: " +
-                ncclGetErrorString(static_cast<ncclResult_t>(boot->id.result)) +
-                "\nrank 0 could not open a bootstrap socket; NCCL_DEBUG=INFO and NCCL_SOCKET_IFNAME help find why.");
-
-  // 4. The communicator.
-  comm->open(device, boot->id.id);
+  ncclUniqueId id{};
+  const ncclResult_t rc = ncclGetUniqueId(&id);
+  if (rc != ncclSuccess)
+    throw Error("error: " + who + ": ncclGetUniqueId failed: " + ncclGetErrorString(rc) +
+                "\nNCCL could not open a bootstrap socket; NCCL_DEBUG=INFO and NCCL_SOCKET_IFNAME (e.g. lo) help.");
+  open_nccl(*comm, device, id);
   return comm;
 }
 

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "runtime/collectives.h"
+#include "runtime/cuda_context.h"
 #include "runtime/data.h"
 #include "runtime/error.h"
 
@@ -141,6 +142,9 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
                 (comm ? std::string(" (") + comm->backend() + ")" : std::string(" (no communicator)")) +
                 ".\nfix: launch " + std::to_string(spec.sp) + " ranks (mpirun -np " + std::to_string(spec.sp) +
                 "), or build the model for this many with halyard_add_model(... SP " + std::to_string(ranks) + ").");
+  // Halide's kernels run in the device's primary context, on the runtime's
+  // stream, where cuBLAS, cuDNN and NCCL can reach their buffers.
+  if (spec.target && std::string_view(spec.target).find("cuda") != std::string_view::npos) use_runtime_cuda_context();
   if (!mesh_) mesh_ = comm;
   if (mesh_ && mesh_->size() % spec.sp != 0)
     throw Error("error: model \"" + std::string(spec.name) + "\" splits the sequence over sp=" + std::to_string(spec.sp) +
@@ -271,6 +275,14 @@ double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int3
   return run(spec_.forward, inputs);
 }
 
+void Model::to_host(halide_buffer_t& hb) {
+  if (!hb.device || !(hb.flags & halide_buffer_flag_device_dirty)) return;
+  if (int err = halide_copy_to_host(nullptr, &hb))
+    throw Error("error: model \"" + std::string(spec_.name) + "\": copying a device buffer home failed with Halide error " +
+                std::to_string(err) + "; Halide printed the reason above.");
+  ++times_.device_to_host_copies;
+}
+
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
   if (call.kind == CallKind::ConcatSeq) {
     concat(call, p, bufs);
@@ -279,7 +291,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[call.args[1]];
   // Kernels of a GPU target leave results on the device; collectives move host memory.
-  if (in.device && (in.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &in);
+  to_host(in);
   // The call's mesh axis names its communicator: the sequence group, every
   // rank, or a hybrid step's Ulysses or ring groups.
   const std::string axis = call.mesh_axis ? call.mesh_axis : "";
@@ -362,7 +374,7 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
   int64_t at = 0;
   for (int t = 0; t < tiles; ++t) {
     halide_buffer_t& in = bufs[call.args[t]];
-    if (in.device && (in.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &in);
+    to_host(in);
     const int64_t len = p.buffers[call.args[t]].shape[d];
     for (int64_t r = 0; r < outer; ++r)
       std::memcpy(out.host + (r * o.shape[d] + at) * inner, in.host + r * len * inner, static_cast<size_t>(len * inner));
@@ -536,7 +548,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       const BufferSpec& s = p.buffers[call.args[a]];
       if (s.storage == Storage::View) {  // a GPU kernel sees a view's rows through a fresh copy of them
         halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];
-        if (of.device && (of.flags & halide_buffer_flag_device_dirty)) halide_copy_to_host(nullptr, &of);
+        to_host(of);
         if (hb.device) hb.flags |= halide_buffer_flag_host_dirty;
       }
       argv.push_back(&hb);
@@ -565,8 +577,9 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // GPU kernels leave results on the device: bring outputs home, free the rest.
   for (halide_buffer_t& hb : bufs) {
     if (!hb.device) continue;
-    if (hb.flags & halide_buffer_flag_device_dirty) halide_copy_to_host(nullptr, &hb);
+    to_host(hb);
     halide_device_free(nullptr, &hb);
+    ++times_.device_buffers_freed;
   }
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();

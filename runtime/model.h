@@ -97,6 +97,10 @@ class Model {
   struct StepTimes {
     double total_s = 0, attention_s = 0, other_kernels_s = 0;
     CommTime ring, all_to_all, grads, other;
+    // A GPU library's traffic the executor causes (0 on CPU): buffers it
+    // copied from the device to the host (for collectives, tiles, and every
+    // result at the end of the step), and device buffers it freed at the end.
+    int64_t device_to_host_copies = 0, device_buffers_freed = 0;
   };
   const StepTimes& last_step_times() const { return times_; }
   // Bytes this rank sent to other ranks of its sequence group (sp, and in a
@@ -122,6 +126,7 @@ class Model {
  private:
   double run(const ProgramSpec& p, const int32_t* const inputs[4]);
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
+  void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void ring_shift(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
   class CommThread;

@@ -24,6 +24,7 @@
 
 #include "runtime/comm.h"
 #include "runtime/error.h"
+#include "tests/device_buffer.h"
 #include "tests/mpi_gtest.h"
 #include "tests/uneven_exchange.h"
 
@@ -41,36 +42,7 @@ int g_rank = 0;
 #define HALYARD_NEED_GPU() \
   if (g_comm == nullptr) GTEST_SKIP() << g_skip
 
-void cuda_ok(cudaError_t rc, const char* call) {
-  if (rc != cudaSuccess) throw std::runtime_error(std::string(call) + " failed: " + cudaGetErrorString(rc));
-}
-
-// n elements of device memory, filled from and read back to the host.
-template <typename T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t n) : n_(n) {
-    cuda_ok(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
-  }
-  explicit DeviceBuffer(const std::vector<T>& values) : DeviceBuffer(values.size()) {
-    cuda_ok(cudaMemcpy(p_, values.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
-  }
-  ~DeviceBuffer() { cudaFree(p_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  T* get() { return static_cast<T*>(p_); }
-  std::vector<T> host() const {
-    std::vector<T> out(n_);
-    cuda_ok(cudaMemcpy(out.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
-    return out;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t n_;
-};
-
+using halyard::testing::DeviceBuffer;
 using halyard::testing::element;
 
 TEST(CommNccl, NoDeviceThrowsAClearError) {

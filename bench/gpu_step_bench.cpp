@@ -1,0 +1,100 @@
+// Training-step throughput and device memory of the tiny Llama's CUDA
+// libraries, one sequence length per process:
+//
+//   gpu_step_bench --seq N [--steps K]
+//
+// prints one JSON line: median step time after one warm-up step (which pays
+// the driver's PTX compilation), tokens/s, the device memory the step held
+// at its peak (sampled, above what was in use before the model existed), and
+// the copies home the executor made in a step. Without a CUDA device it
+// prints {"skip": "<why>"} and exits 77; a step that fails (out of device
+// memory, say) prints {"error": "<what>"} and exits 1. scripts/gpu_check.sh
+// runs it beside bench/torch_peer.py on the same GPU.
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "runtime/cuda_probe.h"
+#include "runtime/error.h"
+#include "runtime/model.h"
+#include "gpu_tiny_s16384.h"
+#include "gpu_tiny_s32768.h"
+#include "gpu_tiny_s8192.h"
+
+using namespace halyard;
+
+namespace {
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::map<int64_t, const runtime::ModelSpec& (*)()> models = {
+      {8192, &halyard_models::gpu_tiny_s8192},
+      {16384, &halyard_models::gpu_tiny_s16384},
+      {32768, &halyard_models::gpu_tiny_s32768}};
+  int64_t seq = 0;
+  int steps = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--seq") seq = std::atoll(argv[i + 1]);
+    else if (k == "--steps") steps = std::atoi(argv[i + 1]);
+  }
+  if (!models.count(seq) || steps < 1) {
+    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1]; N is one of:");
+    for (const auto& [n, f] : models) std::fprintf(stderr, " %lld", static_cast<long long>(n));
+    std::fprintf(stderr, "\n");
+    return 2;
+  }
+  runtime::CudaProbe gpu;
+  if (!gpu.present()) {
+    std::printf("{\"skip\":\"%s\"}\n", json_escape(gpu.why_absent()).c_str());
+    return 77;
+  }
+  const int64_t baseline = gpu.memory_used_bytes();
+  try {
+    runtime::Model m(models.at(seq)());
+    m.init_params(0);
+    const int64_t n = m.tokens();
+    std::vector<int32_t> ids(static_cast<size_t>(n)), labels(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
+    for (int64_t t = 0; t < n; ++t) {
+      ids[static_cast<size_t>(t)] = static_cast<int32_t>((t * 37 + 11) % 256);
+      labels[static_cast<size_t>(t)] = static_cast<int32_t>((t * 53 + 7) % 256);
+      pos[static_cast<size_t>(t)] = static_cast<int32_t>(t % m.spec().seq);
+    }
+    double loss = 0;
+    gpu.start_sampling();
+    const double secs =
+        bench::median_seconds([&] { loss = m.train_step(ids.data(), labels.data(), pos.data()); }, steps);
+    const int64_t peak = gpu.stop_sampling();
+    const auto& t = m.last_step_times();
+    std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"f32\","
+                "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
+                "\"peak_device_mib\":%.1f,\"device_to_host_copies\":%lld,\"device_buffers_freed\":%lld}\n",
+                json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, static_cast<long long>(m.spec().seq),
+                static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
+                static_cast<double>(peak - baseline) / (1 << 20), static_cast<long long>(t.device_to_host_copies),
+                static_cast<long long>(t.device_buffers_freed));
+  } catch (const std::exception& e) {
+    gpu.stop_sampling();
+    std::printf("{\"peer\":\"halyard\",\"seq\":%lld,\"error\":\"%s\"}\n", static_cast<long long>(seq),
+                json_escape(e.what()).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,33 @@
+// The CUDA context and stream every Halide kernel of this process runs in.
+//
+// Halide's CUDA runtime makes a context of its own by default (cuCtxCreate),
+// and memory of one context is not usable from another: cuBLAS, cuDNN, NCCL
+// and the CUDA runtime API all work in the device's primary context. So a
+// Model of a CUDA target calls use_runtime_cuda_context(), which hands
+// Halide the primary context of this thread's device (the one whose context
+// is current when the first kernel runs, e.g. after make_nccl_communicator's
+// cudaSetDevice; device 0 when none is) and one compute stream made in it.
+// The stream is a blocking one: Halide's copies between host and device are
+// synchronous calls on the legacy default stream, which then wait for the
+// kernels queued before them.
+#pragma once
+
+#include <string>
+
+namespace halyard::runtime {
+
+// Installs the hooks in Halide's CUDA runtime (once; later calls do
+// nothing). Throws Error when this program has no Halide CUDA runtime
+// linked (no CUDA-target library), which is a build mistake.
+void use_runtime_cuda_context();
+
+struct RuntimeCudaContext {
+  void* context = nullptr;  // CUcontext: the device's primary context
+  void* stream = nullptr;   // CUstream: where Halide launches kernels
+  int device = -1;
+  std::string error;        // why there is none (no driver, no device), or empty
+};
+// What the hooks handed (or would hand) Halide; made on first call.
+const RuntimeCudaContext& runtime_cuda_context();
+
+}  // namespace halyard::runtime

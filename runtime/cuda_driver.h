@@ -1,0 +1,38 @@
+// The CUDA driver API, opened at run time (dlopen of libcuda.so.1) so that
+// nothing linking the runtime needs CUDA to start. Internal to the runtime:
+// cuda_probe.h and cuda_context.h are its public faces.
+#pragma once
+
+#include <string>
+
+namespace halyard::runtime {
+
+// The entry points used, by their stable symbols (_v2 where CUDA renamed
+// them); handles are void* so that no CUDA header is needed.
+struct CudaDriver {
+  using CUresult = int;
+  CUresult (*device_count)(int*) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*device_name)(char*, int, int) = nullptr;
+  CUresult (*primary_retain)(void**, int) = nullptr;
+  CUresult (*primary_release)(int) = nullptr;
+  CUresult (*ctx_get_current)(void**) = nullptr;
+  CUresult (*ctx_get_device)(int*) = nullptr;
+  CUresult (*ctx_push)(void*) = nullptr;
+  CUresult (*ctx_pop)(void**) = nullptr;
+  CUresult (*mem_info)(size_t*, size_t*) = nullptr;
+  CUresult (*stream_create)(void**, unsigned) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+
+  // Empty once the driver is loaded and cuInit succeeded; otherwise one
+  // line saying why not: no libcuda.so.1, an entry point missing, or cuInit's
+  // error (no device, driver too old).
+  std::string why_unusable;
+  bool usable() const { return why_unusable.empty(); }
+  std::string text(CUresult rc) const;  // the driver's name for an error
+};
+
+// Loaded and initialized on first use (thread-safe); never throws.
+const CudaDriver& cuda_driver();
+
+}  // namespace halyard::runtime

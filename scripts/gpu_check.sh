@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# The prepared GPU check, in two halves:
+#
+#   bash scripts/gpu_check.sh prepare DIR [--build-dir B]
+#       on a build machine (no GPU needed): builds the CUDA-target libraries and
+#       the programs that run them, and puts everything a GPU node needs into
+#       DIR (under 60 MiB): programs with the C++ runtime linked in, the
+#       fixtures, the PyTorch peer, and this script. Refuses a folder that is
+#       too big or a program that needs a shared library a GPU node lacks.
+#   bash DIR/gpu_check.sh run DIR RESULTS
+#       on the GPU node, with only DIR and what the node has (driver, CUDA
+#       runtime, a Python whose PyTorch wheels carry NCCL): the device tests
+#       (label gpu), NCCL on one rank, and the tiny Llama's step against
+#       PyTorch on the same GPU at 8k-32k tokens. Everything goes to RESULTS
+#       (logs, test XML, bench.jsonl, summary.md); under 8 minutes in all.
+#       Exits 1 if a test failed; a benchmark that fails (out of memory, say)
+#       is a result, written down, not a failure. Without a GPU every device
+#       part says why it skipped.
+set -euo pipefail
+
+die() { echo "gpu_check: error: $*" >&2; exit 2; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+
+readonly max_bytes=$((60 * 1024 * 1024))
+readonly programs=(test_cuda test_nccl_single_rank gpu_step_bench)
+readonly bench_seqs=(8192 16384 32768)
+# What a GPU node provides: the C library and libgcc_s, and NCCL (through its
+# PyTorch's nvidia-nccl wheel). libcuda is opened at run time, never linked.
+readonly node_libs='^(libc\.so\.6|libm\.so\.6|libpthread\.so\.0|libdl\.so\.2|librt\.so\.1|ld-linux-x86-64\.so\.2|libgcc_s\.so\.1|libnccl\.so\.2)$'
+# The newest glibc the programs may need: Ubuntu 22.04's is 2.35.
+readonly max_glibc=2.34
+
+prepare() {
+  local out=$1 root build
+  shift
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  build=$root/build
+  while (($#)); do
+    case $1 in
+      --build-dir) build=$(cd "$2" && pwd); shift 2 ;;
+      *) die "prepare: unknown option '$1'" ;;
+    esac
+  done
+  if [[ ! -f $build/build.ninja ]]; then
+    bash "$root/scripts/configure.sh"
+  fi
+  # shellcheck disable=SC1091
+  source "$root/.venv/halyard.env"
+  "$HALYARD_CMAKE" --build "$build" --target "${programs[@]}" >"$build/gpu_check.build.log" 2>&1 \
+    || { tail -40 "$build/gpu_check.build.log"; die "prepare: building ${programs[*]} failed (log: $build/gpu_check.build.log)"; }
+
+  rm -rf "$out"
+  mkdir -p "$out/bin" "$out/fixtures" "$out/bench" "$out/configs" "$out/data"
+  local p f
+  for p in "${programs[@]}"; do
+    f=$(find "$build" -name "$p" -type f -perm -u+x | head -1)
+    [[ -n $f ]] || die "prepare: $p was not built under $build"
+    cp "$f" "$out/bin/$p"
+    strip --strip-debug "$out/bin/$p"
+  done
+  cp "$root/tests/fixtures/llama_micro.safetensors" "$out/fixtures/"
+  cp "$root/bench/torch_peer.py" "$out/bench/"
+  cp "$root/examples/llama/configs/tiny.json" "$out/configs/"
+  cp "$root/examples/llama/data/corpus.txt" "$out/data/"
+  cp "$root/scripts/gpu_check.sh" "$out/gpu_check.sh"
+
+  # Every shared library a program needs must be one the node has.
+  local lib bad=0 glibc=0 need
+  for p in "${programs[@]}"; do
+    while read -r lib; do
+      if ! [[ $lib =~ $node_libs ]]; then
+        echo "gpu_check: bin/$p needs $lib, which a GPU node does not have" >&2
+        bad=1
+      fi
+    done < <(readelf -d "$out/bin/$p" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+    need=$(objdump -T "$out/bin/$p" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -1)
+    if [[ -n $need ]] && [[ $(printf '%s\n%s\n' "$glibc" "$need" | sort -V | tail -1) == "$need" ]]; then glibc=$need; fi
+  done
+  ((bad == 0)) || die "prepare: link those statically (halyard_portable in CMakeLists.txt) or copy them into $out"
+  if [[ $(printf '%s\n%s\n' "$glibc" "$max_glibc" | sort -V | tail -1) != "$max_glibc" ]]; then
+    for p in "${programs[@]}"; do
+      objdump -T "$out/bin/$p" | grep -E "GLIBC_$glibc\b" | sed "s|^|bin/$p: |" >&2 || true
+    done
+    die "prepare: the programs need glibc $glibc, newer than the $max_glibc a GPU node may have (symbols above); " \
+        "give them a definition of their own (as runtime/portable_arc4random.cpp does) or build on an older system"
+  fi
+
+  {
+    echo "halyard gpu check, prepared $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$root" diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+    echo "build machine: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1), $(ldd --version | head -1)"
+    echo "needs glibc: $glibc"
+    echo "programs: ${programs[*]}"
+    echo "bench sequence lengths: ${bench_seqs[*]}"
+  } >"$out/MANIFEST.txt"
+  local bytes
+  bytes=$(du -sb "$out" | cut -f1)
+  echo "size: $bytes bytes" >>"$out/MANIFEST.txt"
+  ((bytes < max_bytes)) || die "prepare: $out is $bytes bytes, over the 60 MiB a GPU node accepts"
+  cat "$out/MANIFEST.txt"
+  echo "gpu_check: prepared $out ($((bytes / 1024 / 1024)) MiB); on the GPU node: bash $out/gpu_check.sh run $out RESULTS"
+}
+
+# Seconds left of the 8-minute budget, at least 1.
+readonly budget_s=470
+start_s=$SECONDS
+left() { local l=$((budget_s - (SECONDS - start_s))); echo $((l > 1 ? l : 1)); }
+
+run() {
+  local dir results
+  dir=$(cd "$1" && pwd)
+  results=$2
+  mkdir -p "$results"
+  results=$(cd "$results" && pwd)
+  exec > >(tee "$results/run.log") 2>&1
+  [[ -f $dir/MANIFEST.txt ]] || die "run: $dir has no MANIFEST.txt; make it with: bash scripts/gpu_check.sh prepare $dir"
+  cat "$dir/MANIFEST.txt"
+  echo "node: $(uname -srm), $(ldd --version 2>/dev/null | head -1)"
+  local need have
+  need=$(sed -n 's/^needs glibc: //p' "$dir/MANIFEST.txt")
+  have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+  if [[ -n $need && -n $have && $(printf '%s\n%s\n' "$need" "$have" | sort -V | tail -1) != "$have" ]]; then
+    echo "gpu_check: warning: the programs need glibc $need and this node has $have; they will not start" \
+         "(prepare them on a system whose glibc is at most $have)"
+  fi
+
+  local gpu=1 why=""
+  if command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+      >"$results/device.txt" 2>&1; then
+    echo "device: $(cat "$results/device.txt")"
+  else
+    gpu=0
+    why="no CUDA device (nvidia-smi $(command -v nvidia-smi >/dev/null && echo 'found none' || echo 'not installed'))"
+    echo "$why" >"$results/device.txt"
+  fi
+
+  # NCCL (and cuBLAS, cuDNN for later) come from the node's PyTorch wheels.
+  local py=python3 libdirs
+  if ! $py -c 'import torch' 2>/dev/null; then py=""; fi
+  if [[ -n $py ]]; then
+    libdirs=$($py - <<'EOF' 2>/dev/null || true
+import os
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except ImportError:
+    roots = []
+dirs = sorted({os.path.join(r, d, "lib") for r in roots for d in os.listdir(r) if os.path.isdir(os.path.join(r, d, "lib"))})
+print(":".join(dirs))
+EOF
+    )
+    [[ -n $libdirs ]] && export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "python: $($py -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)')"
+  else
+    echo "python: no python3 with torch; the PyTorch peer will not run"
+  fi
+  export HALYARD_FIXTURE_DIR=$dir/fixtures
+
+  # 1. The device tests. A program that cannot even start (a missing library)
+  # counts as failed, with the loader's words in its log.
+  local failed=0 t rc
+  for t in test_cuda test_nccl_single_rank; do
+    echo "== $t"
+    rc=0
+    timeout "$(left)" "$dir/bin/$t" --gtest_output="xml:$results/$t.xml" >"$results/$t.log" 2>&1 || rc=$?
+    grep -E '^\[ *(OK|FAILED|SKIPPED) *\]|^  |\[SKIP\]|error' "$results/$t.log" | head -60 || true
+    if ((rc != 0)); then
+      echo "$t: FAILED (exit $rc; log: $results/$t.log)"
+      failed=1
+    else
+      echo "$t: passed$(grep -q '\[  SKIPPED \]' "$results/$t.log" && echo ' (some tests skipped: see above)')"
+    fi
+  done
+
+  # 2. The step against PyTorch on the same GPU: Halyard's f32 CUDA library,
+  # PyTorch eager in bf16 (the target's peer) and in f32 (same precision).
+  : >"$results/bench.jsonl"
+  if ((gpu == 0)); then
+    echo "[SKIP] bench: $why"
+  else
+    local seq line
+    for seq in "${bench_seqs[@]}"; do
+      echo "== bench seq $seq"
+      rc=0
+      line=$(timeout "$(left)" "$dir/bin/gpu_step_bench" --seq "$seq" --steps 3 2>>"$results/bench.err") || rc=$?
+      [[ -n $line ]] || line="{\"peer\":\"halyard\",\"seq\":$seq,\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
+      echo "$line" | tee -a "$results/bench.jsonl"
+      if [[ -n $py ]]; then
+        for dtype in bf16 f32; do
+          rc=0
+          line=$(timeout "$(left)" $py "$dir/bench/torch_peer.py" step --config "$dir/configs/tiny.json" --seq "$seq" \
+            --steps 3 --device cuda --dtype "$dtype" --tokens "$dir/data/corpus.txt" 2>>"$results/bench.err") || rc=$?
+          [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"dtype\":\"$dtype\",\"seq\":$seq,\"error\":\"exit $rc (see bench.err)\"}"
+          echo "$line" | tee -a "$results/bench.jsonl"
+        done
+      fi
+    done
+  fi
+  summarize "$results"
+  echo "gpu_check: results in $results ($((SECONDS - start_s)) s)"
+  return $failed
+}
+
+summarize() {
+  local results=$1
+  if ! command -v python3 >/dev/null; then
+    echo "(no python3: see $results/bench.jsonl)"
+    return
+  fi
+  python3 - "$results" <<'EOF' | tee "$results/summary.md"
+import json, os, sys
+results = sys.argv[1]
+rows = {}
+for line in open(os.path.join(results, "bench.jsonl")):
+    line = line.strip()
+    if not line:
+        continue
+    r = json.loads(line)
+    key = "halyard" if r.get("peer") == "halyard" else "torch_" + r.get("dtype", "?")
+    rows.setdefault(r.get("seq"), {})[key] = r
+print("# gpu_check summary\n")
+print("device: " + open(os.path.join(results, "device.txt")).read().strip() + "\n")
+if not rows:
+    print("no benchmark ran (see device.txt and run.log)")
+    sys.exit(0)
+def cell(r, field, fmt):
+    if r is None:
+        return "-"
+    if "error" in r:
+        return "error: " + r["error"].splitlines()[0][:60]
+    return fmt % r[field]
+print("| seq | Halyard f32 tok/s | PyTorch bf16 tok/s | ratio | PyTorch f32 tok/s | ratio | Halyard peak MiB | PyTorch bf16 peak MiB | copies home/step |")
+print("|---|---|---|---|---|---|---|---|---|")
+for seq in sorted(rows):
+    h, b, f = rows[seq].get("halyard"), rows[seq].get("torch_bf16"), rows[seq].get("torch_f32")
+    def ratio(p):
+        ok = h and p and "error" not in h and "error" not in p
+        return "%.2fx" % (h["tokens_per_s"] / p["tokens_per_s"]) if ok else "-"
+    print("| %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        seq, cell(h, "tokens_per_s", "%.0f"), cell(b, "tokens_per_s", "%.0f"), ratio(b),
+        cell(f, "tokens_per_s", "%.0f"), ratio(f), cell(h, "peak_device_mib", "%.0f"),
+        cell(b, "peak_device_mib", "%.0f"), cell(h, "device_to_host_copies", "%d")))
+print("\nHalyard's peak is the device's memory in use above the baseline (its CUDA context included);"
+      " PyTorch's is torch.cuda.max_memory_allocated.")
+EOF
+}
+
+case ${1:-} in
+  prepare) (($# >= 2)) || usage; shift; prepare "$@" ;;
+  run) (($# == 3)) || usage; run "$2" "$3" ;;
+  *) usage ;;
+esac
