@@ -9,7 +9,8 @@
 // cudaSetDevice; device 0 when none is) and one compute stream made in it.
 // The stream is a blocking one: Halide's copies between host and device are
 // synchronous calls on the legacy default stream, which then wait for the
-// kernels queued before them.
+// kernels queued before them. It also turns on Halide's reuse of device
+// allocations, so that the buffers of one step serve the next.
 #pragma once
 
 #include <string>

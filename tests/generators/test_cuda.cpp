@@ -110,9 +110,10 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
   std::printf("  tiny s256: worst gradient difference %.3g of the largest gradient\n", worst);
 }
 
-// Whatever the executor allocates on the device in a step, it gives back:
-// memory in use after step 11 is what it was after step 1 (to 4 MiB: the
-// driver's own bookkeeping moves a little). The copies home it still makes
+// Whatever the executor allocates on the device in a step serves the next
+// one (Halide's reuse pool, cuda_context.h): memory in use after step 11 is
+// what it was after step 1 (to 4 MiB: the driver's own bookkeeping moves a
+// little). The copies home it still makes
 // (device-resident parameters and activations are not built yet) are
 // printed, not asserted: their target is zero.
 TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
