@@ -21,6 +21,7 @@
 #include "bench/bench_util.h"
 #include "dsl/autodiff.h"
 #include "dsl/ops.h"
+#include "generators/jit_library.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
 #include "runtime/model.h"
@@ -28,6 +29,7 @@
 using namespace halyard;
 
 int main(int argc, char** argv) {
+  halyard::use_library_kernels_in_jit();
   std::map<std::string, int> o = {{"--seq", 4096}, {"--heads", 8}, {"--kv-heads", 2}, {"--head-dim", 32}, {"--threads", 2}, {"--reps", 5}, {"--query-block", 0}, {"--key-block", 0}};
   std::string kernel = "library";
   for (int i = 1; i + 1 < argc; i += 2) {

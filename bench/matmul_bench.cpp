@@ -18,6 +18,7 @@
 #include "bench/bench_util.h"
 #include "dsl/ops.h"
 #include "examples/llama/llama_builder.h"
+#include "generators/jit_library.h"
 #include "generators/lowering.h"
 #include "runtime/model.h"
 
@@ -121,6 +122,7 @@ void run_case(const Graph& g, const Stage& st, int reps, Totals& tot) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  halyard::use_library_kernels_in_jit();
   int threads = 2, reps = 9;
   int64_t seq = 4096;
   std::string config = HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json";

@@ -8,8 +8,6 @@
 #include "dsl/op_table.h"
 #include "generators/bf16.h"
 #include "generators/lowering.h"
-#include "runtime/attention_cpu.h"
-#include "runtime/gemm_cpu.h"
 
 namespace halyard {
 
@@ -31,6 +29,15 @@ std::map<int, std::function<Expr(const std::vector<Expr>&)>>& pointwise_lowering
   static std::map<int, std::function<Expr(const std::vector<Expr>&)>> m;
   return m;
 }
+
+namespace {
+std::map<std::string, JITExtern>& library_jit_externs() {
+  static std::map<std::string, JITExtern> m;
+  return m;
+}
+}  // namespace
+
+void set_library_jit_externs(std::map<std::string, JITExtern> externs) { library_jit_externs() = std::move(externs); }
 
 void register_pointwise_lowering(Op op, std::function<Expr(const std::vector<Expr>&)> element) {
   pointwise_lowerings()[static_cast<int>(op)] = std::move(element);
@@ -757,10 +764,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   std::vector<Func> outs = {ls.funcs.out};
   outs.insert(outs.end(), ls.funcs.extra_outs.begin(), ls.funcs.extra_outs.end());
   ls.pipeline = Pipeline(outs);
-  if (ls.funcs.library.defined())
-    ls.pipeline.set_jit_externs({{"halyard_attention_forward", JITExtern(&halyard_attention_forward)},
-                                 {"halyard_attention_backward", JITExtern(&halyard_attention_backward)},
-                                 {"halyard_weight_grad", JITExtern(&halyard_weight_grad)}});
+  if (ls.funcs.library.defined() && !library_jit_externs().empty()) ls.pipeline.set_jit_externs(library_jit_externs());
   return ls;
 }
 

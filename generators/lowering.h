@@ -91,6 +91,14 @@ void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st);
 Halide::Type halide_type(DType t);
 Halide::Type halide_storage_type(DType t);
 
+// The library kernels (runtime/attention_cpu.h, gemm_cpu.h) as a pipeline
+// JIT-compiled in this process calls them: programs that realize lowered
+// stages call use_library_kernels_in_jit() (generators/jit_library.h) once,
+// before lowering. AOT builds need nothing: a generated library calls the
+// kernels by name and the program linking it links them, so the generators
+// themselves do not (and a kernel change regenerates no model).
+void set_library_jit_externs(std::map<std::string, Halide::JITExtern> externs);
+
 // The lowering of an elementwise op added through the op table
 // (dsl/op_table.h: register_op): its output element from its operands'
 // elements at the same index.

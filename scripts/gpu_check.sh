@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The prepared GPU check, in two halves:
 #
-#   bash scripts/gpu_check.sh prepare DIR [--build-dir B]
+#   bash scripts/gpu_check.sh prepare DIR [--build-dir B] [--no-build]
 #       on a build machine (no GPU needed): builds the CUDA-target libraries and
 #       the programs that run them, and puts everything a GPU node needs into
 #       DIR (under 60 MiB): programs with the C++ runtime linked in, the
 #       fixtures, the PyTorch peer, and this script. Refuses a folder that is
 #       too big or a program that needs a shared library a GPU node lacks.
+#       --no-build takes the programs as B has them (the test suite does, so
+#       as not to relink programs that other tests are running).
 #   bash DIR/gpu_check.sh run DIR RESULTS
 #       on the GPU node, with only DIR and what the node has (driver, CUDA
 #       runtime, a Python whose PyTorch wheels carry NCCL): the device tests
@@ -35,19 +37,23 @@ prepare() {
   shift
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   build=$root/build
+  local build_them=1
   while (($#)); do
     case $1 in
       --build-dir) build=$(cd "$2" && pwd); shift 2 ;;
+      --no-build) build_them=0; shift ;;
       *) die "prepare: unknown option '$1'" ;;
     esac
   done
-  if [[ ! -f $build/build.ninja ]]; then
-    bash "$root/scripts/configure.sh"
+  if ((build_them)); then
+    if [[ ! -f $build/build.ninja ]]; then
+      bash "$root/scripts/configure.sh"
+    fi
+    # shellcheck disable=SC1091
+    source "$root/.venv/halyard.env"
+    "$HALYARD_CMAKE" --build "$build" --target "${programs[@]}" >"$build/gpu_check.build.log" 2>&1 \
+      || { tail -40 "$build/gpu_check.build.log"; die "prepare: building ${programs[*]} failed (log: $build/gpu_check.build.log)"; }
   fi
-  # shellcheck disable=SC1091
-  source "$root/.venv/halyard.env"
-  "$HALYARD_CMAKE" --build "$build" --target "${programs[@]}" >"$build/gpu_check.build.log" 2>&1 \
-    || { tail -40 "$build/gpu_check.build.log"; die "prepare: building ${programs[*]} failed (log: $build/gpu_check.build.log)"; }
 
   rm -rf "$out"
   mkdir -p "$out/bin" "$out/fixtures" "$out/bench" "$out/configs" "$out/data"

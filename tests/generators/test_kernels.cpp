@@ -27,11 +27,15 @@
 #include "dsl/autodiff.h"
 #include "dsl/interpreter.h"
 #include "dsl/ops.h"
+#include "generators/jit_library.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
 
 namespace halyard {
 namespace {
+
+// Before any stage is lowered: the library stages call the CPU kernels.
+[[maybe_unused]] const bool kLibraryKernels = (use_library_kernels_in_jit(), true);
 
 struct Case {
   const char* kind;

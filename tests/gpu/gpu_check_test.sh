@@ -10,7 +10,7 @@ build=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-bash "$src/scripts/gpu_check.sh" prepare "$work/prepared" --build-dir "$build"
+bash "$src/scripts/gpu_check.sh" prepare "$work/prepared" --build-dir "$build" --no-build
 bytes=$(du -sb "$work/prepared" | cut -f1)
 echo "prepared folder: $bytes bytes"
 ((bytes < 60 * 1024 * 1024)) || { echo "FAIL: the prepared folder is $bytes bytes, over 60 MiB"; exit 1; }
