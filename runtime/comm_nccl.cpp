@@ -413,16 +413,25 @@ void open_nccl(Communicator& comm, int device, const ncclUniqueId& id) {
   static_cast<NcclCommunicator&>(comm).open(device, id);
 }
 
+int count_cuda_devices(int rank, std::string& why) {
+  int devices = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&devices);
+  if (rc != cudaSuccess) {
+    cudaGetLastError();  // not sticky: later calls must not see it
+    devices = 0;
+  }
+  if (devices == 0)
+    why = "error: NCCL communicator on rank " + std::to_string(rank) + ": no CUDA device (cudaGetDeviceCount: " +
+          (rc != cudaSuccess ? std::string(cudaGetErrorString(rc)) : "0 devices") +
+          "); fix: run on GPU nodes or use make_mpi_communicator()";
+  return devices;
+}
+
 std::unique_ptr<Communicator> make_nccl_single_rank(double timeout_s) {
   const std::string who = "make_nccl_single_rank";
   auto comm = unopened_nccl_communicator(0, 1, timeout_s, nullptr);  // checks the timeout first
-  int devices = 0;
-  const cudaError_t count_rc = cudaGetDeviceCount(&devices);
-  if (count_rc != cudaSuccess) cudaGetLastError();
-  if (count_rc != cudaSuccess || devices == 0)
-    throw Error(std::string("error: NCCL communicator on rank 0: no CUDA device (cudaGetDeviceCount: ") +
-                (count_rc != cudaSuccess ? cudaGetErrorString(count_rc) : "0 devices") +
-                "); fix: run on GPU nodes or use make_mpi_communicator()");
+  std::string no_device;
+  if (count_cuda_devices(0, no_device) == 0) throw Error(no_device);
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();

@@ -107,17 +107,9 @@ std::unique_ptr<Communicator> make_nccl_communicator(double timeout_s) {
   };
 
   // 1. Who has a GPU.
-  int devices = 0;
-  const cudaError_t count_rc = cudaGetDeviceCount(&devices);
-  if (count_rc != cudaSuccess) {
-    cudaGetLastError();
-    devices = 0;
-  }
+  std::string no_device;
+  const int devices = count_cuda_devices(rank, no_device);
   const bool has_device = devices > 0;
-  const std::string no_device =
-      "error: NCCL communicator on rank " + std::to_string(rank) + ": no CUDA device (cudaGetDeviceCount: " +
-      (count_rc != cudaSuccess ? std::string(cudaGetErrorString(count_rc)) : "0 devices") +
-      "); fix: run on GPU nodes or use make_mpi_communicator()";
   boot->has_device = has_device ? 1 : 0;
   boot->everyone.assign(static_cast<size_t>(size), 0);
   MPI_Request request;

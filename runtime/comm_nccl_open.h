@@ -9,6 +9,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "runtime/comm.h"
@@ -24,6 +25,10 @@ std::unique_ptr<Communicator> unopened_nccl_communicator(int rank, int size, dou
 // every rank passing the same id. Throws Error (naming the device and NCCL's
 // reason) when NCCL cannot start.
 void open_nccl(Communicator& comm, int device, const ncclUniqueId& id);
+
+// This process's CUDA devices; with none (or when CUDA cannot tell), 0 and
+// in `why` the error a communicator on `rank` throws for it.
+int count_cuda_devices(int rank, std::string& why);
 
 namespace nccl_detail {
 
