@@ -63,6 +63,7 @@ struct Ctx {
   LoweredStage& ls;
   bool for_autoscheduler;
   const KernelTiles& tiles;
+  int panel;  // floats in a vector of the target: B's panels (ContractLayout)
   std::map<int, Func> funcs;
   std::map<std::string, Var> var_of;
 
@@ -278,28 +279,37 @@ Func Ctx::lower(int id) {
       std::vector<std::string> summed;  // innermost first
       for (auto it = ta.axes.rbegin(); it != ta.axes.rend(); ++it)
         if (!n.type.has(it->name)) summed.push_back(it->name);
-      // Operands: the one holding the innermost output axis is read as vectors
-      // along it; it gets a transposed copy when that axis is not its innermost.
+      // Operands (schedules/partition.h, contract_layout): the one holding the
+      // innermost output axis is read as vectors along it, from a copy where
+      // the layout says so.
       const std::string inner = n.type.rank() ? n.type.axes.back().name : "";
-      int bop = !inner.empty() && tb.has(inner) && !ta.has(inner) ? 1 : 0;
+      const ContractLayout L = contract_layout(g, n, st.inputs);
+      const int bop = L.b;
       std::map<int, std::pair<Func, std::vector<std::string>>> staged;
+      Func panels;  // B in panels of one vector: bp(col % panel, summed..., col / panel, other kept...)
+      std::vector<std::string> summed_b, kept_b;  // row-major
       if (is_root && !inner.empty()) {
         const int aop = 1 - bop;
-        const TensorType& tbb = type(in(static_cast<size_t>(bop)));
-        bool b_buffer = std::find(st.inputs.begin(), st.inputs.end(), in(static_cast<size_t>(bop))) != st.inputs.end();
-        // Copy order: summed axes first, then the kept ones in output order.
-        std::vector<std::string> order;
-        for (const Axis& ax : tbb.axes)
-          if (!n.type.has(ax.name)) order.push_back(ax.name);
-        for (const Axis& ax : n.type.axes)
-          if (tbb.has(ax.name)) order.push_back(ax.name);
-        if (order != tbb.axis_names() || !b_buffer) {
-          Func bt = copy(in(static_cast<size_t>(bop)), "bt" + tag, order);
+        if (L.b_panels && !for_autoscheduler) {  // (the autoscheduler gets a plain copy: same bytes)
+          for (const auto& ax : L.b_order)
+            (n.type.has(ax) ? kept_b : summed_b).push_back(ax);
+          kept_b.erase(std::find(kept_b.begin(), kept_b.end(), inner));
+          Var ci(inner + "_pi"), co(inner + "_po");
+          std::vector<Var> pv = {ci};
+          for (const Var& v : vars(summed_b)) pv.push_back(v);
+          pv.push_back(co);
+          for (const Var& v : vars(kept_b)) pv.push_back(v);
+          Env eb = env(L.b_order);
+          eb[inner] = co * panel + ci;
+          panels = Func("bp" + tag);
+          panels(pv) = at(in(static_cast<size_t>(bop)), eb);
+          ls.funcs.root_copies.push_back(panels);
+        } else if (L.b_copied) {
+          Func bt = copy(in(static_cast<size_t>(bop)), "bt" + tag, L.b_order);
           ls.funcs.root_copies.push_back(bt);
-          staged[bop] = {bt, order};
+          staged[bop] = {bt, L.b_order};
         }
-        bool a_buffer = std::find(st.inputs.begin(), st.inputs.end(), in(static_cast<size_t>(aop))) != st.inputs.end();
-        if (!a_buffer) {
+        if (L.a_staged) {
           auto order = type(in(static_cast<size_t>(aop))).axis_names();
           Func as = copy(in(static_cast<size_t>(aop)), "as" + tag, order);
           ls.funcs.staged.push_back(as);
@@ -329,9 +339,29 @@ Func Ctx::lower(int id) {
         break;
       }
       Func acc("acc" + tag);
-      acc(vs) = cast(T, 0);
-      acc(vs) += operand(0, er) * operand(1, er);
-      f(vs) = acc(vs);
+      if (panels.defined()) {
+        // The sum over B's panels: acc(col % panel, rows..., col / panel), so
+        // that the kernel indexes the panels with its own loops.
+        Var pci(inner + "_vi"), pco(inner + "_vo");
+        std::vector<Var> av = {pci};
+        av.insert(av.end(), vs.begin() + 1, vs.end());
+        av.push_back(pco);
+        std::vector<Expr> b_at = {pci};
+        for (const Expr& x : args(summed_b, er)) b_at.push_back(x);
+        b_at.push_back(pco);
+        for (const Expr& x : args(kept_b, er)) b_at.push_back(x);
+        acc(av) = cast(T, 0);
+        acc(av) += operand(1 - bop, er) * panels(b_at);
+        std::vector<Expr> out_at = {vs.front() % panel};
+        out_at.insert(out_at.end(), vs.begin() + 1, vs.end());
+        out_at.push_back(vs.front() / panel);
+        f(vs) = acc(out_at);
+        ls.funcs.contract_panel_vars = {pci, pco};
+      } else {
+        acc(vs) = cast(T, 0);
+        acc(vs) += operand(0, er) * operand(1, er);
+        f(vs) = acc(vs);
+      }
       if (is_root) {
         ls.funcs.contract_rdom = r;
         ls.funcs.contract_acc = acc;
@@ -746,14 +776,16 @@ void Ctx::library_weight_grad(int id, Func out) {
 
 }  // namespace
 
-LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles) {
+LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles,
+                         int vector_floats) {
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
     ls.inputs.emplace_back(halide_storage_type(t.dtype), t.rank(), "in" + std::to_string(k));
     ls.args.push_back(ls.inputs.back());
   }
-  Ctx c{g, st, ls, for_autoscheduler, tiles, {}, {}};
+  const int panel = vector_floats > 0 ? vector_floats : Halide::get_host_target().natural_vector_size(Halide::Float(32));
+  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
   if (ls.funcs.attn.kind >= 0) {
@@ -761,6 +793,12 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.funcs.out_vars.clear();
     for (const auto& a : ls.funcs.out.args()) ls.funcs.out_vars.push_back(a);
   }
+  // The runtime's buffers start at 0 (runtime/model.cpp). Said for a
+  // contraction's columns over B's panels, every column tile starts on a
+  // panel: the tile's accumulators have a fixed size (else a third panel's,
+  // allocated on the heap for every tile) and the output's column % panel and
+  // column / panel simplify.
+  if (!ls.funcs.contract_panel_vars.empty()) ls.funcs.out.output_buffer().dim(0).set_min(0);
   std::vector<Func> outs = {ls.funcs.out};
   outs.insert(outs.end(), ls.funcs.extra_outs.begin(), ls.funcs.extra_outs.end());
   ls.pipeline = Pipeline(outs);

@@ -55,6 +55,9 @@ struct StageFuncs {
   Halide::RDom contract_rdom;
   Halide::Func contract_acc;                // the reduction; `out` copies it
   int contract_b_operand = -1;              // which operand supplies the innermost output axis
+  // ... read from a copy in panels (ContractLayout): the accumulator's
+  // vars for a column within a panel and for the panel (acc(vi, rows..., vo)).
+  std::vector<Halide::Var> contract_panel_vars;
 };
 
 struct LoweredStage {
@@ -69,7 +72,10 @@ struct LoweredStage {
 // Func, Adams2019's tiles read past input edges (Halide issue #5070).
 // Library kernels are extern stages; their addresses are set as the
 // pipeline's JIT externs, so JIT and AOT callers alike need nothing more.
-LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false, const KernelTiles& tiles = {});
+// vector_floats: the target's vector of floats (0: the host's), the width
+// of a contraction's panels of B.
+LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false, const KernelTiles& tiles = {},
+                         int vector_floats = 0);
 
 // The data caches the CPU schedules size their blocks by. Halide's Target
 // carries no cache sizes, so they are read from the build host (sysfs); the

@@ -10,6 +10,7 @@
 #include "dsl/error.h"
 #include "generators/lowering.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
@@ -23,12 +24,24 @@ namespace {
 
 constexpr TailStrategy kGuard = TailStrategy::GuardWithIf;
 
-// Parallel over the outermost pure var, vectorized along the innermost.
-void pointwise(Func f, int vec, bool parallel = true) {
+// Vectorized along the innermost pure var; in parallel over all the outer
+// ones at once, fused, in blocks of about 16K elements (`row`: the innermost
+// extent, where known). (Parallel over the outermost alone, a batch of one
+// ran every elementwise kernel on one thread.)
+void pointwise(Func f, int vec, bool parallel = true, int64_t row = 0) {
   auto args = f.args();
   if (args.empty()) return;
-  if (args.size() > 1 && parallel) f.parallel(args.back());
   f.vectorize(args.front(), vec, kGuard);
+  if (args.size() < 2 || !parallel) return;
+  Var p = args.back();
+  for (size_t k = args.size() - 2; k >= 1; --k) {
+    Var q(args[k].name() + "_" + p.name());
+    f.fuse(args[k], p, q);
+    p = q;
+  }
+  const int rows = row > 0 ? static_cast<int>(std::clamp<int64_t>((1 << 14) / row, 1, 1 << 10)) : 16;
+  Var po(p.name() + "_o"), pi(p.name() + "_i");
+  f.split(p, po, pi, rows, kGuard).parallel(po);
 }
 
 // The longest block of a sum (a power of two, 32 to 512 steps) whose
@@ -37,6 +50,32 @@ int block_of_sum(int64_t l1d_bytes, int floats_per_step) {
   int kc = 32;
   while (kc < 512 && 2 * kc * floats_per_step * 4 <= l1d_bytes) kc *= 2;
   return kc;
+}
+
+// A per-token reduction (a norm's sum of squares, the loss's max and sum over
+// the vocabulary, an attention row's dot): summed one token at a time, each
+// step waits for the last (256 dependent FMAs per token for a norm: 1.7 ms
+// of every norm kernel at seq 4096). So a vector of tokens sums side by side
+// in registers (each token's sum in the same order as before), blocks of
+// tokens in parallel.
+void schedule_small(Func f, int vec) {
+  f.compute_root();
+  auto args = f.args();
+  if (args.empty()) return;
+  if (f.num_update_definitions() == 0) return pointwise(f, vec);
+  Func w = f.in();
+  w.compute_root();
+  const Var t = args.front();
+  Var tb("tb"), to("to"), ti("ti");
+  w.split(t, tb, to, 8 * vec, kGuard).split(to, to, ti, vec, kGuard).vectorize(ti);
+  w.parallel(tb);
+  if (args.size() > 1) w.parallel(args.back());
+  f.compute_at(w, to).vectorize(t, vec, kGuard);
+  for (int u = 0; u < f.num_update_definitions(); ++u) {
+    std::vector<VarOrRVar> order = {t};
+    for (const auto& r : f.update(u).get_schedule().rvars()) order.push_back(RVar(r.var));
+    f.update(u).reorder(order).vectorize(t, vec, kGuard);
+  }
 }
 
 void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int vec, const CacheSizes& caches) {
@@ -71,12 +110,25 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
   int RT = row_k < 0 ? 1 : std::min(vec >= 16 ? 8 : 6, extent(row_k));
   if (strided_sum)
     while (RT > 2 && extent(row_k) % RT != 0) --RT;
+  // Over B's panels LLVM loads every row's broadcast of A before the FMAs:
+  // RT x 2 accumulators, 2 vectors of B and RT broadcasts must fit the 16
+  // registers of AVX2 (6 rows spilled two accumulators, through memory on
+  // every step of the sum: 1.6x slower than 4 rows).
+  if (!F.contract_panel_vars.empty() && row_k >= 0) RT = std::min(vec >= 16 ? 8 : 4, extent(row_k));
   Var co("co"), ci("ci"), ro("ro"), ri("ri"), rb("rb"), par("par");
   std::vector<VarOrRVar> order;
   if (row_k >= 0) {
     const Var row = vars[static_cast<size_t>(row_k)];
     const int panels = std::max(1, std::min(64 / RT, extent(row_k) / RT));
-    C.tile(col, row, co, ro, ci, ri, VN, RT, TailStrategy::ShiftInwards)
+    // Where B is in panels, the columns are a multiple of VN (ContractLayout)
+    // and the column tiles split exactly (RoundUp never rounds): so the
+    // simplifier sees each tile start on a panel and B's column / panel and
+    // column % panel become a panel and a vector within it (a shifted last
+    // tile made every load of B a gather, 2.7x slower).
+    const TailStrategy col_tail = F.contract_panel_vars.empty() ? TailStrategy::ShiftInwards : TailStrategy::RoundUp;
+    C.split(col, co, ci, VN, col_tail)
+        .split(row, ro, ri, RT, TailStrategy::ShiftInwards)
+        .reorder(ci, ri, co, ro)
         .split(ro, rb, ro, panels, TailStrategy::ShiftInwards);
     order = {ci, ri, ro, co};
     std::vector<Var> outer = {rb};
@@ -124,6 +176,14 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
           .unroll(ari);
       blk.compute_at(acc, aro).vectorize(col, std::min(vec, VN)).unroll(row);
       blk.update().reorder(col, row, rki).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
+    } else if (!F.contract_panel_vars.empty()) {
+      // The tile's accumulators: a vector per panel and row.
+      const Var vi = F.contract_panel_vars[0], vo = F.contract_panel_vars[1];
+      acc.compute_at(C, ro);
+      acc.vectorize(vi, vec).unroll(vo).unroll(row);
+      std::vector<VarOrRVar> red = {vi, vo, row};
+      for (int d = 0; d < F.contract_rdom.dimensions(); ++d) red.push_back(F.contract_rdom[d]);
+      acc.update().reorder(red).vectorize(vi, vec).unroll(vo).unroll(row);
     } else {
       acc.compute_at(C, ro);
       acc.vectorize(col, std::min(vec, VN)).unroll(row);
@@ -289,7 +349,7 @@ CacheSizes build_host_caches() {
 void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target& t, const KernelTiles& tiles) {
   StageFuncs& F = ls.funcs;
   const int vec = t.natural_vector_size(halide_type(g.node(st.root).type.dtype));
-  for (Func f : F.small) f.compute_root();
+  for (Func f : F.small) schedule_small(f, vec);
   // RoPE's tables take a double-precision cos and sin per (token, frequency):
   // in parallel over tokens (they were 1.8 ms of each 4096-token RoPE kernel).
   for (Func f : F.tables) {
@@ -318,7 +378,8 @@ void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
     schedule_attention(F, vec, tiles);
   } else {
     Func out = F.out;
-    pointwise(out, vec);
+    const TensorType& ot = g.node(st.root).type;
+    pointwise(out, vec, true, ot.rank() ? ot.axes.back().size : 0);
     for (int u = 0; u < out.num_update_definitions(); ++u) {
       // Reductions into the output (norm weight grads, scatters, the loss):
       // vectorize along the output's innermost axis when the update keeps it.

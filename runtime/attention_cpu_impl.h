@@ -51,12 +51,14 @@ inline __attribute__((always_inline)) float hmax(v16 v) {
 }
 // A row's sum in one order on every ISA (so that results are bitwise the
 // same on an AVX2 and an AVX-512 machine): 16 lanes, lane l summing the
-// elements l, l + 16, ...; then the lanes in order. On narrower ISAs the
-// 16 lanes are 16 / W vectors.
+// elements l, l + 16, ... of every key block, rescaled with the row's max;
+// the lanes added in order once, at the end of the row. On narrower ISAs
+// the 16 lanes are 16 / W vectors. (Adding the lanes once per key block, a
+// chain of 16 dependent scalar adds per row and block, cost about a third
+// of the forward's softmax.)
 constexpr int kSumLanes = 16, kSumParts = kSumLanes / W;
 struct RowSum {
-  v16 part[kSumParts] = {};
-  inline __attribute__((always_inline)) void add(int c, v16 x) { part[(c / W) % kSumParts] += x; }
+  v16 part[kSumParts];
   float total() const {
     float lanes[kSumLanes];
     std::memcpy(lanes, part, sizeof lanes);
@@ -198,6 +200,70 @@ std::vector<BlockBounds> block_bounds(const int32_t* pos, int64_t S, int Br) {
   return out;
 }
 
+// The forward's online softmax over one key block of scores s[rows][Bc]
+// (in place: the block's probabilities, unnormalized): each row's max m
+// (log2 units) and lane sums l move on, the output rows o rescale with them.
+// Masked: the block has masked (-inf) scores, whose probabilities are 0
+// (exp2v would give 2^-126); in a block without, nothing is compared.
+template <bool Masked>
+void softmax_rows(float* s, int Bc, int rows, float c, float* m, RowSum* l, float* o, int Dp) {
+  const v16 cv = splat(c);
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s + static_cast<int64_t>(r) * Bc;
+    v16 mx = load(sr);
+    for (int cc = W; cc < Bc; cc += W) {
+      const v16 x = load(sr + cc);
+      mx = mx > x ? mx : x;
+    }
+    const float bmax = hmax(mx);
+    if (Masked && bmax == -INFINITY) {  // this row sees no key of the block
+      std::fill(sr, sr + Bc, 0.0f);
+      continue;
+    }
+    const float mnew = std::max(m[r], bmax * c);
+    const float alpha = m[r] == -INFINITY ? 0.0f : std::exp2(m[r] - mnew);
+    m[r] = mnew;
+    const v16 mv = splat(mnew), av = splat(alpha);
+    RowSum& sum = l[r];
+#pragma GCC unroll 4
+    for (int p = 0; p < kSumParts; ++p) sum.part[p] *= av;
+    for (int cc = 0; cc < Bc; cc += kSumLanes) {
+#pragma GCC unroll 4
+      for (int p = 0; p < kSumParts; ++p) {
+        const v16 x = load(sr + cc + p * W);
+        v16 e = exp2v(x * cv - mv);
+        if constexpr (Masked) e = x == -INFINITY ? v16{} : e;
+        sum.part[p] += e;
+        store(sr + cc + p * W, e);
+      }
+    }
+    if (alpha != 1.0f) {
+      float* orow = o + static_cast<int64_t>(r) * Dp;
+      for (int d = 0; d < Dp; d += W) store(orow + d, load(orow + d) * av);
+    }
+  }
+}
+
+// The backward's scores s[rows][Bc] made into probabilities P (in place,
+// from each row's lse2, log2 units) and dP[rows][Bc] = dO V^T into dS =
+// P (dP - D_i) scale. Masked as in softmax_rows.
+template <bool Masked>
+void probabilities_and_ds(float* p, float* ds, int Bc, int rows, float c, float scale, const float* lse2, const float* dsum) {
+  const v16 cv = splat(c), sc = splat(scale);
+  for (int r = 0; r < rows; ++r) {
+    float* pr = p + static_cast<int64_t>(r) * Bc;
+    float* dr = ds + static_cast<int64_t>(r) * Bc;
+    const v16 lv = splat(lse2[r]), dv0 = splat(dsum[r]);
+    for (int cc = 0; cc < Bc; cc += W) {
+      const v16 x = load(pr + cc);
+      v16 e = exp2v(x * cv - lv);
+      if constexpr (Masked) e = x == -INFINITY ? v16{} : e;
+      store(pr + cc, e);
+      store(dr + cc, e * (load(dr + cc) - dv0) * sc);
+    }
+  }
+}
+
 // Packs rows [r0, r0 + rows) of a [S, D] operand (row stride ld) into
 // dst[rows_pad][Dp], zeros past the rows and past D.
 void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad, int D, int Dp, float* dst) {
@@ -230,11 +296,11 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
   const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block);
   const int64_t Sp = round_up(S, std::max(Br, Bc));
   std::vector<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp * Dp)), q(static_cast<size_t>(Br * Dp)),
-      o(static_cast<size_t>(Br * Dp)), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br)), l(static_cast<size_t>(Br));
+      o(static_cast<size_t>(Br * Dp)), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br));
+  std::vector<RowSum> l(static_cast<size_t>(Br));
   pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data());
   pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data());
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
-  const v16 cv = splat(c);
   const auto bounds = block_bounds(a.pos, S, Br);
   for (int64_t i0 = 0; i0 < S; i0 += Br) {
     const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
@@ -242,50 +308,22 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
     pack_rows(a.q, a.q_ld, S, i0, Br, D, Dp, q.data());
     std::fill(o.begin(), o.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
-    std::fill(l.begin(), l.end(), 0.0f);
+    std::fill(l.begin(), l.end(), RowSum{});
     for (int64_t j0 = bb.lo_min / Bc * Bc; j0 < i0 + rows; j0 += Bc) {
       gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, s.data(), Bc, rows, Bc, D);
       const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
-      for (int r = 0; r < rows; ++r) {
-        float* sr = s.data() + static_cast<int64_t>(r) * Bc;
-        if (!full) mask_row(sr, Bc, i0 + r, j0, a.pos[i0 + r]);
-        v16 mx = load(sr);
-        for (int cc = W; cc < Bc; cc += W) {
-          const v16 x = load(sr + cc);
-          mx = mx > x ? mx : x;
-        }
-        const float bmax = hmax(mx);
-        if (bmax == -INFINITY) {  // this row sees no key of the block
-          std::fill(sr, sr + Bc, 0.0f);
-          continue;
-        }
-        float& mr = m[static_cast<size_t>(r)];
-        const float mnew = std::max(mr, bmax * c);
-        const float alpha = mr == -INFINITY ? 0.0f : std::exp2(mr - mnew);
-        RowSum sum;
-        const v16 mv = splat(mnew);
-        for (int cc = 0; cc < Bc; cc += W) {
-          const v16 x = load(sr + cc);
-          const v16 p = exp2v(x * cv - mv);
-          const v16 pz = x == -INFINITY ? v16{} : p;
-          sum.add(cc, pz);
-          store(sr + cc, pz);
-        }
-        l[static_cast<size_t>(r)] = l[static_cast<size_t>(r)] * alpha + sum.total();
-        mr = mnew;
-        if (alpha != 1.0f) {
-          float* orow = o.data() + static_cast<int64_t>(r) * Dp;
-          const v16 av = splat(alpha);
-          for (int d = 0; d < Dp; d += W) store(orow + d, load(orow + d) * av);
-        }
+      if (full) softmax_rows<false>(s.data(), Bc, rows, c, m.data(), l.data(), o.data(), Dp);
+      else {
+        for (int r = 0; r < rows; ++r) mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
+        softmax_rows<true>(s.data(), Bc, rows, c, m.data(), l.data(), o.data(), Dp);
       }
       gemm_nn_acc(s.data(), Bc, 1, v.data() + j0 * Dp, Dp, o.data(), Dp, rows, Bc, Dp);
     }
     for (int r = 0; r < rows; ++r) {
-      const float inv = 1.0f / l[static_cast<size_t>(r)];
+      const float sum = l[static_cast<size_t>(r)].total(), inv = 1.0f / sum;
       float* dst = out + (i0 + r) * out_ld;
       for (int d = 0; d < D; ++d) dst[d] = o[static_cast<size_t>(r * Dp + d)] * inv;
-      lse[(i0 + r) * lse_ld] = (m[static_cast<size_t>(r)] + std::log2(l[static_cast<size_t>(r)])) * kLn2;
+      lse[(i0 + r) * lse_ld] = (m[static_cast<size_t>(r)] + std::log2(sum)) * kLn2;
     }
   }
 }
@@ -316,7 +354,6 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
     std::fill(dva + j * dva_ld, dva + j * dva_ld + Dp, 0.0f);
   }
   const float c = a.scale * kLog2e;
-  const v16 cv = splat(c), sc = splat(a.scale);
   const auto bounds = block_bounds(a.pos, S, Br);
   for (int w = 0; w < grp; ++w) {
     for (int64_t i0 = 0; i0 < S; i0 += Br) {
@@ -338,18 +375,11 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
         gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, p.data(), Bc, rows, Bc, D);
         gemm_nt(dO.data(), Dp, vT.data() + j0 * D, Bc, ds.data(), Bc, rows, Bc, D);
         const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
-        for (int r = 0; r < rows; ++r) {
-          float* pr = p.data() + static_cast<int64_t>(r) * Bc;
-          float* dr = ds.data() + static_cast<int64_t>(r) * Bc;
-          const v16 lv = splat(lse2[static_cast<size_t>(r)]), dv0 = splat(dsum[static_cast<size_t>(r)]);
-          if (!full) mask_row(pr, Bc, i0 + r, j0, a.pos[i0 + r]);
-          for (int cc = 0; cc < Bc; cc += W) {
-            const v16 x = load(pr + cc);
-            const v16 e = exp2v(x * cv - lv);
-            const v16 pz = x == -INFINITY ? v16{} : e;
-            store(pr + cc, pz);
-            store(dr + cc, pz * (load(dr + cc) - dv0) * sc);
-          }
+        if (full) {
+          probabilities_and_ds<false>(p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());
+        } else {
+          for (int r = 0; r < rows; ++r) mask_row(p.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
+          probabilities_and_ds<true>(p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());
         }
         // dV += P^T dO, dK += dS^T Q over this block's queries; dQ += dS K.
         gemm_nn_acc(p.data(), 1, Bc, dO.data(), Dp, dva + j0 * dva_ld, dva_ld, keys, rows, Dp);

@@ -44,6 +44,28 @@ std::string attrs_key(const Node& n) {
 
 }  // namespace
 
+ContractLayout contract_layout(const Graph& g, const Node& n, const std::vector<int>& stage_inputs) {
+  ContractLayout L;
+  if (n.type.rank() == 0) return L;
+  auto is_input = [&](int id) { return std::find(stage_inputs.begin(), stage_inputs.end(), id) != stage_inputs.end(); };
+  const std::string inner = n.type.axes.back().name;
+  const TensorType &ta = g.node(n.inputs[0]).type, &tb = g.node(n.inputs[1]).type;
+  L.b = tb.has(inner) && !ta.has(inner) ? 1 : 0;
+  const TensorType &b = L.b ? tb : ta, &a = L.b ? ta : tb;
+  for (const Axis& ax : b.axes)
+    if (!n.type.has(ax.name)) L.b_order.push_back(ax.name);
+  for (const Axis& ax : n.type.axes)
+    if (b.has(ax.name)) L.b_order.push_back(ax.name);
+  const bool along_a = !a.axes.empty() && !n.type.has(a.axes.back().name);
+  const int64_t cols = b.size(inner);
+  bool a_kept = false;  // rows of the register tile come from A
+  for (const Axis& ax : a.axes) a_kept = a_kept || n.type.has(ax.name);
+  L.b_panels = along_a && a_kept && cols % 32 == 0;
+  L.b_copied = L.b_panels || L.b_order != b.axis_names() || !is_input(n.inputs[static_cast<size_t>(L.b)]);
+  L.a_staged = !is_input(n.inputs[static_cast<size_t>(1 - L.b)]);
+  return L;
+}
+
 bool weight_grad_form(const Graph& g, const Node& n, WeightGradForm* form) {
   if (n.op != Op::Contract || n.type.rank() == 0 || n.type.dtype != DType::f32) return false;
   const TensorType &t0 = g.node(n.inputs[0]).type, &t1 = g.node(n.inputs[1]).type;

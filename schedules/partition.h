@@ -57,6 +57,27 @@ struct WeightGradForm {
 };
 bool weight_grad_form(const Graph& g, const Node& n, WeightGradForm* form = nullptr);
 
+// How a Halide-lowered contraction (not a library one) reads its operands;
+// generators/lower.cpp builds it so and the plan counts its copies. B, the
+// operand holding the output's innermost axis, is read as vectors along it.
+// B is copied once per call when it is not a buffer, or not in the order
+// the kernel reads (its summed axes first, then its kept ones in the
+// output's order), or when the kernel streams it along the sum (a
+// projection: the sum runs along A's innermost axis) and it has a multiple
+// of 32 columns (of every ISA's register tile: 8, 16 or 32): then the copy
+// is in panels one vector wide, the sum inside, so that each vector of a
+// register tile's strip of B follows the last. In a row-major B the strip's
+// rows are a row apart (1 or 3 KiB here): a few cache sets, and a page every
+// row or two (a 6x16 AVX2 tile over 256 x 768 floats: 62 GFLOP/s
+// row-major, 80 in panels, one Zen 3 core).
+struct ContractLayout {
+  int b = 0;                             // which input is B
+  std::vector<std::string> b_order;      // B's copy, row-major: summed axes, then kept ones
+  bool b_copied = false, b_panels = false;
+  bool a_staged = false;                 // A is an inlined expression, staged per row panel
+};
+ContractLayout contract_layout(const Graph& g, const Node& n, const std::vector<int>& stage_inputs);
+
 struct Partition {
   std::vector<Stage> stages;           // in execution order
   std::vector<int> kernels;            // stage index of each distinct kernel's first use

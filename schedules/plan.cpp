@@ -90,17 +90,10 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   switch (n.op) {
     case Op::Contract: {
       if (n.type.rank() == 0) break;
-      const std::string inner = n.type.axes.back().name;
-      const TensorType &ta = g.node(n.inputs[0]).type, &tb = g.node(n.inputs[1]).type;
-      const size_t bop = tb.has(inner) && !ta.has(inner) ? 1 : 0;
-      const TensorType& t = g.node(n.inputs[bop]).type;
-      std::vector<std::string> order;
-      for (const Axis& ax : t.axes)
-        if (!n.type.has(ax.name)) order.push_back(ax.name);
-      for (const Axis& ax : n.type.axes)
-        if (t.has(ax.name)) order.push_back(ax.name);
-      if (order != t.axis_names() || !is_buffer(st, n.inputs[bop])) s.add(value_bytes(t));  // B, transposed once
-      if (!is_buffer(st, n.inputs[1 - bop])) {  // A, staged per panel of 64 rows on each thread
+      const ContractLayout L = contract_layout(g, n, st.inputs);
+      const size_t bop = static_cast<size_t>(L.b);
+      if (L.b_copied) s.add(value_bytes(g.node(n.inputs[bop]).type));  // B, reordered or in panels, once
+      if (L.a_staged) {  // A, staged per panel of 64 rows on each thread
         int64_t reduced = 1;
         for (const Axis& ax : g.node(n.inputs[1 - bop]).type.axes)
           if (!n.type.has(ax.name)) reduced *= ax.size;

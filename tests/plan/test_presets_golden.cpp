@@ -3,9 +3,11 @@
 // one train step of each preset's library equal, bit for bit, the values
 // committed in tests/fixtures/presets_golden.txt (written by this program
 // with --write from the libraries as they were before the rewrite, and
-// rewritten when a kernel's arithmetic changes on purpose: last, when
-// weight gradients with an operand computed inline moved to the library
-// GEMM of runtime/gemm_cpu.h, which sums in its own blocks): the losses as exact hex
+// rewritten when a kernel's arithmetic changes on purpose: last, when the
+// per-token reductions (a norm's sums, the loss's) began summing a vector of
+// tokens side by side, where LLVM fuses the multiply-adds of the backward's
+// dot products otherwise than in the scalar loop; the losses are the same
+// bits as before): the losses as exact hex
 // floats, each gradient as a 64-bit FNV-1a hash of its bits.
 //
 //   test_presets_golden                 compare (ctest, label "plan")
