@@ -291,7 +291,8 @@ int run(const Options& o, const ModelBuilder& build) {
     LoweredStage ls = lower_stage(g, st, autoschedule, sched.kernel_tiles, target.natural_vector_size(Halide::Float(32)));
     set_estimates(ls, g, st);
     if (autoschedule) {
-      Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"}});
+      Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"},
+                                                               {"beam_size", std::to_string(sched.autoscheduler_beam_size)}});
       ls.pipeline.apply_autoscheduler(target, params);
     } else if (target.has_gpu_feature()) {
       schedule_gpu(ls, g, st, target);

@@ -275,7 +275,7 @@ Func Ctx::lower(int id) {
         library_weight_grad(id, f);
         break;
       }
-      const TensorType &ta = type(in(0)), &tb = type(in(1));
+      const TensorType& ta = type(in(0));
       std::vector<std::string> summed;  // innermost first
       for (auto it = ta.axes.rbegin(); it != ta.axes.rend(); ++it)
         if (!n.type.has(it->name)) summed.push_back(it->name);

@@ -216,6 +216,7 @@ std::string Schedule::to_json() const {
   if (seq_tile > 0) j["seq_tile"] = seq_tile;
   if (loss_seq_tile > 0) j["loss_seq_tile"] = loss_seq_tile;
   if (!autoscheduler.empty()) j["autoscheduler"] = autoscheduler;
+  if (autoscheduler_beam_size != Schedule{}.autoscheduler_beam_size) j["autoscheduler_beam_size"] = autoscheduler_beam_size;
   if (attention_kernel != "library") j["attention_kernel"] = attention_kernel;
   if (weight_grad_kernel != "library") j["weight_grad_kernel"] = weight_grad_kernel;
   if (kernel_tiles != KernelTiles{})
@@ -239,6 +240,8 @@ std::string Schedule::str() const {
   if (seq_tile > 0) s += ", tile_sequence(" + std::to_string(seq_tile) + ")";
   if (loss_seq_tile > 0) s += ", loss tile " + std::to_string(loss_seq_tile);
   s += autoscheduler.empty() ? ", hand-written loop schedules" : ", autoscheduler " + autoscheduler;
+  if (!autoscheduler.empty() && autoscheduler_beam_size != Schedule{}.autoscheduler_beam_size)
+    s += " (beam " + std::to_string(autoscheduler_beam_size) + ")";
   if (attention_kernel != "library") s += ", " + attention_kernel + " attention kernels";
   if (weight_grad_kernel != "library") s += ", " + weight_grad_kernel + " weight-gradient kernels";
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
@@ -382,11 +385,17 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       s.autoscheduler = v.get<std::string>();
       if (!s.autoscheduler.empty() && s.autoscheduler != "Adams2019")
         bad(what, "autoscheduler \"" + s.autoscheduler + "\" is not supported.\nlegal: \"\" (hand-written schedules) or \"Adams2019\".");
+    } else if (key == "autoscheduler_beam_size") {
+      s.autoscheduler_beam_size = static_cast<int>(std::min<int64_t>(integer(v, "autoscheduler_beam_size", 1), 1025));
+      if (s.autoscheduler_beam_size == 1)  // seen with Halide 21, the micro Llama: tests/fixtures/autoscheduled_fast.json
+        bad(what, "autoscheduler_beam_size 1: Adams2019's greedy search gave an attention kernel that reads keys "
+                  "before the row (a bounds error at run time; clamped, wrong results).\nlegal: 2 to 1024; Halide's "
+                  "default is 32.");
     } else {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
@@ -403,6 +412,10 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
                       r.strategy + "\"}\nzigzag placement balances ring attention; Ulysses gathers the whole "
                       "sequence and needs it in order.\nlegal: strategy \"ring\" for every attention, or "
                       "sequence_layout \"contiguous\".");
+  if (j.contains("autoscheduler_beam_size") && (s.autoscheduler.empty() || s.autoscheduler_beam_size > 1024))
+    bad(what, "autoscheduler_beam_size " + j["autoscheduler_beam_size"].dump() +
+                  (s.autoscheduler.empty() ? " without an autoscheduler.\nlegal: with \"autoscheduler\": \"Adams2019\"."
+                                           : ".\nlegal: 2 to 1024; Halide's default is 32."));
   if (s.mesh.sp > 1 && s.split_sequence.empty())
     bad(what, "mesh sp=" + std::to_string(s.mesh.sp) + " without split_sequence.\nlegal: split_sequence \"sp\" "
               "with an attention strategy, or mesh sp=1.");

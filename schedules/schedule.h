@@ -99,6 +99,10 @@ struct Schedule {
   int64_t loss_tile() const { return loss_seq_tile > 0 ? loss_seq_tile : seq_tile; }
   // "" for the hand-written loop schedules, or a Halide autoscheduler name.
   std::string autoscheduler;
+  // Adams2019's beam: how many candidate schedules its search keeps per
+  // step; compile time grows with it (the micro Llama's 41 kernels: 277 s at
+  // 32, 31-45 s at 2; AMD EPYC Zen 4). 1 is refused (schedule.cpp says why).
+  int autoscheduler_beam_size = 32;
   KernelTiles kernel_tiles;
   // Attention's kernels: "library" (runtime/attention_cpu.h, FlashAttention-2:
   // one backward pass writes dQ, dK and dV) or "halide" (generated: a dQ

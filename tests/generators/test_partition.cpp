@@ -104,7 +104,14 @@ TEST(Partition, BadScheduleIsUserError) {
               ::testing::AllOf(::testing::HasSubstr("recompute(contract)"), ::testing::HasSubstr("only cheap ops can be recomputed inside their consumers.\nlegal: add, mul, bias_add, silu")));
   EXPECT_THAT(msg(R"({"tile": 4})"), ::testing::HasSubstr("unknown or ill-typed key \"tile\""));
   EXPECT_THAT(msg(R"({"autoscheduler": "Li2018"})"), ::testing::HasSubstr("legal: \"\" (hand-written schedules) or \"Adams2019\""));
+  EXPECT_THAT(msg(R"({"autoscheduler_beam_size": 4})"), ::testing::HasSubstr("without an autoscheduler"));
+  EXPECT_THAT(msg(R"({"autoscheduler": "Adams2019", "autoscheduler_beam_size": 1})"),
+              ::testing::HasSubstr("legal: 2 to 1024"));
+  EXPECT_THAT(msg(R"({"autoscheduler": "Adams2019", "autoscheduler_beam_size": 4096})"),
+              ::testing::HasSubstr("legal: 2 to 1024"));
   EXPECT_THROW(Schedule::named("/nonexistent.json"), UserError);
+  const Schedule narrow = Schedule::parse(R"({"autoscheduler": "Adams2019", "autoscheduler_beam_size": 2})", "narrow");
+  EXPECT_EQ(Schedule::parse(narrow.to_json(), "round trip"), narrow);
   EXPECT_EQ(Schedule::parse(Schedule::named("recompute").to_json(), "round trip"), Schedule::named("recompute"));
 }
 

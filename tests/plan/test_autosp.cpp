@@ -189,7 +189,9 @@ TEST(Autosp, SearchRejectsWhatCannotApplyWithItsReason) {
   EXPECT_TRUE(sp16);
   for (const Candidate& c : r.ranked) {
     // Beyond the 8 heads only ring and hybrid apply.
-    if (c.schedule.mesh.sp > 8) EXPECT_NE(c.schedule.attention.at(0).strategy, "ulysses");
+    if (c.schedule.mesh.sp > 8) {
+      EXPECT_NE(c.schedule.attention.at(0).strategy, "ulysses");
+    }
     EXPECT_LE(c.peak_bytes, o.memory_per_rank);
     EXPECT_EQ(c.schedule.mesh.ranks(), 16);
   }

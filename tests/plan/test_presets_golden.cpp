@@ -8,7 +8,10 @@
 // tokens side by side, where LLVM fuses the multiply-adds of the backward's
 // dot products otherwise than in the scalar loop; the losses are the same
 // bits as before): the losses as exact hex
-// floats, each gradient as a 64-bit FNV-1a hash of its bits.
+// floats, each gradient as a 64-bit FNV-1a hash of its bits. The bits are
+// the same on an AVX2 and an AVX-512 machine (recorded on an AMD Zen 3,
+// AVX2; equal on a Zen 4 with AVX-512 once Halide's attention kernels summed
+// a row's lanes as one vector of the key block's width, not the target's).
 //
 //   test_presets_golden                 compare (ctest, label "plan")
 //   test_presets_golden --write FILE    record the current libraries' results
