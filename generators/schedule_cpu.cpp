@@ -204,17 +204,26 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
 
 // Register-blocks a product of two matrices computed per tile: `col`
 // vectorized (VN wide), RT rows, the accumulator kept across its reduction.
+// The widest vector, up to vec lanes, that divides a column tile of n: a
+// vector that does not divide it rounds the tile up and reads past the
+// edge of an input (head_dim 24 on AVX-512 read q up to element 31).
+int lanes_dividing(int n, int vec) {
+  int lanes = vec;
+  while (lanes > 1 && n % lanes != 0) lanes /= 2;
+  return lanes;
+}
+
 void product(AttentionProduct pr, int col_extent, int row_extent, int vec) {
-  const int VN = std::min(2 * vec, col_extent), RT = std::min(8, row_extent);
+  const int VN = std::min(2 * vec, col_extent), RT = std::min(8, row_extent), lanes = lanes_dividing(VN, vec);
   Var co("co"), ci("ci"), ro("ro"), rr("rr");
   pr.wrapper.tile(pr.col, pr.row, co, ro, ci, rr, VN, RT, TailStrategy::ShiftInwards)
-      .vectorize(ci, std::min(vec, VN))
+      .vectorize(ci, lanes)
       .unroll(rr);
-  pr.acc.compute_at(pr.wrapper, co).vectorize(pr.col, std::min(vec, VN)).unroll(pr.row);
+  pr.acc.compute_at(pr.wrapper, co).vectorize(pr.col, lanes).unroll(pr.row);
   auto red = pr.acc.update().get_schedule().rvars();
   std::vector<VarOrRVar> order = {pr.col, pr.row};
   for (const auto& r : red) order.push_back(RVar(r.var));
-  pr.acc.update().reorder(order).vectorize(pr.col, std::min(vec, VN)).unroll(pr.col).unroll(pr.row);
+  pr.acc.update().reorder(order).vectorize(pr.col, lanes).unroll(pr.col).unroll(pr.row);
 }
 
 void schedule_attention(StageFuncs& F, int vec, const KernelTiles& tiles) {
@@ -251,22 +260,22 @@ void schedule_attention(StageFuncs& F, int vec, const KernelTiles& tiles) {
       out.reorder(d, tt, h, to, b).fuse(h, to, p1).fuse(p1, b, par).parallel(par);
     }
     // The output tile [d x rows] is summed in registers over all keys (or queries).
-    const int VN = std::min(2 * vec, A.D), RT = std::min(8, tile);
+    const int VN = std::min(2 * vec, A.D), RT = std::min(8, tile), lanes = lanes_dividing(VN, vec);
     Var dout("dout"), di("di"), tto("tto"), tti("tti");
     out.split(tt, tto, tti, RT, TailStrategy::ShiftInwards)
         .split(d, dout, di, VN, TailStrategy::ShiftInwards)
         .reorder(di, tti, dout, tto, tile_loop)
-        .vectorize(di, std::min(vec, VN))
+        .vectorize(di, lanes)
         .unroll(tti);
     Func acc = A.out_acc;
     auto aa = acc.args();
-    acc.compute_at(out, dout).vectorize(aa[0], std::min(vec, VN)).unroll(aa[2]);
+    acc.compute_at(out, dout).vectorize(aa[0], lanes).unroll(aa[2]);
     std::vector<VarOrRVar> order = {aa[0], aa[2]};
     auto rvars = acc.update().get_schedule().rvars();
     for (auto it = rvars.rbegin(); it != rvars.rend(); ++it) order.push_back(RVar(it->var));
     // keep the query loop inside the head loop for dK/dV (ri.y inside ri.x)
     if (rvars.size() == 2) order = {aa[0], aa[2], RVar(rvars[1].var), RVar(rvars[0].var)};
-    acc.update().reorder(order).vectorize(aa[0], std::min(vec, VN)).unroll(aa[0]).unroll(aa[2]);
+    acc.update().reorder(order).vectorize(aa[0], lanes).unroll(aa[0]).unroll(aa[2]);
     if (!F.extra_outs.empty()) {  // the log-sum-exp (h, i, b), in the same loop over query tiles
       Func lse = F.extra_outs[0];
       auto la = lse.args();

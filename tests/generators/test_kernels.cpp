@@ -201,7 +201,10 @@ struct AttentionCase {
   int64_t head_dim = 16, batch = 1;
 };
 
-double attention_case(const AttentionCase& c) {
+// `target`: what Halide compiles the generated kernels for (the host's by
+// default); `bits`, if given, receives a 64-bit FNV-1a hash of every value
+// the stages wrote.
+double attention_case(const AttentionCase& c, const Halide::Target* target = nullptr, uint64_t* bits = nullptr) {
   const int64_t seq = c.seq;
   const bool packed = c.packed;
   Schedule sched;
@@ -241,11 +244,12 @@ double attention_case(const AttentionCase& c) {
     bufs.emplace(id, b);
   }
   ref.run();
-  const Halide::Target t = Halide::get_host_target();
+  const Halide::Target t = target ? *target : Halide::get_host_target();
   double worst = 0;
   int attention_kernels = 0;
+  uint64_t hash = 1469598103934665603ull;
   for (const Stage& st : p.stages) {
-    LoweredStage ls = lower_stage(g, st);
+    LoweredStage ls = lower_stage(g, st, false, {}, t.natural_vector_size(Halide::Float(32)));
     schedule_cpu(ls, g, st, t);
     for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(bufs.at(st.inputs[i]));
     std::vector<int> written = {st.root};
@@ -253,12 +257,14 @@ double attention_case(const AttentionCase& c) {
     std::vector<Halide::Buffer<>> outs;
     for (int id : written) outs.push_back(bufs.emplace(id, buffer_of(g.node(id).type)).first->second);
     ls.pipeline.compile_jit(t);
-    ls.pipeline.realize(Halide::Realization(outs));
+    ls.pipeline.realize(Halide::Realization(outs), t);
     const std::string kind = op_name(g.node(st.root).op);
     if (kind.rfind("attention", 0) == 0) ++attention_kernels;
     for (int id : written) {
       const std::vector<double>& want = ref.value(id);
       const float* got = static_cast<Halide::Buffer<float>>(bufs.at(id)).data();
+      const auto* byte = reinterpret_cast<const unsigned char*>(got);
+      for (size_t e = 0; e < want.size() * sizeof(float); ++e) hash = (hash ^ byte[e]) * 1099511628211ull;
       double diff = 0, scale = 1e-300;
       for (size_t e = 0; e < want.size(); ++e) {
         diff = std::max(diff, std::abs(static_cast<double>(got[e]) - want[e]));
@@ -273,6 +279,7 @@ double attention_case(const AttentionCase& c) {
     EXPECT_EQ(attention_kernels, 2) << "the forward with its log-sum-exp; one backward writing dK, dV and dQ";
   else
     EXPECT_EQ(attention_kernels, 3) << "the forward with its log-sum-exp, dQ, dK with dV";
+  if (bits) *bits = hash;
   return worst;
 }
 
@@ -301,6 +308,33 @@ TEST(Kernels, LibraryAttentionMatchesTheInterpreterAtEveryLength) {
 
 TEST(Kernels, LibraryAttentionMatchesTheInterpreterInEveryIsa) {
   in_every_isa([] { run_attention_cases({{300, false, "library"}, {200, true, "library", 24, 2}}); });
+}
+
+// The same bits on an AVX2 and an AVX-512 machine (sums in one order on
+// every ISA; tests/fixtures/presets_golden.txt relies on it): the library
+// kernels' avx2 and avx512 variants, and Halide's kernels compiled for an
+// AVX2 target and for this host. 320 tokens sum rows in blocks of 16 keys,
+// 200 in blocks of 8 (the block a row's lanes are summed in). The x86
+// baseline variant has no FMA and rounds otherwise.
+TEST(Kernels, AttentionGivesTheSameBitsOnAvx2AndAvx512) {
+  const Halide::Target host = Halide::get_host_target();
+  if (!host.has_feature(Halide::Target::AVX512) || !host.has_feature(Halide::Target::FMA))
+    GTEST_SKIP() << "this CPU does not run AVX-512 (" << host.to_string() << ")";
+  const Halide::Target avx2("x86-64-linux-avx-avx2-f16c-fma-sse41");
+  for (AttentionCase c : {AttentionCase{320, false, "halide"}, AttentionCase{200, true, "halide", 24, 2}}) {
+    uint64_t wide = 0, narrow = 0;
+    attention_case(c, &host, &wide);
+    attention_case(c, &avx2, &narrow);
+    EXPECT_EQ(wide, narrow) << "Halide's kernels, seq " << c.seq << ": AVX-512 and AVX2 differ";
+    c.kernel = "library";
+    for (const char* isa : {"avx512", "avx2"}) {
+      setenv("HALYARD_CPU_ISA", isa, 1);
+      ASSERT_EQ(std::string(runtime::attention_cpu::isa()), isa);
+      attention_case(c, nullptr, std::string(isa) == "avx512" ? &wide : &narrow);
+    }
+    unsetenv("HALYARD_CPU_ISA");
+    EXPECT_EQ(wide, narrow) << "the library kernels, seq " << c.seq << ": avx512 and avx2 differ";
+  }
 }
 
 }  // namespace
