@@ -202,8 +202,6 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
   }
 }
 
-// Register-blocks a product of two matrices computed per tile: `col`
-// vectorized (VN wide), RT rows, the accumulator kept across its reduction.
 // The widest vector, up to vec lanes, that divides a column tile of n: a
 // vector that does not divide it rounds the tile up and reads past the
 // edge of an input (head_dim 24 on AVX-512 read q up to element 31).
@@ -213,6 +211,8 @@ int lanes_dividing(int n, int vec) {
   return lanes;
 }
 
+// Register-blocks a product of two matrices computed per tile: `col`
+// vectorized (VN wide), RT rows, the accumulator kept across its reduction.
 void product(AttentionProduct pr, int col_extent, int row_extent, int vec) {
   const int VN = std::min(2 * vec, col_extent), RT = std::min(8, row_extent), lanes = lanes_dividing(VN, vec);
   Var co("co"), ci("ci"), ro("ro"), rr("rr");
