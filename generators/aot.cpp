@@ -221,8 +221,13 @@ int run(const Options& o, const ModelBuilder& build) {
     throw UserError("error: --sp " + std::to_string(o.sp) + " but schedule \"" + sched.name + "\" says mesh sp=" +
                     std::to_string(sched.mesh.sp) + ".\nfix: drop SP from halyard_add_model, or make them agree.");
   if (o.sp > 0) sched.mesh.sp = o.sp;
-  // The library kernels are CPU code.
-  if (parse_target(o.target).has_gpu_feature()) sched.attention_kernel = sched.weight_grad_kernel = "halide";
+  // The library kernels are CPU code; the runtime's GEMM is cuBLAS.
+  const bool gpu = parse_target(o.target).has_gpu_feature();
+  if (gpu) sched.attention_kernel = sched.weight_grad_kernel = "halide";
+  if (!gpu && sched.contract_kernel == "cublas")
+    throw UserError("error: schedule \"" + sched.name + "\" says contract_kernel \"cublas\", but target \"" + o.target +
+                    "\" is a CPU.\nlegal: \"auto\" or \"halide\" for CPU targets (\"cublas\" needs a CUDA target).");
+  if (gpu && sched.contract_kernel == "auto") sched.contract_kernel = "cublas";
   Plan p = plan(build, {o.config, o.batch, o.seq}, sched, cluster);
   if (!o.schedule_out.empty()) {  // the schedule built, as a file a user can pin and edit
     std::ofstream out(o.schedule_out);
@@ -288,7 +293,8 @@ int run(const Options& o, const ModelBuilder& build) {
     const Stage& st = *kernels[k];
     const auto k0 = std::chrono::steady_clock::now();
     const bool autoschedule = !sched.autoscheduler.empty() && !target.has_gpu_feature();
-    LoweredStage ls = lower_stage(g, st, autoschedule, sched.kernel_tiles, target.natural_vector_size(Halide::Float(32)));
+    LoweredStage ls = lower_stage(g, st, autoschedule, sched.kernel_tiles, target.natural_vector_size(Halide::Float(32)),
+                                  gpu ? Halide::DeviceAPI::CUDA : Halide::DeviceAPI::Host);
     set_estimates(ls, g, st);
     if (autoschedule) {
       Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"},

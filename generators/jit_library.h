@@ -5,14 +5,25 @@
 
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
+#include "runtime/gemm.h"
 #include "runtime/gemm_cpu.h"
 
 namespace halyard {
 
-inline void use_library_kernels_in_jit() {
-  set_library_jit_externs({{"halyard_attention_forward", Halide::JITExtern(&halyard_attention_forward)},
-                           {"halyard_attention_backward", Halide::JITExtern(&halyard_attention_backward)},
-                           {"halyard_weight_grad", Halide::JITExtern(&halyard_weight_grad)}});
+inline std::map<std::string, Halide::JITExtern> library_kernels() {
+  return {{"halyard_attention_forward", Halide::JITExtern(&halyard_attention_forward)},
+          {"halyard_attention_backward", Halide::JITExtern(&halyard_attention_backward)},
+          {"halyard_weight_grad", Halide::JITExtern(&halyard_weight_grad)}};
+}
+
+inline void use_library_kernels_in_jit() { set_library_jit_externs(library_kernels()); }
+
+// The same and the runtime's GEMM (runtime/gemm.h: on the host, its
+// reference), for stages lowered with Stage::gemm. Link halyard_runtime.
+inline void use_library_kernels_and_gemm_in_jit() {
+  std::map<std::string, Halide::JITExtern> externs = library_kernels();
+  externs.emplace("halyard_gemm", Halide::JITExtern(&halyard_gemm));
+  set_library_jit_externs(std::move(externs));
 }
 
 }  // namespace halyard

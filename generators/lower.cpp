@@ -64,6 +64,7 @@ struct Ctx {
   bool for_autoscheduler;
   const KernelTiles& tiles;
   int panel;  // floats in a vector of the target: B's panels (ContractLayout)
+  DeviceAPI gemm_device;  // where the runtime's GEMM reads and writes (Stage::gemm)
   std::map<int, Func> funcs;
   std::map<std::string, Var> var_of;
 
@@ -108,6 +109,7 @@ struct Ctx {
   ExternFuncArgument buffer(int id, const std::string& name);
   void library_attention(int id, Func out);
   void library_weight_grad(int id, Func out);
+  void device_gemm(int id, Func out);
   Func norm_scale(int x, const std::string& axis, double eps, const std::string& tag);
   void attention(int id, Func out);
 };
@@ -273,6 +275,10 @@ Func Ctx::lower(int id) {
     case Op::Contract: {
       if (st.library && is_root) {
         library_weight_grad(id, f);
+        break;
+      }
+      if (st.gemm && is_root) {
+        device_gemm(id, f);
         break;
       }
       const TensorType& ta = type(in(0));
@@ -774,10 +780,32 @@ void Ctx::library_weight_grad(int id, Func out) {
   ls.funcs.library = call;
 }
 
+// A contraction through the runtime's GEMM (runtime/gemm.h): one extern
+// call on the stage's device writing the whole result, which the output
+// copies. The call's scalars say how each buffer's dimensions group into
+// the GEMM's M, N and K (schedules/partition.h: gemm_form); the runtime
+// reads the extents and strides from the buffers, which lets it take a
+// sequence tile's strided rows in place.
+void Ctx::device_gemm(int id, Func out) {
+  const Node& n = g.node(id);
+  GemmForm form;
+  HALYARD_CHECK(gemm_form(g, n, &form), "a device GEMM stage has the form gemm_form checks");
+  std::vector<ExternFuncArgument> args = {buffer(n.inputs[static_cast<size_t>(form.a)], "gemm_a"),
+                                          buffer(n.inputs[static_cast<size_t>(form.b)], "gemm_b"),
+                                          Expr(form.m_dims), Expr(form.n_dims), Expr(form.k_dims),
+                                          Expr(static_cast<int>(form.a_k_inner)), Expr(static_cast<int>(form.b_k_inner))};
+  for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.k.size() ? form.k[k] : 1)));
+  const std::vector<Var> vs = vars(n.type.axis_names());
+  Func call("gemm_library");
+  call.define_extern("halyard_gemm", args, Float(32), vs, NameMangling::C, gemm_device);
+  out(vs) = call(vs);
+  ls.funcs.library = call;
+}
+
 }  // namespace
 
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles,
-                         int vector_floats) {
+                         int vector_floats, DeviceAPI gemm_device) {
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
@@ -785,7 +813,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.args.push_back(ls.inputs.back());
   }
   const int panel = vector_floats > 0 ? vector_floats : Halide::get_host_target().natural_vector_size(Halide::Float(32));
-  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, {}, {}};
+  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, gemm_device, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
   if (ls.funcs.attn.kind >= 0) {

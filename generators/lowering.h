@@ -73,9 +73,12 @@ struct LoweredStage {
 // Library kernels are extern stages; their addresses are set as the
 // pipeline's JIT externs, so JIT and AOT callers alike need nothing more.
 // vector_floats: the target's vector of floats (0: the host's), the width
-// of a contraction's panels of B.
+// of a contraction's panels of B. gemm_device: where a Stage::gemm
+// contraction's call to the runtime's GEMM (runtime/gemm.h) runs: CUDA for
+// CUDA targets (cuBLAS); Host runs the runtime's reference GEMM, which the
+// tests compare with Halide's.
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false, const KernelTiles& tiles = {},
-                         int vector_floats = 0);
+                         int vector_floats = 0, Halide::DeviceAPI gemm_device = Halide::DeviceAPI::Host);
 
 // The data caches the CPU schedules size their blocks by. Halide's Target
 // carries no cache sizes, so they are read from the build host (sysfs); the

@@ -80,6 +80,15 @@ void schedule_small(Func f, int vec) {
   }
 }
 
+// The widest vector, up to vec lanes, that divides a column tile of n: a
+// vector that does not divide it rounds the tile up and reads past the
+// edge of an input (head_dim 24 on AVX-512 read q up to element 31).
+int lanes_dividing(int n, int vec) {
+  int lanes = vec;
+  while (lanes > 1 && n % lanes != 0) lanes /= 2;
+  return lanes;
+}
+
 void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int vec, const CacheSizes& caches) {
   StageFuncs& F = ls.funcs;
   const Node& n = g.node(st.root);
@@ -102,6 +111,9 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
       break;
     }
   const int VN = std::min(2 * vec, extent(0));
+  // A tile narrower than two vectors (24 columns on AVX-512) is vectorized
+  // by what divides it, or a read past B's edge.
+  const int lanes = VN < vec ? VN : lanes_dividing(VN, vec);
   // A weight gradient (below) tiles its rows exactly, with no tail: rows a
   // multiple of the register tile. 6 rows (the AVX2 tile) divide few of the
   // model's widths (160, 256), so such a sum takes the largest tile from 2
@@ -147,7 +159,7 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
     }
     C.parallel(p);
     for (Func s : F.staged) s.compute_at(C, p).vectorize(s.args().front(), vec, kGuard);
-    C.vectorize(ci, std::min(vec, VN)).unroll(ri);
+    C.vectorize(ci, lanes).unroll(ri);
     // A weight gradient sums over tokens, an outer axis of both operands:
     // every step of the sum reads a new cache line of each, at strides of a
     // power-of-two row (1 or 3 KiB here) that map onto a few cache sets. So
@@ -162,7 +174,7 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
     const auto sum_extent = blocked ? Internal::as_const_int(F.contract_rdom[0].extent()) : std::nullopt;
     if (sum_extent && *sum_extent >= 2 * KC) {
       acc.compute_at(C, p);
-      acc.vectorize(col, std::min(vec, VN));
+      acc.vectorize(col, lanes);
       Var aco("aco"), aci("aci"), aro("aro"), ari("ari"), u("u");
       RVar rk = F.contract_rdom[0], rko("rko"), rki("rki");
       Func blk = acc.update().split(rk, rko, rki, KC, TailStrategy::GuardWithIf).rfactor(rko, u);
@@ -173,11 +185,11 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
           .split(col, aco, aci, VN, TailStrategy::RoundUp)
           .split(row, aro, ari, RT, TailStrategy::RoundUp)
           .reorder(aci, ari, aro, aco, rko)
-          .vectorize(aci, std::min(vec, VN))
+          .vectorize(aci, lanes)
           .unroll(aci)
           .unroll(ari);
-      blk.compute_at(acc, aro).vectorize(col, std::min(vec, VN)).unroll(row);
-      blk.update().reorder(col, row, rki).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
+      blk.compute_at(acc, aro).vectorize(col, lanes).unroll(row);
+      blk.update().reorder(col, row, rki).vectorize(col, lanes).unroll(col).unroll(row);
     } else if (!F.contract_panel_vars.empty()) {
       // The tile's accumulators: a vector per panel and row.
       const Var vi = F.contract_panel_vars[0], vo = F.contract_panel_vars[1];
@@ -188,27 +200,18 @@ void schedule_contract(LoweredStage& ls, const Graph& g, const Stage& st, int ve
       acc.update().reorder(red).vectorize(vi, vec).unroll(vo).unroll(row);
     } else {
       acc.compute_at(C, ro);
-      acc.vectorize(col, std::min(vec, VN)).unroll(row);
+      acc.vectorize(col, lanes).unroll(row);
       std::vector<VarOrRVar> red = {col, row};
       for (int d = 0; d < F.contract_rdom.dimensions(); ++d) red.push_back(F.contract_rdom[d]);
-      acc.update().reorder(red).vectorize(col, std::min(vec, VN)).unroll(col).unroll(row);
+      acc.update().reorder(red).vectorize(col, lanes).unroll(col).unroll(row);
     }
   } else {
-    C.split(col, co, ci, VN, TailStrategy::ShiftInwards).vectorize(ci, std::min(vec, VN));
+    C.split(col, co, ci, VN, TailStrategy::ShiftInwards).vectorize(ci, lanes);
     if (rank > 1) C.parallel(vars.back());
-    acc.compute_at(C, co).vectorize(col, std::min(vec, VN));
-    acc.update().vectorize(col, std::min(vec, VN));
+    acc.compute_at(C, co).vectorize(col, lanes);
+    acc.update().vectorize(col, lanes);
     for (Func s : F.staged) s.compute_root();
   }
-}
-
-// The widest vector, up to vec lanes, that divides a column tile of n: a
-// vector that does not divide it rounds the tile up and reads past the
-// edge of an input (head_dim 24 on AVX-512 read q up to element 31).
-int lanes_dividing(int n, int vec) {
-  int lanes = vec;
-  while (lanes > 1 && n % lanes != 0) lanes /= 2;
-  return lanes;
 }
 
 // Register-blocks a product of two matrices computed per tile: `col`

@@ -1,7 +1,8 @@
 // A GPU-legal schedule for CUDA targets: every Func that is not inlined is
 // computed at root and tiled over GPU blocks and threads. It is correct, not
 // fast: it exists so that every model AOT-compiles for CUDA today; tuned GPU
-// schedules (and cuBLAS for the matmuls) replace it when GPU training lands.
+// schedules replace it when GPU training lands. Contractions of GEMM form
+// call cuBLAS instead (Schedule::contract_kernel, runtime/gemm.h).
 #include "generators/lowering.h"
 
 namespace halyard {
@@ -46,6 +47,7 @@ void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
   if (F.attn.out_acc.defined()) all.push_back(F.attn.out_acc);
   if (F.contract_acc.defined()) all.push_back(F.contract_acc);
   for (Func f : all) on_gpu(f);
+  if (F.library.defined()) F.library.compute_root();  // the runtime's GEMM, an extern stage on the device
   on_gpu(F.out);
   for (Func f : F.extra_outs) on_gpu(f);
 }

@@ -95,6 +95,49 @@ bool weight_grad_form(const Graph& g, const Node& n, WeightGradForm* form) {
   return true;
 }
 
+bool gemm_form(const Graph& g, const Node& n, GemmForm* form) {
+  if (n.op != Op::Contract || n.type.rank() == 0 || n.type.dtype != DType::f32) return false;
+  const TensorType &t0 = g.node(n.inputs[0]).type, &t1 = g.node(n.inputs[1]).type;
+  if (t0.dtype != DType::f32 || t1.dtype != DType::f32) return false;
+  const std::vector<std::string> out = n.type.axis_names();
+  // A holds the output's outermost axis; its kept axes are the output's first run.
+  const int a = t0.has(out.front()) ? 0 : 1, b = 1 - a;
+  const TensorType &ta = a ? t1 : t0, &tb = b ? t1 : t0;
+  size_t m = 0;
+  while (m < out.size() && ta.has(out[m]) && !tb.has(out[m])) ++m;
+  for (size_t i = m; i < out.size(); ++i)
+    if (!tb.has(out[i]) || ta.has(out[i])) return false;
+  const std::vector<std::string> kept_a(out.begin(), out.begin() + static_cast<std::ptrdiff_t>(m)),
+      kept_b(out.begin() + static_cast<std::ptrdiff_t>(m), out.end());
+  // An operand's axes as its kept run and its summed run, either first.
+  auto runs = [&](const TensorType& t, const std::vector<std::string>& kept, std::vector<std::string>& summed,
+                  bool& summed_inner) {
+    std::vector<std::string> k, names = t.axis_names();
+    for (const std::string& x : names) (n.type.has(x) ? k : summed).push_back(x);
+    if (k != kept || summed.empty()) return false;
+    std::vector<std::string> kept_first = kept, summed_first = summed;
+    kept_first.insert(kept_first.end(), summed.begin(), summed.end());
+    summed_first.insert(summed_first.end(), kept.begin(), kept.end());
+    summed_inner = names == kept_first;
+    return summed_inner || names == summed_first;
+  };
+  std::vector<std::string> sa, sb;
+  bool a_k_inner = false, b_k_inner = false;
+  if (kept_a.empty() || kept_b.empty() || !runs(ta, kept_a, sa, a_k_inner) || !runs(tb, kept_b, sb, b_k_inner) ||
+      sa != sb)
+    return false;
+  if (kept_a.size() > 3 || kept_b.size() > 3 || sa.size() > 3) return false;
+  if (form) {
+    form->a = a, form->b = b;
+    form->m_dims = static_cast<int>(kept_a.size()), form->n_dims = static_cast<int>(kept_b.size());
+    form->k_dims = static_cast<int>(sa.size());
+    form->a_k_inner = a_k_inner, form->b_k_inner = b_k_inner;
+    form->k.clear();
+    for (auto it = sa.rbegin(); it != sa.rend(); ++it) form->k.push_back(ta.size(*it));
+  }
+  return true;
+}
+
 Partition partition(const Graph& g, const std::vector<int>& outputs, const Schedule& s) {
   const int n = g.size();
   // Nodes the outputs depend on, and their consumers among those.
@@ -225,6 +268,8 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     // computed once, whole, into a copy (the plan counts it as scratch).
     if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;
     if (st.library) st.signature += "+library";
+    st.gemm = !st.library && s.contract_kernel == "cublas" && gemm_form(g, node);
+    if (st.gemm) st.signature += "+gemm";
     if (auto it = lse_of.find(id); it != lse_of.end()) {
       st.extra_outputs.push_back(it->second);
       st.signature += "+lse:" + g.node(it->second).type.str();

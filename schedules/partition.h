@@ -40,6 +40,9 @@ struct Stage {
   // writes dK, then dV and dQ as extra outputs) or a weight gradient
   // (runtime/gemm_cpu.h, the schedule's weight_grad_kernel).
   bool library = false;
+  // The contraction is one call of the runtime's device GEMM (runtime/gemm.h,
+  // cuBLAS; the schedule's contract_kernel): it has gemm_form.
+  bool gemm = false;
   // A value the kernel reads or computes, or all it writes together, holds
   // 2^31 bytes or more: it is compiled with 64-bit addressing (Halide's
   // large_buffers).
@@ -56,6 +59,21 @@ struct WeightGradForm {
   std::vector<int64_t> tokens; // the summed axes' sizes, innermost first
 };
 bool weight_grad_form(const Graph& g, const Node& n, WeightGradForm* form = nullptr);
+
+// A contraction that is one GEMM over its operands' buffers, read in place:
+// out[m..., n...] = sum over k... of A * B, where A holds the output's outer
+// (m) axes and B its inner (n) ones, neither holds the other's, and each
+// operand's axes are two runs: its kept ones in the output's order, and the
+// summed ones (in the same order in both), either run first. Row-major, A is
+// [M, K] (a_k_inner) or [K, M], and B [N, K] (b_k_inner) or [K, N]. At most
+// 3 axes in a run (the runtime's descriptor), f32, no axis in all three.
+struct GemmForm {
+  int a = -1, b = -1;                     // which input is A, which B
+  int m_dims = 0, n_dims = 0, k_dims = 0;
+  bool a_k_inner = false, b_k_inner = false;
+  std::vector<int64_t> k;                 // the summed axes' sizes, innermost first
+};
+bool gemm_form(const Graph& g, const Node& n, GemmForm* form = nullptr);
 
 // How a Halide-lowered contraction (not a library one) reads its operands;
 // generators/lower.cpp builds it so and the plan counts its copies. B, the

@@ -219,6 +219,7 @@ std::string Schedule::to_json() const {
   if (autoscheduler_beam_size != Schedule{}.autoscheduler_beam_size) j["autoscheduler_beam_size"] = autoscheduler_beam_size;
   if (attention_kernel != "library") j["attention_kernel"] = attention_kernel;
   if (weight_grad_kernel != "library") j["weight_grad_kernel"] = weight_grad_kernel;
+  if (contract_kernel != "auto") j["contract_kernel"] = contract_kernel;
   if (kernel_tiles != KernelTiles{})
     j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
                          {"attention_keys", kernel_tiles.attention_keys}};
@@ -244,6 +245,7 @@ std::string Schedule::str() const {
     s += " (beam " + std::to_string(autoscheduler_beam_size) + ")";
   if (attention_kernel != "library") s += ", " + attention_kernel + " attention kernels";
   if (weight_grad_kernel != "library") s += ", " + weight_grad_kernel + " weight-gradient kernels";
+  if (contract_kernel != "auto") s += ", " + contract_kernel + " contractions";
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
   if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
   return s;
@@ -379,6 +381,10 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       s.weight_grad_kernel = v.get<std::string>();
       if (std::find(attention_kernels().begin(), attention_kernels().end(), s.weight_grad_kernel) == attention_kernels().end())
         bad(what, "weight_grad_kernel \"" + s.weight_grad_kernel + "\".\nlegal: " + join(attention_kernels()) + ".");
+    } else if (key == "contract_kernel" && v.is_string()) {
+      s.contract_kernel = v.get<std::string>();
+      if (std::find(contract_kernels().begin(), contract_kernels().end(), s.contract_kernel) == contract_kernels().end())
+        bad(what, "contract_kernel \"" + s.contract_kernel + "\".\nlegal: " + join(contract_kernels()) + ".");
     } else if (key == "loss_seq_tile") {
       s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
@@ -397,7 +403,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), contract_kernel (\"auto\" | \"cublas\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
@@ -435,6 +441,11 @@ const std::vector<std::string>& Schedule::sequence_layouts() {
 
 const std::vector<std::string>& Schedule::attention_kernels() {
   static const std::vector<std::string> names = {"library", "halide"};
+  return names;
+}
+
+const std::vector<std::string>& Schedule::contract_kernels() {
+  static const std::vector<std::string> names = {"auto", "cublas", "halide"};
   return names;
 }
 

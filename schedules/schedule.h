@@ -117,6 +117,13 @@ struct Schedule {
   // get Halide's.
   std::string weight_grad_kernel = "library";
   bool library_weight_grad() const { return weight_grad_kernel == "library" && autoscheduler.empty(); }
+  // Contractions that are one GEMM over their buffers (schedules/partition.h:
+  // gemm_form): "cublas" (the runtime's device GEMM, runtime/gemm.h, through
+  // cuBLAS; CUDA targets only), "halide" (generated), or "auto" (the
+  // default): cuBLAS on CUDA targets, Halide's on CPU ones (halyard_aot
+  // makes it "cublas" for a CUDA target before it plans).
+  std::string contract_kernel = "auto";
+  static const std::vector<std::string>& contract_kernels();
 
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;

@@ -140,7 +140,8 @@ run() {
     echo "$why" >"$results/device.txt"
   fi
 
-  # NCCL (and cuBLAS, cuDNN for later) come from the node's PyTorch wheels.
+  # NCCL and cuBLAS (which runtime/gemm.cpp opens at run time) come from the
+  # node's PyTorch wheels.
   local py=python3 libdirs
   if ! $py -c 'import torch' 2>/dev/null; then py=""; fi
   if [[ -n $py ]]; then

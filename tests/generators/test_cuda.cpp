@@ -61,6 +61,13 @@ TEST(Cuda, LibrariesWereBuiltForCuda) {
   EXPECT_NE(std::string(halyard_models::tiny_llama_cuda().target).find("cuda_capability_80"), std::string::npos);
 }
 
+// Every contraction of GEMM form calls cuBLAS (runtime/gemm.h): halyard_aot
+// makes the schedule's "auto" contract_kernel "cublas" for a CUDA target.
+TEST(Cuda, ContractionsCallCublas) {
+  for (const runtime::ModelSpec* spec : {&halyard_models::llama_micro_cuda(), &halyard_models::tiny_llama_cuda()})
+    EXPECT_NE(std::string(spec->schedule).find("cublas contractions"), std::string::npos) << spec->schedule;
+}
+
 TEST(Cuda, MicroLlamaTrainStepMatchesTorchOnDevice) {
   HALYARD_NEED_GPU();
   auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));

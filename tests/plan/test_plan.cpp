@@ -119,11 +119,12 @@ TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
       "split_sequence": "sp", "attention": [{"match": "model.layers.*.self_attn", "strategy": "ulysses"}],
       "values": [{"match": "op:rms_norm", "compute": "inline"}, {"match": "model.layers.1.mlp op:contract", "keep": "recompute"}],
       "seq_tile": 256, "loss_seq_tile": 128, "kernel_tiles": {"attention_keys": 32}, "attention_kernel": "halide",
-      "weight_grad_kernel": "halide"})", "mine.json");
+      "weight_grad_kernel": "halide", "contract_kernel": "cublas"})", "mine.json");
   EXPECT_EQ(Schedule::parse(f.to_json(), "again"), f);
   EXPECT_EQ(f.mesh, (Mesh{2, 4, 1}));
   EXPECT_EQ(f.attention_kernel, "halide");
   EXPECT_EQ(f.weight_grad_kernel, "halide");
+  EXPECT_EQ(f.contract_kernel, "cublas");
   // The first vocabulary still reads, as the same rules.
   const auto old = Schedule::parse(R"({"name": "checkpoint", "recompute": ["rms_norm", "rope", "silu", "mul"], "checkpoint": true})",
                                    "old.json").values;
@@ -163,6 +164,9 @@ TEST(Schedule, IllegalRulesNameTheValueTheRuleAndTheLegalChoices) {
               ::testing::AllOf(::testing::HasSubstr("attention_kernel \"cudnn\""), ::testing::HasSubstr("legal: library, halide")));
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"weight_grad_kernel": "cublas"})", "s"); }),
               ::testing::AllOf(::testing::HasSubstr("weight_grad_kernel \"cublas\""), ::testing::HasSubstr("legal: library, halide")));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"contract_kernel": "cublaslt"})", "s"); }),
+              ::testing::AllOf(::testing::HasSubstr("contract_kernel \"cublaslt\""),
+                               ::testing::HasSubstr("legal: auto, cublas, halide")));
 }
 
 // A Llama block's FLOPs, counted by hand, against the plan's stages.
