@@ -383,24 +383,31 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
   if (out.device) out.flags |= halide_buffer_flag_host_dirty;
 }
 
-double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
-  // The caller's token arrays need not be aligned; copy them (they are small).
-  const int32_t* inputs[4];
-  for (int k = 0; k < 4; ++k) {
-    auto* dst = reinterpret_cast<int32_t*>(tokens_.get() + k * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
-    std::memcpy(dst, caller_inputs[k], static_cast<size_t>(tokens()) * sizeof(int32_t));
-    inputs[k] = dst;
-  }
-  // Halide buffers over the caller's arrays, the parameters and the arena.
-  std::vector<halide_buffer_t> bufs(static_cast<size_t>(p.num_buffers));
-  std::vector<halide_dimension_t> dims(static_cast<size_t>(p.num_buffers * kMaxRank));
-  for (int b = 0; b < p.num_buffers; ++b) {
-    const BufferSpec& s = p.buffers[b];
-    halide_buffer_t& hb = bufs[static_cast<size_t>(b)];
+// A program's Halide buffers, made on its first step and kept: over the
+// token slots, the parameters, the gradients and the arena, whose addresses
+// never change. A GPU library's device allocations stay with them from
+// step to step (release_device frees them).
+struct Model::Bound {
+  std::vector<halide_buffer_t> bufs;
+  std::vector<halide_dimension_t> dims;
+};
+
+Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) {
+  std::unique_ptr<Bound>& slot = &p == &spec_.train ? train_bufs_ : forward_bufs_;
+  if (slot) return *slot;
+  auto fresh = std::make_unique<Bound>();
+  Bound& b = *fresh;
+  std::vector<halide_buffer_t>& bufs = b.bufs;
+  std::vector<halide_dimension_t>& dims = b.dims;
+  bufs.resize(static_cast<size_t>(p.num_buffers));
+  dims.resize(static_cast<size_t>(p.num_buffers * kMaxRank));
+  for (int i = 0; i < p.num_buffers; ++i) {
+    const BufferSpec& s = p.buffers[i];
+    halide_buffer_t& hb = bufs[static_cast<size_t>(i)];
     hb = halide_buffer_t{};
     hb.type = halide_type_of(s.type);
     hb.dimensions = s.rank;
-    hb.dim = &dims[static_cast<size_t>(b * kMaxRank)];
+    hb.dim = &dims[static_cast<size_t>(i * kMaxRank)];
     // Strides are 32-bit in halide_dimension_t (the generator refused any
     // that overflow); a dimension of one element is never stepped, so its
     // stride may be clamped.
@@ -429,6 +436,41 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       case Storage::View: break;
     }
   }
+  slot = std::move(fresh);
+  return *slot;
+}
+
+void Model::release_device(Bound* b) {
+  if (!b) return;
+  for (halide_buffer_t& hb : b->bufs)
+    if (hb.device) {
+      halide_device_free(nullptr, &hb);
+      ++times_.device_buffers_freed;
+    }
+}
+
+Model::~Model() {
+  release_device(train_bufs_.get());
+  release_device(forward_bufs_.get());
+}
+
+double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
+  // The caller's token arrays need not be aligned; copy them (they are small).
+  const int32_t* inputs[4];
+  for (int k = 0; k < 4; ++k) {
+    auto* dst = reinterpret_cast<int32_t*>(tokens_.get() + k * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+    std::memcpy(dst, caller_inputs[k], static_cast<size_t>(tokens()) * sizeof(int32_t));
+    inputs[k] = dst;
+  }
+  Bound& bound = bind(p, inputs);
+  std::vector<halide_buffer_t>& bufs = bound.bufs;
+  // A GPU step reads the tokens and the parameters anew (the host wrote
+  // them since); every other device buffer keeps what the last step left.
+  for (int b = 0; b < p.num_buffers; ++b) {
+    const Storage st = p.buffers[b].storage;
+    if (bufs[static_cast<size_t>(b)].device && (st == Storage::Input || st == Storage::Param))
+      bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
+  }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
   if (profile) {
     static std::once_flag once;
@@ -440,6 +482,8 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   std::ostringstream prof;
   exchanges_.clear();  // left by a step that failed
   times_ = StepTimes{};
+  // Eval and training alternate rarely: the other program's device buffers go.
+  release_device(&p == &spec_.train ? forward_bufs_.get() : train_bufs_.get());
   const auto step_start = std::chrono::steady_clock::now();
   auto since = [](std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -574,13 +618,10 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     }
   }
   for (auto& f : grad_sums) finish(f, times_.grads);
-  // GPU kernels leave results on the device: bring outputs home, free the rest.
-  for (halide_buffer_t& hb : bufs) {
-    if (!hb.device) continue;
-    to_host(hb);
-    halide_device_free(nullptr, &hb);
-    ++times_.device_buffers_freed;
-  }
+  // GPU kernels leave results on the device: what the caller reads (the
+  // loss and the gradients) comes home; activations stay for the next step.
+  for (int b = 0; b < p.num_buffers; ++b)
+    if (b == p.loss || p.buffers[b].storage == Storage::Grad) to_host(bufs[static_cast<size_t>(b)]);
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh_->all_reduce_sum(grads_flat(), flat_size_);

@@ -47,6 +47,9 @@ class Model {
   // its own rows): the loss and gradients are summed over it. It defaults to
   // `sp` (dp = 1); its size must be a multiple of spec.sp.
   explicit Model(const ModelSpec& spec, Communicator* sp = nullptr, Communicator* mesh = nullptr);
+  ~Model();  // frees a GPU library's device buffers
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
 
   const ModelSpec& spec() const { return spec_; }
   int num_params() const { return spec_.num_params; }
@@ -98,8 +101,11 @@ class Model {
     double total_s = 0, attention_s = 0, other_kernels_s = 0;
     CommTime ring, all_to_all, grads, other;
     // A GPU library's traffic the executor causes (0 on CPU): buffers it
-    // copied from the device to the host (for collectives, tiles, and every
-    // result at the end of the step), and device buffers it freed at the end.
+    // copied from the device to the host (for collectives, tiles, and at
+    // the end of the step the loss and the gradients), and device buffers
+    // it freed (those of the other program, when a step follows an
+    // evaluation or the reverse; a program's buffers otherwise stay on the
+    // device from step to step).
     int64_t device_to_host_copies = 0, device_buffers_freed = 0;
   };
   const StepTimes& last_step_times() const { return times_; }
@@ -125,6 +131,9 @@ class Model {
 
  private:
   double run(const ProgramSpec& p, const int32_t* const inputs[4]);
+  struct Bound;
+  Bound& bind(const ProgramSpec& p, const int32_t* const inputs[4]);
+  void release_device(Bound* b);
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
@@ -144,6 +153,7 @@ class Model {
   const ModelSpec& spec_;
   std::vector<int64_t> offsets_;  // of each parameter in params_ and grads_
   Block params_, grads_, tokens_, arena_;
+  std::unique_ptr<Bound> train_bufs_, forward_bufs_;  // each program's buffers (bind)
   std::vector<int32_t> row_index_;  // each local token's index in the row [batch, local_seq]: the step's token_index
   int64_t arena_bytes_ = 0;
   int64_t flat_size_ = 0;
