@@ -10,6 +10,9 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <spawn.h>
+#include <unistd.h>
+#include <sys/wait.h>
 
 #include "dsl/autodiff.h"
 #include "schedules/sharding.h"
@@ -206,6 +209,23 @@ void check_strides(const Node& n) {
   }
 }
 
+// `ld -r`: the objects as one relocatable object, each keeping its local
+// symbols; the parts are removed once linked.
+void link_relocatable(const std::vector<std::string>& parts, const std::string& out) {
+  std::vector<std::string> args = {"ld", "-r", "-o", out};
+  args.insert(args.end(), parts.begin(), parts.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  int status = 0;
+  if (posix_spawnp(&pid, "ld", nullptr, nullptr, argv.data(), environ) != 0 || waitpid(pid, &status, 0) != pid ||
+      !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    throw UserError("error: linking the GPU kernels into \"" + out + "\" with `ld -r` failed" +
+                    (pid ? "" : " (no ld on PATH)") + ".\nfix: install binutils (Debian: apt-get install binutils).");
+  for (const std::string& p : parts) std::remove(p.c_str());
+}
+
 int run(const Options& o, const ModelBuilder& build) {
   Halide::Target target = parse_target(o.target).with_feature(Halide::Target::NoRuntime);
   if (o.runtime_only) {
@@ -222,12 +242,12 @@ int run(const Options& o, const ModelBuilder& build) {
                     std::to_string(sched.mesh.sp) + ".\nfix: drop SP from halyard_add_model, or make them agree.");
   if (o.sp > 0) sched.mesh.sp = o.sp;
   // The library kernels are CPU code; the runtime's GEMM is cuBLAS.
-  const bool gpu = parse_target(o.target).has_gpu_feature();
+  const bool gpu = parse_target(o.target).has_gpu_feature(), cuda = parse_target(o.target).has_feature(Halide::Target::CUDA);
   if (gpu) sched.attention_kernel = sched.weight_grad_kernel = "halide";
-  if (!gpu && sched.contract_kernel == "cublas")
+  if (!cuda && sched.contract_kernel == "cublas")
     throw UserError("error: schedule \"" + sched.name + "\" says contract_kernel \"cublas\", but target \"" + o.target +
-                    "\" is a CPU.\nlegal: \"auto\" or \"halide\" for CPU targets (\"cublas\" needs a CUDA target).");
-  if (gpu && sched.contract_kernel == "auto") sched.contract_kernel = "cublas";
+                    "\" has no CUDA.\nlegal: \"auto\" or \"halide\" here (\"cublas\" needs a CUDA target).");
+  if (cuda && sched.contract_kernel == "auto") sched.contract_kernel = "cublas";
   Plan p = plan(build, {o.config, o.batch, o.seq}, sched, cluster);
   if (!o.schedule_out.empty()) {  // the schedule built, as a file a user can pin and edit
     std::ofstream out(o.schedule_out);
@@ -294,7 +314,7 @@ int run(const Options& o, const ModelBuilder& build) {
     const auto k0 = std::chrono::steady_clock::now();
     const bool autoschedule = !sched.autoscheduler.empty() && !target.has_gpu_feature();
     LoweredStage ls = lower_stage(g, st, autoschedule, sched.kernel_tiles, target.natural_vector_size(Halide::Float(32)),
-                                  gpu ? Halide::DeviceAPI::CUDA : Halide::DeviceAPI::Host);
+                                  cuda ? Halide::DeviceAPI::CUDA : Halide::DeviceAPI::Host);
     set_estimates(ls, g, st);
     if (autoschedule) {
       Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"},
@@ -311,8 +331,22 @@ int run(const Options& o, const ModelBuilder& build) {
     std::printf("  %-16s %5.2fs  %s\n", fn.c_str(), secs, label(g, st.root, st.extra_outputs).c_str());
     if (std::getenv("HALYARD_AOT_VERBOSE")) std::printf("      %s\n", st.signature.c_str());
   }
-  Halide::link_modules(o.name + "_kernels", modules)
-      .compile({{Halide::OutputFileType::object, o.out + "/" + o.name + "_kernels.o"}});
+  const std::string kernels_o = o.out + "/" + o.name + "_kernels.o";
+  if (!target.has_gpu_feature()) {
+    Halide::link_modules(o.name + "_kernels", modules).compile({{Halide::OutputFileType::object, kernels_o}});
+  } else {
+    // Halide 21's link_modules gives every GPU module of the link one device
+    // state and one kernel source (the first call that runs wins, and every
+    // other kernel is missing from its program: CL_INVALID_KERNEL_NAME, seen
+    // on the OpenCL target, and the same relocations on CUDA). So each GPU
+    // kernel is its own object, and `ld -r` makes them one.
+    std::vector<std::string> parts;
+    for (size_t k = 0; k < modules.size(); ++k) {
+      parts.push_back(o.out + "/" + o.name + "_k" + std::to_string(k) + ".o");
+      modules[k].compile({{Halide::OutputFileType::object, parts.back()}});
+    }
+    link_relocatable(parts, kernels_o);
+  }
 
   // The header and the program tables.
   const std::string guard = "HALYARD_MODEL_" + o.name + "_H";

@@ -145,6 +145,8 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
   // Halide's kernels run in the device's primary context, on the runtime's
   // stream, where cuBLAS, cuDNN and NCCL can reach their buffers.
   if (spec.target && std::string_view(spec.target).find("cuda") != std::string_view::npos) use_runtime_cuda_context();
+  for (const char* api : {"cuda", "opencl", "metal", "vulkan", "d3d12", "webgpu"})
+    gpu_ = gpu_ || (spec.target && std::string_view(spec.target).find(api) != std::string_view::npos);
   if (!mesh_) mesh_ = comm;
   if (mesh_ && mesh_->size() % spec.sp != 0)
     throw Error("error: model \"" + std::string(spec.name) + "\" splits the sequence over sp=" + std::to_string(spec.sp) +
@@ -320,7 +322,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   } else {
     run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *over, scratch_);
   }
-  if (out.device) out.flags |= halide_buffer_flag_host_dirty;
+  if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
 }
 
 // Ring attention's block pass: rank r sends its buffer to r + direction and
@@ -336,6 +338,7 @@ void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer
   for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[out_index];
+  if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // written on the host, read by kernels after its wait
   if (!over) {  // one rank: its own block comes back
     std::memcpy(out.host, in.host, static_cast<size_t>(n) * 4);
     return;
@@ -380,7 +383,7 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
       std::memcpy(out.host + (r * o.shape[d] + at) * inner, in.host + r * len * inner, static_cast<size_t>(len * inner));
     at += len;
   }
-  if (out.device) out.flags |= halide_buffer_flag_host_dirty;
+  if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
 }
 
 // A program's Halide buffers, made on its first step and kept: over the
@@ -465,11 +468,11 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   Bound& bound = bind(p, inputs);
   std::vector<halide_buffer_t>& bufs = bound.bufs;
   // A GPU step reads the tokens and the parameters anew (the host wrote
-  // them since); every other device buffer keeps what the last step left.
-  for (int b = 0; b < p.num_buffers; ++b) {
+  // them since): Halide uploads a buffer only when it is host-dirty, also
+  // the first time. Every other device buffer keeps what the last step left.
+  for (int b = 0; b < p.num_buffers && gpu_; ++b) {
     const Storage st = p.buffers[b].storage;
-    if (bufs[static_cast<size_t>(b)].device && (st == Storage::Input || st == Storage::Param))
-      bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
+    if (st == Storage::Input || st == Storage::Param) bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
   }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
   if (profile) {
@@ -531,8 +534,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // backward finishes them roughly in that order), each started once all of
   // its gradients are final. Host memory only: a GPU step's gradients come
   // home at the end.
-  const bool grads_in_background = bg && &p == &spec_.train && reduce_grads_ && mesh_ &&
-                                   std::string_view(spec_.target).find("cuda") == std::string_view::npos &&
+  const bool grads_in_background = bg && &p == &spec_.train && reduce_grads_ && mesh_ && !gpu_ &&
                                    p.num_calls > 0 && p.calls[p.num_calls - 1].kind == CallKind::AllReduceGrads;
   std::vector<bool> final_grad(static_cast<size_t>(spec_.num_params), false);
   int bucket_lo = spec_.num_params, bucket_hi = spec_.num_params;  // params [lo, hi) final, not yet summed
@@ -593,7 +595,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       if (s.storage == Storage::View) {  // a GPU kernel sees a view's rows through a fresh copy of them
         halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];
         to_host(of);
-        if (hb.device) hb.flags |= halide_buffer_flag_host_dirty;
+        if (gpu_) hb.flags |= halide_buffer_flag_host_dirty;
       }
       argv.push_back(&hb);
     }

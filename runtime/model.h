@@ -154,6 +154,7 @@ class Model {
   std::vector<int64_t> offsets_;  // of each parameter in params_ and grads_
   Block params_, grads_, tokens_, arena_;
   std::unique_ptr<Bound> train_bufs_, forward_bufs_;  // each program's buffers (bind)
+  bool gpu_ = false;  // a GPU target's library: its kernels read and write device buffers
   std::vector<int32_t> row_index_;  // each local token's index in the row [batch, local_seq]: the step's token_index
   int64_t arena_bytes_ = 0;
   int64_t flat_size_ = 0;

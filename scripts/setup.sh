@@ -16,6 +16,7 @@ apt_packages=(build-essential pkg-config python3-venv python3-dev
   libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin nlohmann-json3-dev ninja-build
   clang-16 libclang-rt-16-dev  # scripts/sanitize.sh: ASan, UBSan, libFuzzer
+  ocl-icd-libopencl1 pocl-opencl-icd  # OpenCL on the CPU: the GPU schedule and device path run in tests
   bible-kjv)  # the main job's corpus: the King James Bible (public domain), 4.3 MB of text
 
 missing=()
