@@ -20,6 +20,7 @@
 #include "runtime/cuda_probe.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
+#include "tests/device_step.h"
 #include "tiny_llama_cpu_s256.h"
 #include "tiny_llama_cuda.h"
 
@@ -72,24 +73,15 @@ TEST(Cuda, MicroLlamaTrainStepMatchesTorchOnDevice) {
   HALYARD_NEED_GPU();
   auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
   runtime::Model m(halyard_models::llama_micro_cuda());
-  for (int i = 0; i < m.num_params(); ++i) {
-    auto w = st.to_f32(m.param_spec(i).name);
-    std::copy(w.begin(), w.end(), m.param(i));
-  }
+  testing::load_params(m, st);
   auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
   const double loss = m.train_step(ids.data(), labels.data(), pos.data());
   const double want = st.to_f64("loss")[0];
   std::printf("  cuda loss %.9f vs torch %.9f\n", loss, want);
   EXPECT_LE(std::abs(loss - want) / want, 1e-4);
-  for (int i = 0; i < m.num_params(); ++i) {
-    auto ref = st.to_f64(std::string("grad/") + m.param_spec(i).name);
-    double diff = 0, scale = 1e-30;
-    for (size_t k = 0; k < ref.size(); ++k) {
-      diff = std::max(diff, std::abs(m.grad(i)[k] - ref[k]));
-      scale = std::max(scale, std::abs(ref[k]));
-    }
-    EXPECT_LE(diff / scale, 1e-4) << m.param_spec(i).name;
-  }
+  for (int i = 0; i < m.num_params(); ++i)
+    EXPECT_LE(testing::rel_diff(m.grad(i), st.to_f64(std::string("grad/") + m.param_spec(i).name)), 1e-4)
+        << m.param_spec(i).name;
 }
 
 TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
@@ -142,12 +134,7 @@ TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
               static_cast<long long>(t.device_buffers_freed));
   EXPECT_LE(after_eleven - after_first, int64_t{4} << 20);
   EXPECT_EQ(t.device_buffers_freed, 0);
-  int collectives = 0;  // each copies its input home (one rank's token count included)
-  for (int c = 0; c < dev.spec().train.num_calls; ++c) {
-    const runtime::CallKind k = dev.spec().train.calls[c].kind;
-    collectives += k != runtime::CallKind::Kernel && k != runtime::CallKind::Wait && k != runtime::CallKind::AllReduceGrads;
-  }
-  EXPECT_LE(t.device_to_host_copies, dev.num_params() + 1 + collectives);
+  EXPECT_LE(t.device_to_host_copies, dev.num_params() + 1 + testing::collectives(dev.spec().train));
 }
 
 // A CUDA model hands Halide the device's primary context and the runtime's

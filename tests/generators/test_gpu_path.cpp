@@ -21,7 +21,7 @@
 #include <string>
 
 #include "llama_micro_opencl.h"
-#include "runtime/safetensors.h"
+#include "tests/device_step.h"
 #include "tests/generators/sp_check.h"
 #include "tiny_opencl_sp2_s126_tiled.h"
 #include "tiny_sp1_s126.h"
@@ -33,25 +33,6 @@ constexpr double kTolerance = 1e-4;  // the GPU schedule sums in another order t
 
 std::string fixture(const std::string& name) { return std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/" + name; }
 
-double rel(const float* got, const std::vector<double>& want) {
-  double diff = 0, scale = 1e-30;
-  for (size_t k = 0; k < want.size(); ++k) {
-    diff = std::max(diff, std::abs(got[k] - want[k]));
-    scale = std::max(scale, std::abs(want[k]));
-  }
-  return diff / scale;
-}
-
-// Collectives copy their input home (one rank's token count included).
-int collectives(const runtime::ProgramSpec& p) {
-  int n = 0;
-  for (int c = 0; c < p.num_calls; ++c) {
-    const runtime::CallKind k = p.calls[c].kind;
-    n += k != runtime::CallKind::Kernel && k != runtime::CallKind::Wait && k != runtime::CallKind::AllReduceGrads;
-  }
-  return n;
-}
-
 TEST(GpuPath, LibrariesAreOpenClBuildsOfTheGpuSchedule) {
   const std::string t = halyard_models::llama_micro_opencl().target;
   EXPECT_NE(t.find("opencl"), std::string::npos) << t;
@@ -61,10 +42,7 @@ TEST(GpuPath, LibrariesAreOpenClBuildsOfTheGpuSchedule) {
 TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
   runtime::Model m(halyard_models::llama_micro_opencl());
-  for (int i = 0; i < m.num_params(); ++i) {
-    auto w = st.to_f32(m.param_spec(i).name);
-    std::copy(w.begin(), w.end(), m.param(i));
-  }
+  testing::load_params(m, st);
   auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
   const double want = st.to_f64("loss")[0];
   std::vector<std::vector<double>> ref;
@@ -72,7 +50,7 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   auto check = [&](const char* when) {
     double worst = 0;
     for (int i = 0; i < m.num_params(); ++i) {
-      const double e = rel(m.grad(i), ref[static_cast<size_t>(i)]);
+      const double e = testing::rel_diff(m.grad(i), ref[static_cast<size_t>(i)]);
       worst = std::max(worst, e);
       EXPECT_LE(e, kTolerance) << when << ": " << m.param_spec(i).name;
     }
@@ -95,7 +73,7 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   const double again = m.train_step(ids.data(), labels.data(), pos.data());
   EXPECT_EQ(again, loss);
   EXPECT_EQ(t.device_buffers_freed, 0);
-  EXPECT_LE(t.device_to_host_copies, m.num_params() + 1 + collectives(m.spec().train));  // the loss, the gradients
+  EXPECT_LE(t.device_to_host_copies, m.num_params() + 1 + testing::collectives(m.spec().train));  // the loss, the gradients
   for (int i = 0; i < m.num_params(); ++i)
     EXPECT_TRUE(std::equal(first[static_cast<size_t>(i)].begin(), first[static_cast<size_t>(i)].end(), m.grad(i)))
         << "step 2 " << m.param_spec(i).name;
