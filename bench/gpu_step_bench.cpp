@@ -85,10 +85,12 @@ int main(int argc, char** argv) {
     const auto& t = m.last_step_times();
     std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"f32\","
                 "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
-                "\"peak_device_mib\":%.1f,\"device_to_host_copies\":%lld,\"device_buffers_freed\":%lld}\n",
+                "\"peak_device_mib\":%.1f,\"executor_blocks_mib\":%.1f,\"device_to_host_copies\":%lld,"
+                "\"device_buffers_freed\":%lld}\n",
                 json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, static_cast<long long>(m.spec().seq),
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
-                static_cast<double>(peak - baseline) / (1 << 20), static_cast<long long>(t.device_to_host_copies),
+                static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(m.device_bytes()) / (1 << 20),
+                static_cast<long long>(t.device_to_host_copies),
                 static_cast<long long>(t.device_buffers_freed));
   } catch (const std::exception& e) {
     gpu.stop_sampling();

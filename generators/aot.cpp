@@ -163,7 +163,9 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
     for (int d = 0; d < n.type.rank(); ++d) os << (d ? ", " : "") << n.type.axes[static_cast<size_t>(d)].size;
     const char* kind = b.kind == BufferKind::Input ? "Input" : b.kind == BufferKind::Param ? "Param"
                        : b.kind == BufferKind::Grad ? "Grad" : b.kind == BufferKind::View ? "View" : "Arena";
-    os << "}, Storage::" << kind << ", " << b.index << ", " << b.offset << ", " << b.dim << "},\n";
+    os << "}, Storage::" << kind << ", " << b.index << ", " << b.offset << ", " << b.dim;
+    if (b.host_offset >= 0) os << ", " << b.host_offset;
+    os << "},\n";
   }
   os << "};\nconst int " << tag << "_args[] = {";
   for (const PlannedCall& c : prog.calls)
@@ -171,6 +173,16 @@ void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Pr
   os << "};\nconst CallSpec " << tag << "_calls[] = {\n";
   size_t off = 0;
   for (const PlannedCall& c : prog.calls) {
+    if (c.move != PlannedCall::Move::None) {
+      const bool out = c.move == PlannedCall::Move::Evict;
+      const int node = prog.buffers[static_cast<size_t>(c.args[0])].node;
+      const Node& n = g.node(node);
+      os << "  {nullptr, " << (out ? "\"offload\", " : "\"reload\", ")
+         << cpp_string(n.name.empty() ? std::string(op_name(n.op)) + " %" + std::to_string(node) : n.name) << ", 1, "
+         << tag << "_args + " << off << ", " << (out ? "CallKind::Offload" : "CallKind::Reload") << ", nullptr, 0},\n";
+      off += c.args.size();
+      continue;
+    }
     const Stage& st = p.stages[static_cast<size_t>(c.stage)];
     const Op op = g.node(st.root).op;
     if (is_runtime_op(op)) {
@@ -244,6 +256,10 @@ int run(const Options& o, const ModelBuilder& build) {
   // The library kernels are CPU code; the runtime's GEMM is cuBLAS.
   const bool gpu = parse_target(o.target).has_gpu_feature(), cuda = parse_target(o.target).has_feature(Halide::Target::CUDA);
   if (gpu) sched.attention_kernel = sched.weight_grad_kernel = "halide";
+  if (!gpu && std::any_of(sched.values.begin(), sched.values.end(), [](const ValueRule& r) { return r.keep == "offload"; }))
+    throw UserError("error: schedule \"" + sched.name + "\" offloads values to host memory (keep \"offload\"), but target \"" +
+                    o.target + "\" is a CPU: its memory is host memory already.\nfix: keep \"save\" or \"recompute\" "
+                    "for CPU targets; offloading needs a GPU target (host-cuda, host-opencl).");
   if (!cuda && sched.contract_kernel == "cublas")
     throw UserError("error: schedule \"" + sched.name + "\" says contract_kernel \"cublas\", but target \"" + o.target +
                     "\" has no CUDA.\nlegal: \"auto\" or \"halide\" here (\"cublas\" needs a CUDA target).");
@@ -403,9 +419,9 @@ int run(const Options& o, const ModelBuilder& build) {
     << ", " << m.vocab << ", " << sp << ", " << local << ", " << m.ignore_index << ",\n  params, " << m.params.size() << ", " << kernels.size() << ",\n"
     << "  {train_buffers, " << train_prog.buffers.size() << ", train_calls, "
     << train_prog.calls.size() + (train_prog.reduce_grads ? 1 : 0) << ", "
-    << train_prog.arena_bytes << ", " << train_prog.loss << "},\n"
+    << train_prog.arena_bytes << ", " << train_prog.loss << ", " << train_prog.offload_bytes << "},\n"
     << "  {forward_buffers, " << fwd_prog.buffers.size() << ", forward_calls, " << fwd_prog.calls.size() << ", "
-    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << "},\n  " << cpp_string(summary) << ",\n  "
+    << fwd_prog.arena_bytes << ", " << fwd_prog.loss << ", " << fwd_prog.offload_bytes << "},\n  " << cpp_string(summary) << ",\n  "
     << cpp_string(sched.sequence_layout) << ", " << ulysses_degree << ",\n};\n}  // namespace\n\n"
     << "const halyard::runtime::ModelSpec& halyard_models::" << o.name << "() { return spec; }\n";
   std::printf("halyard_aot %s: done in %.1fs\n", o.name.c_str(),

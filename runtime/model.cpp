@@ -22,6 +22,7 @@
 #include "runtime/collectives.h"
 #include "runtime/cuda_context.h"
 #include "runtime/data.h"
+#include "runtime/device_memory.h"
 #include "runtime/error.h"
 
 namespace halyard::runtime {
@@ -193,6 +194,7 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
     if (last[static_cast<size_t>(i)] >= 0) grads_final_after_[static_cast<size_t>(last[static_cast<size_t>(i)])].push_back(i);
   arena_bytes_ = std::max(spec.train.arena_bytes, spec.forward.arena_bytes);
   arena_ = allocate(arena_bytes_);
+  offload_ = allocate(std::max(spec.train.offload_bytes, spec.forward.offload_bytes));
 }
 
 int64_t Model::all_to_all_bytes_sent() const {
@@ -277,6 +279,11 @@ double Model::forward_loss(const int32_t* ids, const int32_t* labels, const int3
   return run(spec_.forward, inputs);
 }
 
+void Model::to_host(const ProgramSpec& p, halide_buffer_t* bufs, int b) {
+  const BufferSpec& s = p.buffers[b];  // a view's rows are its buffer's, wherever it lives
+  to_host(bufs[s.storage == Storage::View ? s.index : b]);
+}
+
 void Model::to_host(halide_buffer_t& hb) {
   if (!hb.device || !(hb.flags & halide_buffer_flag_device_dirty)) return;
   if (int err = halide_copy_to_host(nullptr, &hb))
@@ -293,7 +300,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[call.args[1]];
   // Kernels of a GPU target leave results on the device; collectives move host memory.
-  to_host(in);
+  to_host(p, bufs, call.args[0]);
   // The call's mesh axis names its communicator: the sequence group, every
   // rank, or a hybrid step's Ulysses or ring groups.
   const std::string axis = call.mesh_axis ? call.mesh_axis : "";
@@ -323,6 +330,30 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *over, scratch_);
   }
   if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
+}
+
+// An offloaded value out to its host memory, or back to its device bytes,
+// which other buffers used in between. (Without a device the host copy is
+// the value: nothing moves.)
+void Model::offload(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
+  halide_buffer_t& hb = bufs[call.args[0]];
+  if (!hb.device) return;
+  const BufferSpec& s = p.buffers[call.args[0]];
+  int err = 0;
+  if (call.kind == CallKind::Offload) {
+    if (hb.flags & halide_buffer_flag_device_dirty) {
+      err = halide_copy_to_host(nullptr, &hb);
+      int64_t n = s.type == ElemType::F64 ? 8 : 4;
+      for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
+      times_.offloaded_bytes += n;
+    }
+  } else {
+    hb.flags |= halide_buffer_flag_host_dirty;
+    err = halide_copy_to_device(nullptr, &hb, hb.device_interface);
+  }
+  if (err)
+    throw Error("error: model \"" + std::string(spec_.name) + "\": " + call.kernel + " of " + s.name +
+                " failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
 }
 
 // Ring attention's block pass: rank r sends its buffer to r + direction and
@@ -377,7 +408,7 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
   int64_t at = 0;
   for (int t = 0; t < tiles; ++t) {
     halide_buffer_t& in = bufs[call.args[t]];
-    to_host(in);
+    to_host(p, bufs, call.args[t]);
     const int64_t len = p.buffers[call.args[t]].shape[d];
     for (int64_t r = 0; r < outer; ++r)
       std::memcpy(out.host + (r * o.shape[d] + at) * inner, in.host + r * len * inner, static_cast<size_t>(len * inner));
@@ -393,7 +424,14 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
 struct Model::Bound {
   std::vector<halide_buffer_t> bufs;
   std::vector<halide_dimension_t> dims;
+  std::vector<bool> aliased;  // its device memory is an alias into device_blocks_
 };
+
+int64_t Model::device_bytes() const {
+  int64_t n = 0;
+  for (const auto& b : device_blocks_) n += b->bytes();
+  return n;
+}
 
 Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) {
   std::unique_ptr<Bound>& slot = &p == &spec_.train ? train_bufs_ : forward_bufs_;
@@ -403,6 +441,7 @@ Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) 
   std::vector<halide_buffer_t>& bufs = b.bufs;
   std::vector<halide_dimension_t>& dims = b.dims;
   bufs.resize(static_cast<size_t>(p.num_buffers));
+  std::vector<std::pair<int, int64_t>> place(static_cast<size_t>(p.num_buffers), {-1, 0});
   dims.resize(static_cast<size_t>(p.num_buffers * kMaxRank));
   for (int i = 0; i < p.num_buffers; ++i) {
     const BufferSpec& s = p.buffers[i];
@@ -424,37 +463,72 @@ Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) 
       hb.dim[d] = halide_dimension_t(0, static_cast<int32_t>(extent), static_cast<int32_t>(std::min<int64_t>(stride, INT32_MAX)));
       stride *= extent;
     }
+    // Where its device memory lies: which of the executor's blocks
+    // (device_blocks_: parameters, gradients, tokens, arena), at what offset.
+    auto& [block, at] = place[static_cast<size_t>(i)];
     if (s.storage == Storage::View) {  // a tile: the rows of an earlier buffer, with its strides
       const halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];
       const int d = s.rank - 1 - s.dim;
       for (int k = 0; k < s.rank; ++k) hb.dim[k].stride = of.dim[k].stride;
-      hb.host = of.host + s.offset * of.dim[d].stride * of.type.bytes();
+      const int64_t rows = s.offset * of.dim[d].stride * of.type.bytes();
+      hb.host = of.host + rows;
+      block = place[static_cast<size_t>(s.index)].first;
+      at = place[static_cast<size_t>(s.index)].second + rows;
       continue;
     }
     switch (s.storage) {
-      case Storage::Input: hb.host = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(inputs[s.index])); break;
-      case Storage::Param: hb.host = params_.get() + offsets_[static_cast<size_t>(s.index)]; break;
-      case Storage::Grad: hb.host = grads_.get() + offsets_[static_cast<size_t>(s.index)]; break;
-      case Storage::Arena: hb.host = arena_.get() + s.offset; break;
+      case Storage::Input:
+        hb.host = reinterpret_cast<uint8_t*>(const_cast<int32_t*>(inputs[s.index]));
+        block = 2, at = hb.host - tokens_.get();
+        break;
+      case Storage::Param:
+      case Storage::Grad:
+        block = s.storage == Storage::Param ? 0 : 1, at = offsets_[static_cast<size_t>(s.index)];
+        hb.host = (s.storage == Storage::Param ? params_ : grads_).get() + at;
+        break;
+      case Storage::Arena:  // an offloaded value's host copy is not in the arena (step_program.h)
+        hb.host = s.host_offset >= 0 ? offload_.get() + s.host_offset : arena_.get() + s.offset;
+        block = 3, at = s.offset;
+        break;
       case Storage::View: break;
     }
   }
+  // A GPU step's device memory: the executor's blocks, made on the first
+  // step (not at construction: a CUDA library picks its device when its
+  // first kernel runs, cuda_context.h), and every buffer an alias into them.
+  b.aliased.assign(bufs.size(), false);
+  if (gpu_ && device_blocks_.empty()) {
+    if (const halide_device_interface_t* device = device_interface_of(spec_.target)) {
+      // Halide's own temporaries come from its pool, not a cudaMalloc per step.
+      halide_reuse_device_allocations(nullptr, true);
+      const int64_t token_bytes = 4 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t)));
+      for (int64_t bytes : {flat_size_ * 4, flat_size_ * 4, token_bytes, round_up(arena_bytes_)})
+        device_blocks_.push_back(std::make_unique<DeviceBlock>(device, bytes));
+    }
+  }
+  for (size_t i = 0; i < bufs.size() && !device_blocks_.empty(); ++i)  // (a tile's rows may start off OpenCL's alignment: then a copy)
+    b.aliased[i] = device_blocks_[static_cast<size_t>(place[i].first)]->alias(bufs[i], place[i].second, kAlign);
   slot = std::move(fresh);
   return *slot;
 }
 
-void Model::release_device(Bound* b) {
+void Model::release_device(Bound* b, bool aliases) {
   if (!b) return;
-  for (halide_buffer_t& hb : b->bufs)
-    if (hb.device) {
-      halide_device_free(nullptr, &hb);
-      ++times_.device_buffers_freed;
+  for (size_t i = 0; i < b->bufs.size(); ++i) {
+    halide_buffer_t& hb = b->bufs[i];
+    if (!hb.device) continue;
+    if (b->aliased[i]) {
+      if (aliases) release_alias(hb);
+      continue;
     }
+    halide_device_free(nullptr, &hb);
+    ++times_.device_buffers_freed;
+  }
 }
 
 Model::~Model() {
-  release_device(train_bufs_.get());
-  release_device(forward_bufs_.get());
+  release_device(train_bufs_.get(), true);
+  release_device(forward_bufs_.get(), true);
 }
 
 double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
@@ -485,8 +559,9 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   std::ostringstream prof;
   exchanges_.clear();  // left by a step that failed
   times_ = StepTimes{};
-  // Eval and training alternate rarely: the other program's device buffers go.
-  release_device(&p == &spec_.train ? forward_bufs_.get() : train_bufs_.get());
+  // Eval and training alternate rarely: the other program's device buffers
+  // go (those Halide allocated; both programs alias the same blocks).
+  release_device(&p == &spec_.train ? forward_bufs_.get() : train_bufs_.get(), false);
   const auto step_start = std::chrono::steady_clock::now();
   auto since = [](std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -572,6 +647,13 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       if (profile) prof << "  " << ms(since(t0)) << " ms  wait " << call.kernel << "  " << call.label << "\n";
       continue;
     }
+    if (call.kind == CallKind::Offload || call.kind == CallKind::Reload) {
+      const auto t0 = std::chrono::steady_clock::now();
+      offload(call, p, bufs.data());
+      times_.offload_s += since(t0);
+      if (profile) prof << "  " << ms(since(t0)) << " ms  " << call.kernel << "  " << call.label << "\n";
+      continue;
+    }
     if (call.kind != CallKind::Kernel) {
       const auto t0 = std::chrono::steady_clock::now();
       CommTime& t = time_of(call.kind);
@@ -592,10 +674,16 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     for (int a = 0; a < call.num_args; ++a) {
       halide_buffer_t& hb = bufs[static_cast<size_t>(call.args[a])];
       const BufferSpec& s = p.buffers[call.args[a]];
-      if (s.storage == Storage::View) {  // a GPU kernel sees a view's rows through a fresh copy of them
+      if (s.storage == Storage::View && gpu_) {
         halide_buffer_t& of = bufs[static_cast<size_t>(s.index)];
-        to_host(of);
-        if (gpu_) hb.flags |= halide_buffer_flag_host_dirty;
+        if (bound.aliased[static_cast<size_t>(call.args[a])]) {  // the view reads its buffer's device memory
+          if ((of.flags & halide_buffer_flag_host_dirty) && halide_copy_to_device(nullptr, &of, of.device_interface))
+            throw Error("error: model \"" + std::string(spec_.name) + "\": uploading " + p.buffers[s.index].name +
+                        " failed; Halide printed the reason above.");
+        } else {  // a fresh copy of the rows
+          to_host(of);
+          hb.flags |= halide_buffer_flag_host_dirty;
+        }
       }
       argv.push_back(&hb);
     }

@@ -34,6 +34,8 @@ struct halide_buffer_t;
 
 namespace halyard::runtime {
 
+class DeviceBlock;
+
 // Tunes glibc so that memory freed by kernels stays in the heap (see model.cpp).
 // Model does this itself; programs that call kernels directly (benchmarks) call it.
 void keep_freed_memory();
@@ -84,6 +86,13 @@ class Model {
   int64_t flat_size() const { return flat_size_; }
   int64_t flat_offset(int i) const { return offsets_[static_cast<size_t>(i)] / static_cast<int64_t>(sizeof(float)); }
   int64_t arena_bytes() const { return arena_bytes_; }
+  // A GPU library's device memory the executor holds, from its first step:
+  // one allocation each for the arena, the parameters, the gradients and
+  // the token slots, which every buffer of a step aliases at its host
+  // offset (runtime/device_memory.h); so the plan's arena holds on the
+  // device too. 0 on CPU, and on GPU APIs other than CUDA and OpenCL (there
+  // Halide allocates each buffer itself).
+  int64_t device_bytes() const;
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
   // Where the last step's time went on this rank: attention kernels, other
@@ -107,6 +116,10 @@ class Model {
     // evaluation or the reverse; a program's buffers otherwise stay on the
     // device from step to step).
     int64_t device_to_host_copies = 0, device_buffers_freed = 0;
+    // Values the schedule offloads: bytes copied out to the host (each
+    // comes back before the backward reads it) and the time both ways took.
+    int64_t offloaded_bytes = 0;
+    double offload_s = 0;
   };
   const StepTimes& last_step_times() const { return times_; }
   // Bytes this rank sent to other ranks of its sequence group (sp, and in a
@@ -133,10 +146,15 @@ class Model {
   double run(const ProgramSpec& p, const int32_t* const inputs[4]);
   struct Bound;
   Bound& bind(const ProgramSpec& p, const int32_t* const inputs[4]);
-  void release_device(Bound* b);
+  // Frees the device memory Halide gave a program's buffers; with
+  // `aliases`, their aliases of the executor's blocks too (which otherwise
+  // stay: they cost nothing).
+  void release_device(Bound* b, bool aliases);
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
+  void to_host(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);  // buffer b of p, or a view's buffer
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
+  void offload(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);  // Offload, Reload
   void ring_shift(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
   class CommThread;
   bool background() const;
@@ -153,6 +171,8 @@ class Model {
   const ModelSpec& spec_;
   std::vector<int64_t> offsets_;  // of each parameter in params_ and grads_
   Block params_, grads_, tokens_, arena_;
+  Block offload_;  // host copies of offloaded values (ProgramSpec::offload_bytes)
+  std::vector<std::unique_ptr<DeviceBlock>> device_blocks_;  // their device mirrors (GPU)
   std::unique_ptr<Bound> train_bufs_, forward_bufs_;  // each program's buffers (bind)
   bool gpu_ = false;  // a GPU target's library: its kernels read and write device buffers
   std::vector<int32_t> row_index_;  // each local token's index in the row [batch, local_seq]: the step's token_index

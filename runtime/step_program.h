@@ -31,6 +31,11 @@ struct BufferSpec {
   int index;       // Input/Param/Grad: which one; View: the buffer it is a tile of
   int64_t offset;  // Arena: byte offset; View: first row along dim
   int dim;         // View: the tiled dimension (row-major index)
+  // An Arena value the schedule offloads (keep "offload"): its host copy's
+  // byte offset in the program's offload arena, where it stays from its
+  // Offload call to its Reload; its device bytes (offset) are another
+  // buffer's in between. -1: the arena only.
+  int64_t host_offset = -1;
 };
 
 using KernelFn = int (*)(void**);
@@ -51,6 +56,11 @@ enum class CallKind : uint8_t {
   // computed), just before the first call that reads its output: the calls
   // between run while the data moves.
   Wait,
+  // An offloaded value (args = {buffer}) copied to its host memory after its
+  // last use in the forward, its device bytes free from here; and copied
+  // back before its first use in the backward.
+  Offload,
+  Reload,
 };
 
 struct CallSpec {
@@ -74,6 +84,7 @@ struct ProgramSpec {
   int num_calls;
   int64_t arena_bytes;
   int loss;  // buffer holding the scalar loss
+  int64_t offload_bytes = 0;  // host memory of offloaded values (BufferSpec::host_offset)
 };
 
 struct ParamSpec {

@@ -320,6 +320,13 @@ std::vector<ValueRule> layer_checkpoint_rules() {
   return r;
 }
 
+std::vector<ValueRule> offloaded_checkpoint_rules() {
+  std::vector<ValueRule> r = layer_checkpoint_rules();
+  for (ValueRule& v : r)
+    if (v.keep == "save") v.keep = "offload";
+  return r;
+}
+
 int64_t longest_fitting_seq(const std::function<int64_t(int64_t)>& peak_at, int64_t budget, int64_t step, int64_t limit,
                             int* plans) {
   std::map<int64_t, int64_t> peaks;  // seq -> peak (INT64_MAX when it cannot be planned)
@@ -380,6 +387,9 @@ const std::vector<Family>& families() {
       {"ulysses_sac", "Ulysses + AutoSP's SAC",
        "Ulysses with AutoSP's sequence-aware checkpointing: attention outputs and the residual stream kept, matmuls "
        "and cheap ops recomputed"},
+      {"ulysses_offload", "Ulysses + checkpoint offload",
+       "Ulysses with full checkpointing, each layer's saved input offloaded to host memory between the forward and "
+       "the backward (ALST's offload; clusters with a host link, i.e. GPUs)"},
       {"autosp", "Halyard autosp", "Halyard's search: mesh, strategy, tiles, ZeRO stage and recompute set chosen by plan()"},
   };
   return f;
@@ -407,12 +417,13 @@ Schedule family_schedule(const std::string& family, const ModelBuilder& build, c
   for (int64_t sp = ranks; sp > 1; --sp) {
     if (ranks % sp != 0) continue;
     Schedule s = mesh_schedule(family, ranks, sp, "ulysses");
-    if (family == "ulysses_checkpoint") s.values = layer_checkpoint_rules();
+    if (family == "ulysses_checkpoint" || family == "ulysses_offload") s.values = layer_checkpoint_rules();
     if (family == "ulysses_sac") s.values = sac_rules();
     try {
       ModelRequest small = probe(build, req);
       small.seq = sp * 8;
-      plan(build, small, s, Cluster{});
+      plan(build, small, s, Cluster{});  // (no host link: the degree's legality does not depend on offloading)
+      if (family == "ulysses_offload") s.values = offloaded_checkpoint_rules();
       return s;
     } catch (const UserError& e) {
       if (why.empty()) why = reason_of(e);
@@ -440,6 +451,10 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
     return f;
   }
   const int64_t on = family == "default" ? 1 : ranks;
+  if (family == "ulysses_offload" && cluster.host_link.beta_s_per_byte <= 0) {
+    f.applies = false, f.reason = "cluster \"" + cluster.name + "\" has no host link (CPU ranks' memory is host memory)";
+    return f;
+  }
   try {
     f.schedule = family_schedule(family, build, req, on);
   } catch (const UserError& e) {
@@ -528,9 +543,13 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   // The least-memory schedules of a configuration: every layer checkpointed,
   // with both regions in sixteenths or whole (tiles cost a partial weight
   // gradient per tile, which short sequences of wide models do not repay).
+  // On a cluster with a host link (GPUs) the least-memory schedules offload
+  // what checkpointing keeps to host memory (ALST's offload).
+  const bool can_offload = cluster.host_link.beta_s_per_byte > 0;
+  const std::vector<ValueRule> lean_rules = can_offload ? offloaded_checkpoint_rules() : layer_checkpoint_rules();
   auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
     Schedule s = c.base;
-    s.values = layer_checkpoint_rules();
+    s.values = lean_rules;
     const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp, s.sequence_layout == "zigzag"));
     return tiled ? with_tiles(s, t.back(), t.back()) : s;
   };
@@ -588,7 +607,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   // only adds time) and is hopeless when even the frugal schedule does not fit.
   struct Option {
     size_t config;
-    Schedule base;
+    Schedule base, lean_schedule;
     Scored fast, lean;
   };
   std::vector<Option> options;
@@ -603,7 +622,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"));
     auto lean_of = [&](int64_t mlp, int64_t loss) {
       Schedule lean = configs[i].base;
-      lean.values = layer_checkpoint_rules();
+      lean.values = lean_rules;
       return with_tiles(lean, mlp, loss);
     };
     try {
@@ -622,7 +641,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
           const Scored f = score(build, req, base, cluster, &out.plans);
           auto it = leans.find({mlp, loss});
           const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss), cluster, &out.plans);
-          options.push_back({i, base, f, l});
+          options.push_back({i, base, lean_of(mlp, loss), f, l});
         }
     } catch (const UserError& e) {
       out.rejected.push_back({configs[i].what, reason_of(e)});
@@ -630,7 +649,9 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   }
   for (size_t i = 0; i < configs.size(); ++i)
     if (applies[i] && least[i] != INT64_MAX && least[i] > budget)
-      out.rejected.push_back({configs[i].what, "every layer checkpointed and both regions tiled: " + gib(least[i]) +
+      out.rejected.push_back({configs[i].what, std::string("every layer checkpointed") +
+                                                   (can_offload ? " (its input offloaded)" : "") +
+                                                   " and both regions tiled: " + gib(least[i]) +
                                                    " > " + gib(budget) + " per rank"});
   std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
   std::vector<std::pair<Candidate, RematResult>> found;
@@ -643,6 +664,15 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     if (o.fast.step >= best_step && config_found[o.config]) continue;
     RematResult r = solve_remat(build, req, o.base, cluster, budget, {}, opts.remat_plans);
     out.plans += r.plans;
+    if (!r.feasible && can_offload && o.lean.peak <= budget) {
+      // Saving or recomputing cannot fit; offloading the checkpoints does.
+      r.feasible = true;
+      r.schedule = o.lean_schedule;
+      r.peak_bytes = o.lean.peak;
+      r.step_s = o.lean.step;
+      r.groups.clear(), r.recompute.clear();  // (no per-group decision)
+      r.offloaded = true;
+    }
     if (!r.feasible) continue;
     Candidate c{r.schedule, r.peak_bytes, r.step_s, 0};
     c.tokens_per_s = static_cast<double>(tokens_per_step(req, c.schedule)) / c.step_s;
@@ -685,7 +715,8 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
       if (least[i] < least_all) least_all = least[i], where = configs[i].what;
     out.infeasible = least_all == INT64_MAX ? "no configuration applies"
                                             : "the least memory any plan needs is " + gib(least_all) + " per rank (" +
-                                                  where + ", every layer checkpointed, tiled)";
+                                                  where + ", every layer checkpointed" +
+                                                  (can_offload ? " and its input offloaded" : "") + ", tiled)";
     // The longest sequence that fits these ranks (when some does).
     const int lean_zero = ranks > 1 ? *std::max_element(opts.zero.begin(), opts.zero.end()) : 0;
     const int64_t fits = least_all == INT64_MAX ? 0 : longest_frugal(req.seq, lean_zero);

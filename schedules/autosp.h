@@ -62,6 +62,9 @@ struct RematResult {
   int plans = 0;                 // plan() calls made
   bool exhaustive_bound = true;  // false when the search stopped at its cap before proving the optimum
   double lower_bound_s = 0;      // no decision that fits is faster than this (proven)
+  // No decision to save or recompute fits, and the choice is instead the
+  // least-memory schedule with the checkpoints offloaded (offloaded_checkpoint_rules).
+  bool offloaded = false;
 };
 
 // The fastest decision whose predicted peak fits `budget` (bytes per rank).
@@ -73,9 +76,15 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
 // Full checkpointing: cheap values inside their consumers, every layer's
 // values recomputed but its output (the residual stream) kept.
 std::vector<ValueRule> layer_checkpoint_rules();
+// The same, with what it keeps (each layer's input, the residual stream)
+// offloaded to host memory between forward and backward: ALST's offload, the
+// least memory on a cluster with a host link (GPUs), where the search's
+// least-memory schedules use it.
+std::vector<ValueRule> offloaded_checkpoint_rules();
 
 // The families a user would otherwise pick, for comparison tables: default
-// (one rank), dp_zero3, ulysses, ulysses_checkpoint, ulysses_sac, and autosp.
+// (one rank), dp_zero3, ulysses, ulysses_checkpoint, ulysses_sac,
+// ulysses_offload (GPU clusters), and autosp.
 // The Ulysses ones take the largest degree the model allows on the ranks.
 struct Family {
   std::string name;         // "ulysses_checkpoint"

@@ -17,14 +17,15 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // A GPU cluster from its datasheet. Matmuls and attention reach `mm_eff` and
 // `attn_eff` of the bf16 peak, memory-bound kernels 80% of HBM bandwidth;
 // collectives within a node run over NVLink at `nvlink` bytes/s per GPU and
-// direction, across nodes over `ib` bytes/s per GPU.
+// direction, across nodes over `ib` bytes/s per GPU; copies to and from the
+// host over `pcie` bytes/s each way (PCIe 4.0 x16 on A100, 5.0 on H100/H200).
 Cluster gpu(const std::string& name, int64_t ranks, double mem_gib, double bf16, double f32, double hbm, double nvlink,
-            double ib) {
+            double ib, double pcie) {
   Cluster c;
   c.name = name;
   c.source = "datasheet preset: bf16 matmuls at 60% and attention at 40% of peak, other kernels at 80% of HBM "
-             "bandwidth, NVLink within a node, 400 Gb/s InfiniBand per GPU across nodes; CUDA context and NCCL "
-             "buffers 1 GiB per rank";
+             "bandwidth, NVLink within a node, 400 Gb/s InfiniBand per GPU across nodes, PCIe to the host at 80% "
+             "of its rate; CUDA context and NCCL buffers 1 GiB per rank";
   c.ranks = ranks;
   c.ranks_per_node = std::min<int64_t>(ranks, 8);
   c.memory_per_rank_bytes = static_cast<int64_t>(mem_gib * kGiB);
@@ -38,6 +39,7 @@ Cluster gpu(const std::string& name, int64_t ranks, double mem_gib, double bf16,
     c.kernels[k].s_per_flop = 1 / (0.4 * bf16);
   for (const char* k : {"all_to_all", "all_reduce", "all_gather", "ring_shift"}) c.collectives[k] = {10e-6, 1 / nvlink};
   c.inter_node = {10e-6, 1 / ib};
+  c.host_link = {10e-6, 1 / (0.8 * pcie)};
   return c;
 }
 
@@ -106,6 +108,8 @@ std::string Cluster::to_json() const {
     j["kernels"][k] = {{"s_per_flop", v.s_per_flop}, {"s_per_byte", v.s_per_byte}, {"s_per_call", v.s_per_call}};
   for (const auto& [k, v] : collectives) j["collectives"][k] = {{"alpha_s", v.alpha_s}, {"beta_s_per_byte", v.beta_s_per_byte}};
   j["inter_node"] = {{"alpha_s", inter_node.alpha_s}, {"beta_s_per_byte", inter_node.beta_s_per_byte}};
+  if (host_link.beta_s_per_byte > 0)
+    j["host_link"] = {{"alpha_s", host_link.alpha_s}, {"beta_s_per_byte", host_link.beta_s_per_byte}};
   return j.dump(2);
 }
 
@@ -138,6 +142,7 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
     if (j.contains("collectives"))
       for (auto it = j["collectives"].begin(); it != j["collectives"].end(); ++it) c.collectives[it.key()] = link_from(*it);
     if (j.contains("inter_node")) c.inter_node = link_from(j["inter_node"]);
+    if (j.contains("host_link")) c.host_link = link_from(j["host_link"]);
   } catch (const nlohmann::json::exception& e) {
     throw UserError("error: cluster \"" + what + "\" has an ill-typed field: " + e.what() +
                     "\nlegal: numbers for ranks, bandwidths and coefficients (see schedules/cluster.h).");
@@ -155,10 +160,10 @@ const std::vector<std::string>& Cluster::presets() {
 
 Cluster Cluster::named(const std::string& n) {
   if (n == "local-cpu") return local_cpu();
-  if (n == "8xA100-80GB") return gpu(n, 8, 80, 312e12, 19.5e12, 2.039e12, 300e9, 50e9);
-  if (n == "8xH100-80GB") return gpu(n, 8, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9);
-  if (n == "8xH200") return gpu(n, 8, 141, 989e12, 67e12, 4.8e12, 450e9, 50e9);
-  if (n == "64xH100-80GB") return gpu(n, 64, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9);
+  if (n == "8xA100-80GB") return gpu(n, 8, 80, 312e12, 19.5e12, 2.039e12, 300e9, 50e9, 32e9);
+  if (n == "8xH100-80GB") return gpu(n, 8, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9, 64e9);
+  if (n == "8xH200") return gpu(n, 8, 141, 989e12, 67e12, 4.8e12, 450e9, 50e9, 64e9);
+  if (n == "64xH100-80GB") return gpu(n, 64, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9, 64e9);
   std::ifstream in(n);
   if (!in)
     throw UserError("error: cluster \"" + n + "\" is neither a preset nor a readable file.\nlegal: " + join(presets()) +

@@ -42,6 +42,9 @@ struct Cluster {
   std::map<std::string, KernelCoefficients> kernels;       // by stage kind
   std::map<std::string, LinkCoefficients> collectives;     // all_to_all, all_reduce, all_gather: within a node
   LinkCoefficients inter_node;                             // added per byte when a collective crosses nodes
+  // Copies between a rank's device and its host memory (PCIe), each way:
+  // what offloading a value costs. Zero on CPU ranks (none to offload to).
+  LinkCoefficients host_link;
 
   // Time of a kernel stage of this kind; unknown kinds use "pointwise".
   double kernel_time(const std::string& kind, double flops, double bytes) const;

@@ -255,8 +255,22 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   train_out.push_back(m.loss.id);
   p.train = partition(g, train_out, schedule);
   p.forward = partition(g, {m.loss.id}, schedule);
-  p.train_program = plan_program(g, p.train, p.param_ids, p.grad_ids, m.loss.id);
-  p.forward_program = plan_program(g, p.forward, p.param_ids, {}, m.loss.id);
+  // Offloading moves values to the host and back over the cluster's host
+  // link; CPU ranks have none (their memory is host memory).
+  std::function<bool(const Node&)> offload;
+  for (const ValueRule& r : schedule.values)
+    if (r.keep == "offload") offload = [&schedule](const Node& n) { return schedule.keep(n) == Keep::Offload; };
+  if (offload && cluster.host_link.beta_s_per_byte <= 0) {
+    std::string linked;
+    for (const std::string& n : Cluster::presets())
+      if (Cluster::named(n).host_link.beta_s_per_byte > 0) linked += (linked.empty() ? "" : ", ") + n;
+    throw UserError("error: schedule \"" + schedule.name + "\" offloads values to host memory (keep \"offload\"), but "
+                    "cluster \"" + cluster.name + "\" has no host link: its ranks' memory is host memory already.\n"
+                    "fix: keep \"save\" or \"recompute\" on CPU ranks; offloading is for GPU clusters (the presets " +
+                    linked + ", or a cluster file with \"host_link\").");
+  }
+  p.train_program = plan_program(g, p.train, p.param_ids, p.grad_ids, m.loss.id, offload);
+  p.forward_program = plan_program(g, p.forward, p.param_ids, {}, m.loss.id, offload);
   p.model = std::move(m);
 
   // Time: each stage of the train program by its kind's coefficients.
@@ -336,7 +350,14 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   // AdamW reads parameter, gradient and two moments and writes three of them.
   const double updated = static_cast<double>(p.num_params) / static_cast<double>(schedule.mesh.zero ? ranks : 1);
   p.optimizer_s = cluster.kernel_time("pointwise", 12 * updated, 28 * updated);
-  p.step_s = p.compute_s + p.communication_s + p.optimizer_s;
+  // Each offloaded value goes out and comes back once a step; the copies
+  // run on the compute stream today, so none of it is hidden.
+  for (const PlannedBuffer& b : p.train_program.buffers)
+    if (b.evict >= 0) {
+      const double bytes = static_cast<double>(stored(b.bytes));
+      p.offload_s += 2 * (cluster.host_link.alpha_s + bytes * cluster.host_link.beta_s_per_byte);
+    }
+  p.step_s = p.compute_s + p.communication_s + p.optimizer_s + p.offload_s;
 
   // Memory of one rank, as runtime::Model and the training loop allocate it.
   MemoryBreakdown& mem = p.memory;
@@ -358,6 +379,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     mem.optimizer_state = schedule.mesh.zero ? 2 * f32 / ranks + f32 / ranks : 2 * f32;
   }
   mem.activations = stored(std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes));
+  mem.offloaded = stored(std::max(p.train_program.offload_bytes, p.forward_program.offload_bytes));
   mem.kernel_scratch = stored(heap_scratch + mapped_scratch);
   mem.collective_buffers = staging;
   const int64_t tokens = req.batch * p.local_seq;
@@ -418,10 +440,17 @@ std::string Plan::report() const {
                           .c_str()
                     : "");
   os << line;
+  if (memory.offloaded > 0) {
+    std::snprintf(line, sizeof line, "  %-36s %10.1f (host memory, not in the peak; %.4f s a step out and back)\n",
+                  "offloaded to the host", mib(memory.offloaded), offload_s);
+    os << line;
+  }
+  char offload_part[64] = "";
+  if (offload_s > 0) std::snprintf(offload_part, sizeof offload_part, ", offload %.4f", offload_s);
   std::snprintf(line, sizeof line,
-                "\npredicted step: %.4f s (compute %.4f, communication %.4f, optimizer %.4f); %.3f GFLOP per rank "
+                "\npredicted step: %.4f s (compute %.4f, communication %.4f, optimizer %.4f%s); %.3f GFLOP per rank "
                 "(model FLOPs %.3f: 3x the forward's), %.2f MiB sent per rank\n",
-                step_s, compute_s, communication_s, optimizer_s, flops() / 1e9, model_flops() / 1e9,
+                step_s, compute_s, communication_s, optimizer_s, offload_part, flops() / 1e9, model_flops() / 1e9,
                 mib(collective_bytes_per_rank()));
   os << line;
   // Ring attention's work differs between the ranks (the step waits for the busiest).
@@ -455,6 +484,10 @@ std::string Plan::summary_json() const {
   j["compute_s"] = compute_s;
   j["communication_s"] = communication_s;
   j["optimizer_s"] = optimizer_s;
+  if (memory.offloaded > 0) {
+    j["offloaded_bytes_per_rank"] = memory.offloaded;  // host memory, not in the peak
+    j["offload_s"] = offload_s;
+  }
   j["flops_per_rank"] = flops();
   j["model_flops_per_rank"] = model_flops();
   j["collective_bytes_per_rank"] = collective_bytes_per_rank();

@@ -90,6 +90,9 @@ struct MemoryBreakdown {
   int64_t collective_buffers = 0;  // staging of all-to-alls and gathers
   int64_t data = 0;                // token ids, labels and positions (the loader's and the model's copies)
   int64_t runtime_baseline = 0;    // the process before the model (libraries, MPI or the CUDA context)
+  // Host memory holding offloaded values between forward and backward: not
+  // the device's, so neither in items() nor in total().
+  int64_t offloaded = 0;
   int64_t total() const;
   std::vector<std::pair<std::string, int64_t>> items() const;
 };
@@ -109,6 +112,7 @@ struct Plan {
   std::vector<CollectiveCost> collectives;
   MemoryBreakdown memory;
   double compute_s = 0, communication_s = 0, optimizer_s = 0;
+  double offload_s = 0;  // offloaded values out to the host and back (not overlapped yet)
   double step_s = 0;  // predicted: train step plus the optimizer update
 
   double flops() const;

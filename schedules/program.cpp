@@ -21,10 +21,56 @@ int64_t element_bytes(DType t) {
 
 constexpr int64_t kAlign = 128;  // Halide's allocation alignment; kernels may rely on it
 
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Greedy placement: largest first, each at the lowest offset that overlaps
+// no buffer placed before it whose live ranges (ranges[i] of buffer i) meet
+// its own. Sets each one's `offset` member and returns the arena's size.
+using Ranges = std::vector<std::pair<int, int>>;
+int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const std::vector<Ranges>& ranges,
+              int64_t PlannedBuffer::*offset) {
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return buffers[static_cast<size_t>(a)].bytes > buffers[static_cast<size_t>(b)].bytes;
+  });
+  auto meet = [](const Ranges& x, const Ranges& y) {
+    for (auto [a0, a1] : x)
+      for (auto [b0, b1] : y)
+        if (a0 <= b1 && b0 <= a1) return true;
+    return false;
+  };
+  int64_t size_of_arena = 0;
+  std::vector<int> placed;
+  for (int i : order) {
+    PlannedBuffer& b = buffers[static_cast<size_t>(i)];
+    const int64_t size = aligned(b.bytes);
+    std::vector<std::pair<int64_t, int64_t>> busy;
+    for (int j : placed) {
+      const PlannedBuffer& o = buffers[static_cast<size_t>(j)];
+      if (meet(ranges[static_cast<size_t>(i)], ranges[static_cast<size_t>(j)]))
+        busy.push_back({o.*offset, o.*offset + aligned(o.bytes)});
+    }
+    std::sort(busy.begin(), busy.end());
+    int64_t at = 0;
+    for (auto [lo, hi] : busy) {
+      if (at + size <= lo) break;
+      at = std::max(at, hi);
+    }
+    b.*offset = at;
+    size_of_arena = std::max(size_of_arena, at + size);
+    placed.push_back(i);
+  }
+  return size_of_arena;
+}
+
 }  // namespace
 
+std::vector<std::pair<int, int>> PlannedBuffer::device_ranges() const {
+  if (evict < 0) return {{first, last}};
+  return {{first, evict}, {reload, last}};
+}
+
 Program plan_program(const Graph& g, const Partition& p, const std::vector<int>& params,
-                     const std::vector<int>& grads, int loss) {
+                     const std::vector<int>& grads, int loss, const std::function<bool(const Node&)>& offload) {
   Program prog;
   std::map<int, int> buffer_of;  // node -> buffer
   std::function<int(int)> buffer = [&](int node) -> int {
@@ -118,47 +164,77 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     calls.push_back(std::move(c));
   }
   while (!started.empty()) place_wait(started.size() - 1);
-  for (PlannedCall& c : calls) {
-    const int call = static_cast<int>(prog.calls.size());
-    for (int a : c.args)
-      for (int v = a; v >= 0;) {  // a view keeps the buffer it shows alive
-        PlannedBuffer& b = prog.buffers[static_cast<size_t>(v)];
-        if (b.first < 0) b.first = call;
-        b.last = call;
-        v = b.kind == BufferKind::View ? b.index : -1;
-      }
-    prog.calls.push_back(std::move(c));
+  const int loss_buffer = buffer(loss);
+
+  // Each buffer's uses, in call order (a view's uses keep its buffer alive).
+  auto uses_of = [&](const std::vector<PlannedCall>& cs) {
+    std::vector<std::vector<int>> uses(prog.buffers.size());
+    for (size_t c = 0; c < cs.size(); ++c)
+      for (int a : cs[c].args)
+        for (int v = a; v >= 0;) {
+          const PlannedBuffer& b = prog.buffers[static_cast<size_t>(v)];
+          if (uses[static_cast<size_t>(v)].empty() || uses[static_cast<size_t>(v)].back() != static_cast<int>(c))
+            uses[static_cast<size_t>(v)].push_back(static_cast<int>(c));
+          v = b.kind == BufferKind::View ? b.index : -1;
+        }
+    return uses;
+  };
+  // Offloaded values: out after their last use up to the loss, back in
+  // before their first use after it.
+  std::map<int, std::vector<PlannedCall>> before, after;  // call -> moves placed there
+  if (offload) {
+    const std::vector<std::vector<int>> uses = uses_of(calls);
+    int loss_call = -1;
+    for (size_t c = 0; c < calls.size(); ++c) {
+      const size_t outputs = 1 + p.stages[static_cast<size_t>(calls[c].stage)].extra_outputs.size();
+      if (!calls[c].wait && std::find(calls[c].args.end() - static_cast<std::ptrdiff_t>(outputs), calls[c].args.end(),
+                                      loss_buffer) != calls[c].args.end())
+        loss_call = static_cast<int>(c);
+    }
+    for (size_t b = 0; b < prog.buffers.size(); ++b) {
+      const PlannedBuffer& pb = prog.buffers[b];
+      if (pb.kind != BufferKind::Arena || static_cast<int>(b) == loss_buffer || !offload(g.node(pb.node))) continue;
+      const std::vector<int>& u = uses[b];
+      const auto next = std::upper_bound(u.begin(), u.end(), loss_call);
+      if (next == u.begin() || next == u.end() || *next - *(next - 1) < 2) continue;  // nothing between to lend its bytes to
+      PlannedCall out, in;
+      out.args = in.args = {static_cast<int>(b)};
+      out.move = PlannedCall::Move::Evict;
+      in.move = PlannedCall::Move::Reload;
+      after[*(next - 1)].push_back(out);
+      before[*next].push_back(in);
+    }
   }
+  std::vector<PlannedCall> ordered;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    for (PlannedCall& m : before[static_cast<int>(c)]) ordered.push_back(std::move(m));
+    ordered.push_back(std::move(calls[c]));
+    for (PlannedCall& m : after[static_cast<int>(c)]) ordered.push_back(std::move(m));
+  }
+  const std::vector<std::vector<int>> uses = uses_of(ordered);
+  for (size_t b = 0; b < prog.buffers.size(); ++b)
+    if (!uses[b].empty()) prog.buffers[b].first = uses[b].front(), prog.buffers[b].last = uses[b].back();
+  for (size_t c = 0; c < ordered.size(); ++c) {
+    PlannedBuffer& b = prog.buffers[static_cast<size_t>(ordered[c].args.front())];
+    if (ordered[c].move == PlannedCall::Move::Evict) b.evict = static_cast<int>(c);
+    if (ordered[c].move == PlannedCall::Move::Reload) b.reload = static_cast<int>(c);
+  }
+  prog.calls = std::move(ordered);
   prog.reduce_grads = !grads.empty();  // a no-op on one rank
-  prog.loss = buffer(loss);
+  prog.loss = loss_buffer;
   prog.buffers[static_cast<size_t>(prog.loss)].last = static_cast<int>(prog.calls.size());  // read after the step
 
-  // Greedy placement: largest first, lowest offset that overlaps no buffer
-  // alive at the same time.
-  std::vector<int> order;
-  for (size_t i = 0; i < prog.buffers.size(); ++i)
-    if (prog.buffers[i].kind == BufferKind::Arena) order.push_back(static_cast<int>(i));
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return prog.buffers[static_cast<size_t>(a)].bytes > prog.buffers[static_cast<size_t>(b)].bytes; });
-  std::vector<int> placed;
-  for (int i : order) {
-    PlannedBuffer& b = prog.buffers[static_cast<size_t>(i)];
-    const int64_t size = (b.bytes + kAlign - 1) / kAlign * kAlign;
-    std::vector<std::pair<int64_t, int64_t>> busy;
-    for (int j : placed) {
-      const PlannedBuffer& o = prog.buffers[static_cast<size_t>(j)];
-      if (o.first <= b.last && b.first <= o.last) busy.push_back({o.offset, o.offset + (o.bytes + kAlign - 1) / kAlign * kAlign});
-    }
-    std::sort(busy.begin(), busy.end());
-    int64_t at = 0;
-    for (auto [lo, hi] : busy) {
-      if (at + size <= lo) break;
-      at = std::max(at, hi);
-    }
-    b.offset = at;
-    prog.arena_bytes = std::max(prog.arena_bytes, at + size);
-    placed.push_back(i);
+  // The device arena by each buffer's device live ranges; the host arena of
+  // offloaded values by their time away, from offload to reload.
+  std::vector<int> arena, offloaded;
+  std::vector<Ranges> on_device(prog.buffers.size()), away(prog.buffers.size());
+  for (size_t i = 0; i < prog.buffers.size(); ++i) {
+    const PlannedBuffer& b = prog.buffers[i];
+    if (b.kind == BufferKind::Arena) arena.push_back(static_cast<int>(i)), on_device[i] = b.device_ranges();
+    if (b.evict >= 0) offloaded.push_back(static_cast<int>(i)), away[i] = {{b.evict, b.reload}};
   }
+  prog.arena_bytes = place(prog.buffers, arena, on_device, &PlannedBuffer::offset);
+  prog.offload_bytes = place(prog.buffers, offloaded, away, &PlannedBuffer::host_offset);
   return prog;
 }
 

@@ -6,9 +6,17 @@
 // the lowest offset free during that range), so peak memory is known before
 // anything runs and equals the arena size. A tile of a sequence (slice_seq)
 // is a view of its buffer, not a copy: reading it keeps that buffer alive.
+//
+// A value the schedule offloads (keep "offload", GPU targets) leaves the
+// arena between the forward and the backward: after its last forward use an
+// Offload call copies it to host memory, and before its first backward use a
+// Reload call copies it back to the same arena offset. The arena holds it
+// only while it is on the device (two live ranges); the host copies live in
+// a second, host-side arena planned the same way (offload_bytes).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,6 +35,13 @@ struct PlannedBuffer {
   int dim = 0;          // View: the row-major dimension tiled (seq)
   int64_t bytes = 0;
   int first = -1, last = -1;  // live range in calls (Arena)
+  // Offloaded (Arena): the calls that copy it out and back in; its arena
+  // bytes are free in between, and its host copy lives at host_offset of
+  // the offload arena. -1 when it stays on the device.
+  int evict = -1, reload = -1;
+  int64_t host_offset = -1;
+  // Its live ranges on the device: [first, last], or [first, evict] and [reload, last].
+  std::vector<std::pair<int, int>> device_ranges() const;
 };
 
 struct PlannedCall {
@@ -37,12 +52,16 @@ struct PlannedCall {
   // first call that reads its output, so the kernels between run while the
   // data moves. Its input stays alive until here.
   bool wait = false;
+  // An offloaded value's copy to the host (Evict: args = {buffer}) or back
+  // to its arena bytes (Reload); stage -1.
+  enum class Move { None, Evict, Reload } move = Move::None;
 };
 
 struct Program {
   std::vector<PlannedBuffer> buffers;
   std::vector<PlannedCall> calls;
   int64_t arena_bytes = 0;
+  int64_t offload_bytes = 0;  // the host arena of offloaded values
   int loss = -1;
   // A train step's gradients are partial sums over the ranks of a dp x sp
   // mesh: the step ends by summing them over the mesh.
@@ -51,7 +70,10 @@ struct Program {
 
 // params[i] and grads[i] (grad node of param i, or -1) fix the caller's
 // buffers; inputs are found by name (input_ids, position_ids, labels).
+// `offload` says which values the schedule offloads: such a value is, if it
+// is used both up to the call that writes the loss and after it.
 Program plan_program(const Graph& g, const Partition& p, const std::vector<int>& params,
-                     const std::vector<int>& grads, int loss);
+                     const std::vector<int>& grads, int loss,
+                     const std::function<bool(const Node&)>& offload = {});
 
 }  // namespace halyard

@@ -125,7 +125,8 @@ Keep Schedule::keep(const Node& n) const {
   Keep k = Keep::Save;
   if (n.op == Op::Input || n.op == Op::Param) return k;
   for (const ValueRule& r : values)
-    if (!r.keep.empty() && matches(r.match, n)) k = r.keep == "recompute" ? Keep::Recompute : Keep::Save;
+    if (!r.keep.empty() && matches(r.match, n))
+      k = r.keep == "recompute" ? Keep::Recompute : r.keep == "offload" ? Keep::Offload : Keep::Save;
   return k;
 }
 
@@ -301,17 +302,14 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         for (auto f = r.begin(); f != r.end(); ++f) {
           const std::string val = f->is_string() ? f->get<std::string>() : f->dump();
           if (f.key() == "match") continue;
-          if (f.key() == "keep" && (val == "save" || val == "recompute")) vr.keep = val;
-          else if (f.key() == "keep" && val == "offload")
-            bad(what, "value rule " + r.dump() + ": keep \"offload\" needs a GPU target with host memory; CPU "
-                      "ranks have none.\nlegal: \"save\" or \"recompute\".");
+          if (f.key() == "keep" && (val == "save" || val == "recompute" || val == "offload")) vr.keep = val;
           else if (f.key() == "compute" && (val == "root" || val == "inline")) vr.compute = val;
           else
             bad(what, "value rule " + r.dump() + ": " + f.key() + " \"" + val +
-                      "\".\nlegal: keep \"save\" | \"recompute\", compute \"root\" | \"inline\".");
+                      "\".\nlegal: keep \"save\" | \"recompute\" | \"offload\", compute \"root\" | \"inline\".");
         }
         if (vr.keep.empty() && vr.compute.empty())
-          bad(what, "value rule " + r.dump() + " decides nothing.\nlegal: add keep (save | recompute) or compute (root | inline).");
+          bad(what, "value rule " + r.dump() + " decides nothing.\nlegal: add keep (save | recompute | offload) or compute (root | inline).");
         s.values.push_back(vr);
       }
     } else if (key == "attention" && v.is_array()) {

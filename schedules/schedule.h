@@ -6,8 +6,10 @@
 //   - split_sequence(sp): activations split on seq over the mesh axis sp, and
 //     per attention (by name pattern) how heads are redistributed (ulysses);
 //   - per forward value (rules matched by op, op class or name pattern, the
-//     last matching rule wins) whether the backward reads a saved copy or
-//     recomputes it (`keep`), and whether a cheap value is computed inside
+//     last matching rule wins) whether the backward reads a saved copy,
+//     recomputes it, or reads a copy held in host memory between the
+//     forward and the backward (`keep`: save, recompute, offload; offload on
+//     GPU targets), and whether a cheap value is computed inside
 //     each consumer's kernel instead of being stored (`compute: inline`, like
 //     Halide's compute_inline);
 //   - the sequence tiles of the MLP and of the LM head + loss;
@@ -45,7 +47,7 @@ struct KernelTiles {
   bool operator==(const KernelTiles&) const = default;
 };
 
-enum class Keep { Save, Recompute };
+enum class Keep { Save, Recompute, Offload };
 enum class Compute { Root, Inline };
 
 // Which values a rule addresses: space-separated terms that must all match.
@@ -58,7 +60,7 @@ enum class Compute { Root, Inline };
 //                      inside it), model.layers.0.self_attn.q_proj, lm_head
 struct ValueRule {
   std::string match;
-  std::string keep;     // "" (unchanged), "save" or "recompute"
+  std::string keep;     // "" (unchanged), "save", "recompute" or "offload"
   std::string compute;  // "" (unchanged), "root" or "inline"
   bool operator==(const ValueRule&) const = default;
 };

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -36,7 +37,51 @@ inline int collectives(const runtime::ProgramSpec& p) {
   int n = 0;
   for (int c = 0; c < p.num_calls; ++c) {
     const runtime::CallKind k = p.calls[c].kind;
-    n += k != runtime::CallKind::Kernel && k != runtime::CallKind::Wait && k != runtime::CallKind::AllReduceGrads;
+    n += k != runtime::CallKind::Kernel && k != runtime::CallKind::Wait && k != runtime::CallKind::AllReduceGrads &&
+         k != runtime::CallKind::Offload && k != runtime::CallKind::Reload;
+  }
+  return n;
+}
+
+// The device memory a GPU step's executor holds: one block each for the
+// parameters, the gradients, the four token slots and the arena (each
+// rounded to the runtime's 128-byte alignment).
+inline int64_t device_blocks_bytes(const runtime::Model& m) {
+  auto round = [](int64_t n) { return (n + 127) / 128 * 128; };
+  return 2 * 4 * m.flat_size() + 4 * round(4 * m.tokens()) + round(m.arena_bytes());
+}
+
+// Bytes of a buffer's dimensions from `dim` inward (0: the whole buffer).
+inline int64_t bytes_from(const runtime::BufferSpec& s, int dim) {
+  int64_t n = s.type == runtime::ElemType::F64 ? 8 : 4;
+  for (int d = dim; d < s.rank; ++d) n *= s.shape[d];
+  return n;
+}
+
+// The arena buffers of a program added up, as if none shared its bytes.
+inline int64_t arena_buffers_bytes(const runtime::ProgramSpec& p) {
+  int64_t total = 0;
+  for (int b = 0; b < p.num_buffers; ++b)
+    if (p.buffers[b].storage == runtime::Storage::Arena) total += bytes_from(p.buffers[b], 0);
+  return total;
+}
+
+// A program's views: the tiles of sequence tiling, reading rows of other buffers.
+inline int views(const runtime::ProgramSpec& p) {
+  int n = 0;
+  for (int b = 0; b < p.num_buffers; ++b) n += p.buffers[b].storage == runtime::Storage::View;
+  return n;
+}
+
+// The views (tiles' rows) of a program that an OpenCL device cannot alias
+// because their first row starts off the 128-byte alignment of a
+// sub-buffer's origin (CL_DEVICE_MEM_BASE_ADDR_ALIGN on PoCL): each is
+// read through a copy of its own (runtime/device_memory.h).
+inline int unaligned_views(const runtime::ProgramSpec& p) {
+  int n = 0;
+  for (int b = 0; b < p.num_buffers; ++b) {
+    const runtime::BufferSpec& s = p.buffers[b];
+    if (s.storage == runtime::Storage::View) n += s.offset * bytes_from(s, s.dim + 1) % 128 != 0;
   }
   return n;
 }

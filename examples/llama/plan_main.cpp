@@ -54,7 +54,8 @@ const char* const kUsage = R"(usage: halyard-plan (--model NAME | --config confi
   --zero LIST             ZeRO stages to consider, e.g. 1 (what llama_train runs) or 1,3 (default; 3 is
                           planned only)
   --families LIST         families for the comparison table (default
-                          dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,autosp; also: default, none)
+                          dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,ulysses_offload,autosp; also:
+                          default, none)
   --json FILE             the whole result as JSON
   --trace FILE            the chosen plan's predicted step, Chrome/Perfetto trace format
   --plot FILE.png         predicted peak memory per rank against sequence length, per family
@@ -152,6 +153,8 @@ std::string summary(const Schedule& s, const RematResult* r) {
     for (bool b : r->recompute) n += b;
     out += ", " + std::to_string(n) + " of " + std::to_string(r->groups.size()) + " value groups recomputed";
   }
+  if (r && std::any_of(s.values.begin(), s.values.end(), [](const ValueRule& v) { return v.keep == "offload"; }))
+    out += ", every layer checkpointed and its input offloaded to the host";
   return out;
 }
 
@@ -194,7 +197,7 @@ void write_file(const std::string& path, const std::string& text) {
 
 int run(int argc, char** argv) {
   std::string model, config, cluster_name = "8xA100-80GB", seq_arg = "max", json_path, trace_path, plot_path, schedule_out;
-  std::string family_list = "dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,autosp";
+  std::string family_list = "dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,ulysses_offload,autosp";
   int64_t ranks = 0, memory = 0, batch = 1, seq_step = 0;
   std::string precision, zero_list = "1,3";
   for (int i = 1; i < argc; ++i) {
@@ -278,7 +281,8 @@ int run(int argc, char** argv) {
                 best.report().c_str());
     std::printf("predicted: %.4f s per step, %.0f tokens/s over the mesh, %s sent per rank per step; recompute search: %s\n\n",
                 best.step_s, r.best().tokens_per_s, mib(best.collective_bytes_per_rank()).c_str(),
-                r.remat.exhaustive_bound ? "optimal (branch and bound completed)"
+                r.remat.offloaded ? "no decision to save or recompute fits; the checkpoints offloaded do"
+                : r.remat.exhaustive_bound ? "optimal (branch and bound completed)"
                                          : ("best found, within " +
                                             std::to_string(static_cast<int>(std::ceil(100 * (r.remat.step_s / r.remat.lower_bound_s - 1)))) +
                                             "% of the proven bound").c_str());
@@ -295,7 +299,8 @@ int run(int argc, char** argv) {
                         {"step_s", c.step_s}, {"tokens_per_s", c.tokens_per_s}});
     out["autosp"]["ranked"] = ranked;
     out["autosp"]["plan"] = nlohmann::json::parse(best.to_json());
-    out["autosp"]["recompute_search"] = {{"optimal", r.remat.exhaustive_bound}, {"lower_bound_s", r.remat.lower_bound_s},
+    out["autosp"]["recompute_search"] = {{"optimal", r.remat.exhaustive_bound}, {"offloaded", r.remat.offloaded},
+                                         {"lower_bound_s", r.remat.lower_bound_s},
                                          {"plans", r.remat.plans}};
     if (!schedule_out.empty()) write_file(schedule_out, r.best().schedule.to_json() + "\n");
     if (!trace_path.empty()) write_file(trace_path, trace_of(best).dump() + "\n");

@@ -34,6 +34,8 @@ struct StepResult {
   std::vector<std::vector<float>> grads;
   int64_t a2a_forward_bytes = 0, a2a_train_bytes = 0;  // sent to other ranks, from the comm's counter
   int64_t p2p_forward_bytes = 0, p2p_train_bytes = 0;  // ring passes (send), likewise
+  runtime::Model::StepTimes train_times;  // of the train step (after the forward)
+  int64_t device_bytes = 0, flat_size = 0, arena_bytes = 0;  // Model's, after the train step
 };
 
 // `comm`: this rank's sp group (null on one rank); `mesh`: every rank of a
@@ -54,6 +56,8 @@ inline StepResult run_step(const runtime::ModelSpec& spec, runtime::Communicator
   m.reset_bytes_sent();
   r.loss = m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
   r.a2a_train_bytes = m.all_to_all_bytes_sent(), r.p2p_train_bytes = m.p2p_bytes_sent();
+  r.train_times = m.last_step_times();
+  r.device_bytes = m.device_bytes(), r.flat_size = m.flat_size(), r.arena_bytes = m.arena_bytes();
   for (int i = 0; i < m.num_params(); ++i) r.grads.emplace_back(m.grad(i), m.grad(i) + m.param_spec(i).numel);
   return r;
 }

@@ -110,7 +110,8 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
 }
 
 // Whatever the executor allocates on the device in a step serves the next
-// one (each program's buffers keep their device allocations, model.cpp):
+// one (one block each for the parameters, the gradients, the tokens and the
+// plan's arena, which every buffer aliases: runtime/device_memory.h):
 // memory in use after step 11 is what it was after step 1 (to 4 MiB: the
 // driver's own bookkeeping moves a little), and no buffer is freed. The
 // copies home (the loss and the gradients, for the host's optimizer) are
@@ -132,7 +133,10 @@ TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
   std::printf("  per step: %lld device-to-host copies (the loss and %d gradients), %lld device buffers freed\n",
               static_cast<long long>(t.device_to_host_copies), dev.num_params(),
               static_cast<long long>(t.device_buffers_freed));
+  std::printf("  the executor's blocks (parameters, gradients, tokens, the plan's arena): %.1f MiB\n",
+              static_cast<double>(dev.device_bytes()) / (1 << 20));
   EXPECT_LE(after_eleven - after_first, int64_t{4} << 20);
+  EXPECT_EQ(dev.device_bytes(), testing::device_blocks_bytes(dev));
   EXPECT_EQ(t.device_buffers_freed, 0);
   EXPECT_LE(t.device_to_host_copies, dev.num_params() + 1 + testing::collectives(dev.spec().train));
 }

@@ -7,11 +7,18 @@
 // a CUDA-only extern, is not in them: their contractions are Halide's).
 //   - the micro Llama's step equals the PyTorch fixture, within 1e-4;
 //   - step after step, and after an evaluation in between, the results stay
-//     the same: the buffers keep their device allocations (none freed), and
-//     only the loss and the gradients come home;
+//     the same: the device holds one block each for the parameters, the
+//     gradients, the tokens and the plan's arena, every buffer an alias into
+//     them (none allocated or freed per buffer), and only the loss and the
+//     gradients come home;
+//   - with every value the backward reads offloaded (keep "offload"), the
+//     step still equals the fixture: each value goes to host memory after
+//     the forward and comes back before the backward, other buffers using
+//     its device bytes in between, so the device holds a smaller arena;
 //   - two sequence-parallel ranks (threads) of the tiny Llama, checkpointed
-//     and tiled (views of device buffers, tiles concatenated, all-to-alls
-//     of device-resident values), equal the single-rank CPU library.
+//     and tiled (views aliasing their buffers' device memory, tiles
+//     concatenated, all-to-alls of device-resident values), equal the
+//     single-rank CPU library.
 #include <gtest/gtest.h>
 
 #include <HalideRuntime.h>
@@ -21,6 +28,7 @@
 #include <string>
 
 #include "llama_micro_opencl.h"
+#include "llama_micro_opencl_offload.h"
 #include "tests/device_step.h"
 #include "tests/generators/sp_check.h"
 #include "tiny_opencl_sp2_s126_tiled.h"
@@ -77,11 +85,17 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   for (int i = 0; i < m.num_params(); ++i)
     EXPECT_TRUE(std::equal(first[static_cast<size_t>(i)].begin(), first[static_cast<size_t>(i)].end(), m.grad(i)))
         << "step 2 " << m.param_spec(i).name;
-  // An evaluation between steps frees the train program's device buffers;
-  // the next train step makes them again and gives the same results.
+  // The device holds the executor's blocks, each once: the parameters, the
+  // gradients, the token slots and the plan's arena, whose buffers share
+  // their bytes as on the host (far less than the buffers added up).
+  EXPECT_EQ(m.device_bytes(), testing::device_blocks_bytes(m));
+  EXPECT_LT(m.arena_bytes(), testing::arena_buffers_bytes(m.spec().train) / 2);
+  // An evaluation between steps aliases the same blocks: nothing is freed,
+  // nothing more allocated, and the next train step gives the same results.
   const double eval = m.forward_loss(ids.data(), labels.data(), pos.data());
   EXPECT_LE(std::abs(eval - want) / want, kTolerance);
-  EXPECT_GT(t.device_buffers_freed, 0);
+  EXPECT_EQ(t.device_buffers_freed, 0);
+  EXPECT_EQ(m.device_bytes(), testing::device_blocks_bytes(m));
   EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
   check("after an evaluation");
   // Parameters the host changes between steps reach the device.
@@ -92,6 +106,56 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   runtime::Model fresh(halyard_models::llama_micro_opencl());
   for (int i = 0; i < m.num_params(); ++i) std::copy(m.param(i), m.param(i) + m.param_spec(i).numel, fresh.param(i));
   EXPECT_EQ(fresh.train_step(ids.data(), labels.data(), pos.data()), halved);
+}
+
+TEST(GpuPath, OffloadedValuesComeBackForTheBackwardAndTheArenaShrinks) {
+  auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
+  const runtime::ModelSpec& spec = halyard_models::llama_micro_opencl_offload();
+  ASSERT_GT(spec.train.offload_bytes, 0);
+  int out = 0, back = 0;
+  for (int c = 0; c < spec.train.num_calls; ++c) {
+    out += spec.train.calls[c].kind == runtime::CallKind::Offload;
+    back += spec.train.calls[c].kind == runtime::CallKind::Reload;
+  }
+  EXPECT_GT(out, 4);
+  EXPECT_EQ(out, back);
+  runtime::Model m(spec), kept(halyard_models::llama_micro_opencl());
+  testing::load_params(m, st);
+  testing::load_params(kept, st);
+  auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  const double want = st.to_f64("loss")[0];
+  double loss = 0;
+  try {
+    loss = m.train_step(ids.data(), labels.data(), pos.data());
+  } catch (const std::exception& e) {
+    FAIL() << e.what();
+  }
+  kept.train_step(ids.data(), labels.data(), pos.data());
+  double worst = 0;
+  for (int i = 0; i < m.num_params(); ++i) {
+    const double e = testing::rel_diff(m.grad(i), st.to_f64(std::string("grad/") + m.param_spec(i).name));
+    worst = std::max(worst, e);
+    EXPECT_LE(e, kTolerance) << m.param_spec(i).name;
+    // The same kernels in the same order: the bits of the kept library's.
+    EXPECT_TRUE(std::equal(m.grad(i), m.grad(i) + m.param_spec(i).numel, kept.grad(i))) << m.param_spec(i).name;
+  }
+  const auto& t = m.last_step_times();
+  std::printf("  offloaded step: loss %.9f vs torch %.9f, worst gradient %.2e; %d values, %lld bytes out and back "
+              "(%.3f ms); device %lld bytes vs %lld kept (arena %lld vs %lld), host copies %lld bytes\n",
+              loss, want, worst, out, static_cast<long long>(t.offloaded_bytes), t.offload_s * 1e3,
+              static_cast<long long>(m.device_bytes()), static_cast<long long>(kept.device_bytes()),
+              static_cast<long long>(m.arena_bytes()), static_cast<long long>(kept.arena_bytes()),
+              static_cast<long long>(spec.train.offload_bytes));
+  EXPECT_LE(std::abs(loss - want) / want, kTolerance);
+  EXPECT_GT(t.offloaded_bytes, 0);
+  EXPECT_LT(m.arena_bytes(), kept.arena_bytes());
+  EXPECT_LT(m.device_bytes(), kept.device_bytes());
+  EXPECT_EQ(m.device_bytes(), testing::device_blocks_bytes(m));
+  // Again, and after an evaluation (which offloads nothing: no backward).
+  EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
+  EXPECT_LE(std::abs(m.forward_loss(ids.data(), labels.data(), pos.data()) - want) / want, kTolerance);
+  EXPECT_EQ(m.last_step_times().offloaded_bytes, 0);
+  EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
 }
 
 TEST(GpuPath, TwoSequenceRanksCheckpointedAndTiledOnTheDeviceMatchOneCpuRank) {
@@ -108,6 +172,20 @@ TEST(GpuPath, TwoSequenceRanksCheckpointedAndTiledOnTheDeviceMatchOneCpuRank) {
     EXPECT_LE(c.loss, kTolerance) << "rank " << r;
     EXPECT_LE(c.forward_loss, kTolerance) << "rank " << r;
     EXPECT_LE(c.worst_grad, kTolerance) << "rank " << r << " " << c.worst_param;
+    // Every buffer aliases the executor's blocks, the tiles' views of their
+    // sequence included, but for the views OpenCL cannot alias (rows of
+    // positions and labels starting off its alignment): after the
+    // evaluation only those are freed, and besides the collectives' inputs,
+    // the loss and the gradients, only their buffers come home.
+    const sp_check::StepResult& g = got[static_cast<size_t>(r)];
+    const int copied_views = testing::unaligned_views(dev.forward);
+    EXPECT_GT(copied_views, 0);  // (the case is exercised)
+    EXPECT_LT(copied_views, testing::views(dev.forward) / 2);
+    EXPECT_EQ(g.train_times.device_buffers_freed, copied_views) << "rank " << r;
+    EXPECT_LE(g.train_times.device_to_host_copies,
+              dev.num_params + 1 + testing::collectives(dev.train) + testing::unaligned_views(dev.train))
+        << "rank " << r;
+    EXPECT_GT(g.device_bytes, g.arena_bytes + 2 * 4 * g.flat_size) << "rank " << r;
   }
 }
 

@@ -64,5 +64,9 @@ grep -q 'fix: train one row per rank' "$dir/err.txt" || fail "the stride error n
 echo '{"contract_kernel": "cublas"}' >"$dir/cublas.json"
 expect_error 'legal: "auto" or "halide" here' "$aot" --name x \
   --config "$src/examples/llama/configs/tiny.json" --seq 1024 --schedule "$dir/cublas.json" --plan-only
+# Offloading is for GPU targets: on a CPU the memory is host memory already.
+echo '{"values": [{"match": "*", "keep": "offload"}]}' >"$dir/offload.json"
+expect_error 'is a CPU: its memory is host memory already' "$aot" --name x \
+  --config "$src/examples/llama/configs/tiny.json" --seq 1024 --schedule "$dir/offload.json" --plan-only
 "$plan" --help | grep -q "usage: halyard-plan" || fail "--help"
 echo "halyard-plan: ok"

@@ -5,7 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <cstdio>
 
 #include "dsl/error.h"
@@ -238,6 +241,58 @@ TEST(Autosp, LongestSequenceFits) {
   EXPECT_LE(r.best().peak_bytes, o.memory_per_rank);
   // 160 MiB per rank holds well beyond 4,096 tokens on 4 ranks.
   EXPECT_GT(r.seq, 4096);
+}
+
+// On a cluster with a host link (GPUs) the longest sequence is reached by
+// offloading what full checkpointing keeps (each layer's input) to host
+// memory: longer than the same cluster without the link reaches, with a plan
+// that fits and says so in its rules. A CPU cluster never offloads.
+TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
+  // The tiny Llama 16 layers deep: checkpoints add up, as in real models.
+  const std::string deep = ::testing::TempDir() + "tiny_16_layers.json";
+  {
+    std::ifstream in(kTiny);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string key = "\"num_hidden_layers\": 2";
+    ASSERT_NE(text.find(key), std::string::npos);
+    text.replace(text.find(key), key.size(), "\"num_hidden_layers\": 16");
+    std::ofstream(deep) << text;
+  }
+  SearchOptions o;
+  o.ranks = 8;
+  o.memory_per_rank = int64_t{1536} << 20;  // the preset's 1 GiB of context and NCCL, and 512 MiB
+  o.max_seq = true;
+  o.sp = {8};  // (fewer configurations: the test's time)
+  o.zero = {1};
+  const Cluster gpus = Cluster::named("8xH200");
+  Cluster no_link = gpus;
+  no_link.host_link = {};
+  const auto t0 = std::chrono::steady_clock::now();
+  const SearchResult with = autosp(llama::llama_builder(), {deep, 1, 0}, gpus, o);
+  const SearchResult without = autosp(llama::llama_builder(), {deep, 1, 0}, no_link, o);
+  ASSERT_TRUE(with.feasible) << with.infeasible;
+  ASSERT_TRUE(without.feasible) << without.infeasible;
+  auto offloads = [](const Schedule& s) {
+    return std::any_of(s.values.begin(), s.values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
+  };
+  std::printf("  tiny Llama of 16 layers, 8 ranks x %lld MiB: longest %lld tokens offloading (%s), %lld without a host "
+              "link (%.1f s)\n",
+              static_cast<long long>(o.memory_per_rank >> 20), static_cast<long long>(with.seq),
+              with.best().schedule.str().c_str(), static_cast<long long>(without.seq),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  EXPECT_GT(with.seq, without.seq);
+  EXPECT_TRUE(offloads(with.best().schedule));
+  EXPECT_FALSE(offloads(without.best().schedule));
+  const Plan p = plan(llama::llama_builder(), {deep, 1, with.seq}, with.best().schedule, gpus);
+  EXPECT_LE(p.memory.total(), o.memory_per_rank);
+  EXPECT_GT(p.memory.offloaded, 0);
+  // The family of the same name, and its refusal on CPU ranks.
+  const FamilyResult f = family_longest("ulysses_offload", llama::llama_builder(), {deep, 1, 0}, gpus, 8, o.memory_per_rank, o);
+  EXPECT_TRUE(f.applies) << f.reason;
+  EXPECT_TRUE(offloads(f.schedule));
+  const FamilyResult cpu = family_longest("ulysses_offload", llama::llama_builder(), {kTiny, 1, 0}, local(), 4, o.memory_per_rank, o);
+  EXPECT_FALSE(cpu.applies);
+  EXPECT_THAT(cpu.reason, ::testing::HasSubstr("no host link"));
 }
 
 }  // namespace
