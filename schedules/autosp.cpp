@@ -155,13 +155,14 @@ std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Sc
   return out;
 }
 
-Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute) {
+Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute,
+                        const std::vector<bool>& offload) {
   Schedule s = base;
   s.values.clear();
   std::vector<ValueRule> tile_rules;
   for (const ValueRule& r : base.values) (r.match == "seq_tiles" ? tile_rules : s.values).push_back(r);
   for (size_t i = 0; i < groups.size(); ++i)
-    s.values.push_back({groups[i].match(), recompute[i] ? "recompute" : "save", ""});
+    s.values.push_back({groups[i].match(), !offload.empty() && offload[i] ? "offload" : recompute[i] ? "recompute" : "save", ""});
   for (const ValueRule& r : tile_rules) s.values.push_back(r);
   return s;
 }
@@ -309,7 +310,32 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   }
   r.least_peak_bytes = INT64_MAX;
   for (const auto& [d, x] : seen) r.least_peak_bytes = std::min(r.least_peak_bytes, x.peak);
-  r.schedule = with_recompute(base, groups, r.recompute);
+  // The offload pass: a recomputed heavy group read back from the host
+  // instead, the costliest recompute first, kept when faster and within
+  // the budget. (Cheap groups cost less to recompute than to copy.)
+  r.recompute_step_s = r.step_s;
+  if (r.feasible && cluster.host_link.beta_s_per_byte > 0) {
+    std::vector<std::pair<double, size_t>> costly;  // time its recompute adds, alone
+    for (size_t j = 0; j < n; ++j) {
+      if (!r.recompute[j] || op_info(op_by_name(groups[j].op)).cls != OpClass::Heavy) continue;
+      std::vector<bool> d = r.recompute;
+      d[j] = false;
+      costly.push_back({r.step_s - eval(d).step, j});
+    }
+    std::sort(costly.rbegin(), costly.rend());
+    std::vector<bool> off(n, false);
+    for (const auto& [gain, j] : costly) {
+      off[j] = true;
+      const Scored x = score(build, req, with_recompute(base, groups, r.recompute, off), cluster, &r.plans);
+      if (x.peak <= budget && x.step < r.step_s) {
+        r.peak_bytes = x.peak, r.step_s = x.step;
+        r.offload = off;
+      } else {
+        off[j] = false;
+      }
+    }
+  }
+  r.schedule = with_recompute(base, groups, r.recompute, r.offload);
   return r;
 }
 

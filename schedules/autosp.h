@@ -47,14 +47,21 @@ struct RematGroup {
 // decides those: they are recomputed per tile).
 std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Schedule& base);
 
-// `base` with one rule per group (recompute where `recompute[i]`, else save),
-// placed before base's sequence-tile rule so that tiles stay per tile.
-Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute);
+// `base` with one rule per group (recompute where `recompute[i]`, else save;
+// offload where `offload[i]`, when given), placed before base's
+// sequence-tile rule so that tiles stay per tile.
+Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute,
+                        const std::vector<bool>& offload = {});
 
 struct RematResult {
   bool feasible = false;
   std::vector<RematGroup> groups;
   std::vector<bool> recompute;  // per group
+  // Per group (on a cluster with a host link): read back from host memory
+  // instead of recomputed, where the offload pass found that faster and
+  // within the budget. Empty when nothing is offloaded.
+  std::vector<bool> offload;
+  double recompute_step_s = 0;  // the save-or-recompute decision's step, before the offload pass
   Schedule schedule;            // base with the decisions
   int64_t peak_bytes = 0;       // predicted peak of the choice (or of the least-memory decision when infeasible)
   double step_s = 0;
@@ -69,7 +76,11 @@ struct RematResult {
 
 // The fastest decision whose predicted peak fits `budget` (bytes per rank).
 // Groups default to remat_groups() of base's graph. After `max_plans` plan()
-// calls it returns the best found so far with the proven lower bound.
+// calls it returns the best found so far with the proven lower bound. On a
+// cluster with a host link an offload pass follows: each recomputed group of
+// heavy values, the costliest to recompute first, is offloaded instead when
+// plan() says that is faster and fits (the bound is then that of the
+// save-or-recompute problem, which offloading only improves on).
 RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
                         int64_t budget, std::vector<RematGroup> groups = {}, int max_plans = 400);
 

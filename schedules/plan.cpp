@@ -392,10 +392,10 @@ std::string Plan::report() const {
   std::ostringstream os;
   char line[512];
   const Graph& g = *model.graph;
-  std::snprintf(line, sizeof line, "plan: %s, batch %lld x seq %lld (%lld tokens per row on each rank), %s, %s\n",
+  std::snprintf(line, sizeof line, "plan: %s, batch %lld x seq %lld (%lld tokens per row on each rank), %s, ",
                 request.config.c_str(), static_cast<long long>(request.batch), static_cast<long long>(request.seq),
-                static_cast<long long>(local_seq), request.precision.c_str(), schedule.str().c_str());
-  os << line;
+                static_cast<long long>(local_seq), request.precision.c_str());
+  os << line << schedule.str() << "\n";  // (a schedule of many rules is longer than `line`)
   std::snprintf(line, sizeof line, "cluster: %s (%lld ranks, %lld per node): %s\n", cluster.name.c_str(),
                 static_cast<long long>(cluster.ranks), static_cast<long long>(cluster.ranks_per_node), cluster.source.c_str());
   os << line;

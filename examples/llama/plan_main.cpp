@@ -141,6 +141,17 @@ std::string tokens(int64_t n) {
   return s;
 }
 
+// How the recompute search ended.
+std::string search_note(const RematResult& r) {
+  if (r.offloaded) return "no decision to save or recompute fits; the checkpoints offloaded do";
+  std::string note = r.exhaustive_bound ? "optimal (branch and bound completed)"
+                                        : "best found, within " +
+                                              std::to_string(static_cast<int>(std::ceil(100 * (r.recompute_step_s / r.lower_bound_s - 1)))) +
+                                              "% of the proven bound";
+  if (std::count(r.offload.begin(), r.offload.end(), true) > 0) note += "; then offloading instead of recomputing made it faster";
+  return note;
+}
+
 // What a schedule decided, in a few words.
 std::string summary(const Schedule& s, const RematResult* r) {
   std::string out = "dp=" + std::to_string(s.mesh.dp) + " sp=" + std::to_string(s.mesh.sp);
@@ -152,9 +163,10 @@ std::string summary(const Schedule& s, const RematResult* r) {
     int n = 0;
     for (bool b : r->recompute) n += b;
     out += ", " + std::to_string(n) + " of " + std::to_string(r->groups.size()) + " value groups recomputed";
+    const auto off = static_cast<int>(std::count(r->offload.begin(), r->offload.end(), true));
+    if (off > 0) out += " (" + std::to_string(off) + " of them offloaded to the host instead)";
   }
-  if (r && std::any_of(s.values.begin(), s.values.end(), [](const ValueRule& v) { return v.keep == "offload"; }))
-    out += ", every layer checkpointed and its input offloaded to the host";
+  if (r && r->offloaded) out += ", every layer checkpointed and its input offloaded to the host";
   return out;
 }
 
@@ -281,11 +293,7 @@ int run(int argc, char** argv) {
                 best.report().c_str());
     std::printf("predicted: %.4f s per step, %.0f tokens/s over the mesh, %s sent per rank per step; recompute search: %s\n\n",
                 best.step_s, r.best().tokens_per_s, mib(best.collective_bytes_per_rank()).c_str(),
-                r.remat.offloaded ? "no decision to save or recompute fits; the checkpoints offloaded do"
-                : r.remat.exhaustive_bound ? "optimal (branch and bound completed)"
-                                         : ("best found, within " +
-                                            std::to_string(static_cast<int>(std::ceil(100 * (r.remat.step_s / r.remat.lower_bound_s - 1)))) +
-                                            "% of the proven bound").c_str());
+                search_note(r.remat).c_str());
     std::printf("  %-4s %-62s %12s %10s %12s\n", "rank", "plan", "peak/rank", "step s", "tokens/s");
     for (size_t i = 0; i < r.ranked.size(); ++i)
       std::printf("  %-4zu %-62s %12s %10.4f %12.0f\n", i + 1, summary(r.ranked[i].schedule, nullptr).c_str(),
@@ -300,6 +308,7 @@ int run(int argc, char** argv) {
     out["autosp"]["ranked"] = ranked;
     out["autosp"]["plan"] = nlohmann::json::parse(best.to_json());
     out["autosp"]["recompute_search"] = {{"optimal", r.remat.exhaustive_bound}, {"offloaded", r.remat.offloaded},
+                                         {"groups_offloaded", std::count(r.remat.offload.begin(), r.remat.offload.end(), true)},
                                          {"lower_bound_s", r.remat.lower_bound_s},
                                          {"plans", r.remat.plans}};
     if (!schedule_out.empty()) write_file(schedule_out, r.best().schedule.to_json() + "\n");

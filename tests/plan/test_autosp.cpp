@@ -9,6 +9,7 @@
 #include <chrono>
 #include <fstream>
 #include <iterator>
+#include <stdexcept>
 #include <cstdio>
 
 #include "dsl/error.h"
@@ -247,17 +248,25 @@ TEST(Autosp, LongestSequenceFits) {
 // offloading what full checkpointing keeps (each layer's input) to host
 // memory: longer than the same cluster without the link reaches, with a plan
 // that fits and says so in its rules. A CPU cluster never offloads.
-TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
-  // The tiny Llama 16 layers deep: checkpoints add up, as in real models.
+// The tiny Llama 16 layers deep (a config file written once): checkpoints
+// add up, as in real models.
+std::string deep_tiny() {
   const std::string deep = ::testing::TempDir() + "tiny_16_layers.json";
-  {
-    std::ifstream in(kTiny);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const std::string key = "\"num_hidden_layers\": 2";
-    ASSERT_NE(text.find(key), std::string::npos);
-    text.replace(text.find(key), key.size(), "\"num_hidden_layers\": 16");
-    std::ofstream(deep) << text;
-  }
+  std::ifstream in(kTiny);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string key = "\"num_hidden_layers\": 2";
+  if (text.find(key) == std::string::npos) throw std::runtime_error(kTiny + " has no " + key);
+  text.replace(text.find(key), key.size(), "\"num_hidden_layers\": 16");
+  std::ofstream(deep) << text;
+  return deep;
+}
+
+bool offloads(const Schedule& s) {
+  return std::any_of(s.values.begin(), s.values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
+}
+
+TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
+  const std::string deep = deep_tiny();
   SearchOptions o;
   o.ranks = 8;
   o.memory_per_rank = int64_t{1536} << 20;  // the preset's 1 GiB of context and NCCL, and 512 MiB
@@ -272,9 +281,6 @@ TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
   const SearchResult without = autosp(llama::llama_builder(), {deep, 1, 0}, no_link, o);
   ASSERT_TRUE(with.feasible) << with.infeasible;
   ASSERT_TRUE(without.feasible) << without.infeasible;
-  auto offloads = [](const Schedule& s) {
-    return std::any_of(s.values.begin(), s.values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
-  };
   std::printf("  tiny Llama of 16 layers, 8 ranks x %lld MiB: longest %lld tokens offloading (%s), %lld without a host "
               "link (%.1f s)\n",
               static_cast<long long>(o.memory_per_rank >> 20), static_cast<long long>(with.seq),
@@ -293,6 +299,45 @@ TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
   const FamilyResult cpu = family_longest("ulysses_offload", llama::llama_builder(), {kTiny, 1, 0}, local(), 4, o.memory_per_rank, o);
   EXPECT_FALSE(cpu.applies);
   EXPECT_THAT(cpu.reason, ::testing::HasSubstr("no host link"));
+}
+
+// Below the longest sequence, where saving or recomputing fits, the offload
+// pass reads a recomputed heavy group back from the host when plan() says
+// that is faster: here each layer's attention output (recomputing it costs
+// O(S^2) FLOPs, copying it O(S) bytes over PCIe).
+TEST(Autosp, OffloadingBeatsRecomputingAttentionOnGpus) {
+  SearchOptions o;
+  o.ranks = 8;
+  o.memory_per_rank = int64_t{2048} << 20;
+  o.sp = {8};
+  o.zero = {1};
+  const ModelRequest req{deep_tiny(), 1, 131072};
+  const Cluster gpus = Cluster::named("8xH200");
+  Cluster no_link = gpus;
+  no_link.host_link = {};
+  const SearchResult with = autosp(llama::llama_builder(), req, gpus, o);
+  const SearchResult without = autosp(llama::llama_builder(), req, no_link, o);
+  ASSERT_TRUE(with.feasible) << with.infeasible;
+  ASSERT_TRUE(without.feasible) << without.infeasible;
+  std::printf("  tiny Llama of 16 layers, seq 131072 on 8 x %lld MiB: step %.4f s offloading, %.4f s without a host link\n",
+              static_cast<long long>(o.memory_per_rank >> 20), with.best().step_s, without.best().step_s);
+  EXPECT_LT(with.best().step_s, without.best().step_s);
+  EXPECT_LE(with.best().peak_bytes, o.memory_per_rank);
+  EXPECT_FALSE(offloads(without.best().schedule));
+  const RematResult& r = with.remat;
+  ASSERT_EQ(r.offload.size(), r.groups.size());
+  bool attention = false;
+  for (size_t j = 0; j < r.groups.size(); ++j) {
+    if (!r.offload[j]) continue;
+    EXPECT_TRUE(r.recompute[j]) << r.groups[j].match();  // offloaded instead of recomputed
+    EXPECT_EQ(op_info(op_by_name(r.groups[j].op)).cls, OpClass::Heavy) << r.groups[j].match();
+    attention = attention || r.groups[j].op == "attention";
+  }
+  EXPECT_TRUE(attention);
+  EXPECT_LT(r.step_s, r.recompute_step_s);
+  const Plan p = plan(llama::llama_builder(), req, with.best().schedule, gpus);
+  EXPECT_LE(p.memory.total(), o.memory_per_rank);
+  EXPECT_GT(p.offload_s, 0);
 }
 
 }  // namespace
