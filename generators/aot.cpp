@@ -256,7 +256,7 @@ int run(const Options& o, const ModelBuilder& build) {
   // The library kernels are CPU code; the runtime's GEMM is cuBLAS.
   const bool gpu = parse_target(o.target).has_gpu_feature(), cuda = parse_target(o.target).has_feature(Halide::Target::CUDA);
   if (gpu) sched.attention_kernel = sched.weight_grad_kernel = "halide";
-  if (!gpu && std::any_of(sched.values.begin(), sched.values.end(), [](const ValueRule& r) { return r.keep == "offload"; }))
+  if (!gpu && sched.offloads())
     throw UserError("error: schedule \"" + sched.name + "\" offloads values to host memory (keep \"offload\"), but target \"" +
                     o.target + "\" is a CPU: its memory is host memory already.\nfix: keep \"save\" or \"recompute\" "
                     "for CPU targets; offloading needs a GPU target (host-cuda, host-opencl).");

@@ -1,6 +1,5 @@
 #include "runtime/device_memory.h"
 
-#include <HalideRuntime.h>
 #include <HalideRuntimeCuda.h>
 #include <HalideRuntimeOpenCL.h>
 
@@ -30,42 +29,33 @@ const halide_device_interface_t* device_interface_of(std::string_view target) {
 }
 
 DeviceBlock::DeviceBlock(const halide_device_interface_t* device, int64_t bytes)
-    : device_(device), bytes_(bytes), buf_(new halide_buffer_t{}) {
-  auto* dims = new halide_dimension_t[2];
-  dims[0] = halide_dimension_t(0, kRow, 1);
-  dims[1] = halide_dimension_t(0, static_cast<int32_t>((bytes + kRow - 1) / kRow), kRow);
-  buf_->type = halide_type_t(halide_type_uint, 8);
-  buf_->dimensions = 2;
-  buf_->dim = dims;
+    : bytes_(bytes),
+      aligned_aliases_(halide_opencl_device_interface && device == halide_opencl_device_interface()),
+      dims_{halide_dimension_t(0, kRow, 1), halide_dimension_t(0, static_cast<int32_t>((bytes + kRow - 1) / kRow), kRow)} {
+  buf_.type = halide_type_t(halide_type_uint, 8);
+  buf_.dimensions = 2;
+  buf_.dim = dims_;
   // No host pointer: nothing copies the block itself, only its aliases.
-  if (int err = halide_device_malloc(nullptr, buf_, device)) {
-    delete[] buf_->dim;
-    delete buf_;
+  if (int err = halide_device_malloc(nullptr, &buf_, device))
     throw Error("error: cannot allocate " + std::to_string(bytes) + " bytes on the device (Halide error " +
                 std::to_string(err) + "; Halide printed the reason above).\nfix: a schedule that needs less memory "
                 "per rank (halyard-plan prints each rank's peak), or more ranks.");
-  }
 }
 
-DeviceBlock::~DeviceBlock() {
-  halide_device_free(nullptr, buf_);
-  delete[] buf_->dim;
-  delete buf_;
-}
+DeviceBlock::~DeviceBlock() { halide_device_free(nullptr, &buf_); }
 
 bool DeviceBlock::alias(halide_buffer_t& buf, int64_t offset, int64_t align) const {
-  const bool opencl = halide_opencl_device_interface && device_ == halide_opencl_device_interface();
-  if (opencl && offset % align != 0) return false;
+  if (aligned_aliases_ && offset % align != 0) return false;
   // A crop of the block whose first byte is `offset` (Halide computes a
   // crop's offset from the mins), handed to `buf`: an alias of device
   // memory needs no particular shape.
   halide_dimension_t dims[2] = {halide_dimension_t(static_cast<int32_t>(offset % kRow), 1, 1),
                                 halide_dimension_t(static_cast<int32_t>(offset / kRow), 1, kRow)};
   halide_buffer_t crop{};
-  crop.type = buf_->type;
+  crop.type = buf_.type;
   crop.dimensions = 2;
   crop.dim = dims;
-  if (int err = halide_device_crop(nullptr, buf_, &crop))
+  if (int err = halide_device_crop(nullptr, &buf_, &crop))
     throw Error("error: cannot alias device memory at offset " + std::to_string(offset) + " of a block of " +
                 std::to_string(bytes_) + " bytes (Halide error " + std::to_string(err) +
                 "; Halide printed the reason above).");

@@ -17,11 +17,10 @@
 // offsets are multiples of).
 #pragma once
 
+#include <HalideRuntime.h>
+
 #include <cstdint>
 #include <string_view>
-
-struct halide_buffer_t;
-struct halide_device_interface_t;
 
 namespace halyard::runtime {
 
@@ -46,9 +45,10 @@ class DeviceBlock {
   bool alias(halide_buffer_t& buf, int64_t offset, int64_t align) const;
 
  private:
-  const halide_device_interface_t* device_;
   int64_t bytes_;
-  halide_buffer_t* buf_;  // the whole block, which the aliases crop
+  bool aligned_aliases_;  // OpenCL: a sub-buffer's origin must be aligned
+  halide_dimension_t dims_[2];
+  halide_buffer_t buf_{};  // the whole block, which the aliases crop
 };
 
 // Frees an alias (halide_device_release_crop), not its block.

@@ -343,9 +343,7 @@ void Model::offload(const CallSpec& call, const ProgramSpec& p, halide_buffer_t*
   if (call.kind == CallKind::Offload) {
     if (hb.flags & halide_buffer_flag_device_dirty) {
       err = halide_copy_to_host(nullptr, &hb);
-      int64_t n = s.type == ElemType::F64 ? 8 : 4;
-      for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
-      times_.offloaded_bytes += n;
+      times_.offloaded_bytes += static_cast<int64_t>(hb.size_in_bytes());
     }
   } else {
     hb.flags |= halide_buffer_flag_host_dirty;

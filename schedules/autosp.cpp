@@ -314,7 +314,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   // instead, the costliest recompute first, kept when faster and within
   // the budget. (Cheap groups cost less to recompute than to copy.)
   r.recompute_step_s = r.step_s;
-  if (r.feasible && cluster.host_link.beta_s_per_byte > 0) {
+  if (r.feasible && cluster.has_host_link()) {
     std::vector<std::pair<double, size_t>> costly;  // time its recompute adds, alone
     for (size_t j = 0; j < n; ++j) {
       if (!r.recompute[j] || op_info(op_by_name(groups[j].op)).cls != OpClass::Heavy) continue;
@@ -477,7 +477,7 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
     return f;
   }
   const int64_t on = family == "default" ? 1 : ranks;
-  if (family == "ulysses_offload" && cluster.host_link.beta_s_per_byte <= 0) {
+  if (family == "ulysses_offload" && !cluster.has_host_link()) {
     f.applies = false, f.reason = "cluster \"" + cluster.name + "\" has no host link (CPU ranks' memory is host memory)";
     return f;
   }
@@ -571,7 +571,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   // gradient per tile, which short sequences of wide models do not repay).
   // On a cluster with a host link (GPUs) the least-memory schedules offload
   // what checkpointing keeps to host memory (ALST's offload).
-  const bool can_offload = cluster.host_link.beta_s_per_byte > 0;
+  const bool can_offload = cluster.has_host_link();
   const std::vector<ValueRule> lean_rules = can_offload ? offloaded_checkpoint_rules() : layer_checkpoint_rules();
   auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
     Schedule s = c.base;

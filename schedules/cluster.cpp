@@ -108,7 +108,7 @@ std::string Cluster::to_json() const {
     j["kernels"][k] = {{"s_per_flop", v.s_per_flop}, {"s_per_byte", v.s_per_byte}, {"s_per_call", v.s_per_call}};
   for (const auto& [k, v] : collectives) j["collectives"][k] = {{"alpha_s", v.alpha_s}, {"beta_s_per_byte", v.beta_s_per_byte}};
   j["inter_node"] = {{"alpha_s", inter_node.alpha_s}, {"beta_s_per_byte", inter_node.beta_s_per_byte}};
-  if (host_link.beta_s_per_byte > 0)
+  if (has_host_link())
     j["host_link"] = {{"alpha_s", host_link.alpha_s}, {"beta_s_per_byte", host_link.beta_s_per_byte}};
   return j.dump(2);
 }

@@ -45,6 +45,7 @@ struct Cluster {
   // Copies between a rank's device and its host memory (PCIe), each way:
   // what offloading a value costs. Zero on CPU ranks (none to offload to).
   LinkCoefficients host_link;
+  bool has_host_link() const { return host_link.beta_s_per_byte > 0; }
 
   // Time of a kernel stage of this kind; unknown kinds use "pointwise".
   double kernel_time(const std::string& kind, double flops, double bytes) const;

@@ -258,12 +258,11 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   // Offloading moves values to the host and back over the cluster's host
   // link; CPU ranks have none (their memory is host memory).
   std::function<bool(const Node&)> offload;
-  for (const ValueRule& r : schedule.values)
-    if (r.keep == "offload") offload = [&schedule](const Node& n) { return schedule.keep(n) == Keep::Offload; };
-  if (offload && cluster.host_link.beta_s_per_byte <= 0) {
+  if (schedule.offloads()) offload = [&schedule](const Node& n) { return schedule.keep(n) == Keep::Offload; };
+  if (offload && !cluster.has_host_link()) {
     std::string linked;
     for (const std::string& n : Cluster::presets())
-      if (Cluster::named(n).host_link.beta_s_per_byte > 0) linked += (linked.empty() ? "" : ", ") + n;
+      if (Cluster::named(n).has_host_link()) linked += (linked.empty() ? "" : ", ") + n;
     throw UserError("error: schedule \"" + schedule.name + "\" offloads values to host memory (keep \"offload\"), but "
                     "cluster \"" + cluster.name + "\" has no host link: its ranks' memory is host memory already.\n"
                     "fix: keep \"save\" or \"recompute\" on CPU ranks; offloading is for GPU clusters (the presets " +

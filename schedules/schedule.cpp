@@ -130,6 +130,10 @@ Keep Schedule::keep(const Node& n) const {
   return k;
 }
 
+bool Schedule::offloads() const {
+  return std::any_of(values.begin(), values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
+}
+
 Compute Schedule::compute(const Node& n) const {
   Compute c = Compute::Root;
   if (op_info(n.op).cls != OpClass::Cheap) return c;

@@ -129,6 +129,7 @@ struct Schedule {
 
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;
+  bool offloads() const;  // a value rule says keep "offload"
   Compute compute(const Node& n) const;
   // The strategy of an attention node ("" when the sequence is not split),
   // and the rule that gives it (nullptr then).

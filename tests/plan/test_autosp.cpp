@@ -261,10 +261,6 @@ std::string deep_tiny() {
   return deep;
 }
 
-bool offloads(const Schedule& s) {
-  return std::any_of(s.values.begin(), s.values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
-}
-
 TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
   const std::string deep = deep_tiny();
   SearchOptions o;
@@ -287,15 +283,15 @@ TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
               with.best().schedule.str().c_str(), static_cast<long long>(without.seq),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   EXPECT_GT(with.seq, without.seq);
-  EXPECT_TRUE(offloads(with.best().schedule));
-  EXPECT_FALSE(offloads(without.best().schedule));
+  EXPECT_TRUE(with.best().schedule.offloads());
+  EXPECT_FALSE(without.best().schedule.offloads());
   const Plan p = plan(llama::llama_builder(), {deep, 1, with.seq}, with.best().schedule, gpus);
   EXPECT_LE(p.memory.total(), o.memory_per_rank);
   EXPECT_GT(p.memory.offloaded, 0);
   // The family of the same name, and its refusal on CPU ranks.
   const FamilyResult f = family_longest("ulysses_offload", llama::llama_builder(), {deep, 1, 0}, gpus, 8, o.memory_per_rank, o);
   EXPECT_TRUE(f.applies) << f.reason;
-  EXPECT_TRUE(offloads(f.schedule));
+  EXPECT_TRUE(f.schedule.offloads());
   const FamilyResult cpu = family_longest("ulysses_offload", llama::llama_builder(), {kTiny, 1, 0}, local(), 4, o.memory_per_rank, o);
   EXPECT_FALSE(cpu.applies);
   EXPECT_THAT(cpu.reason, ::testing::HasSubstr("no host link"));
@@ -323,7 +319,7 @@ TEST(Autosp, OffloadingBeatsRecomputingAttentionOnGpus) {
               static_cast<long long>(o.memory_per_rank >> 20), with.best().step_s, without.best().step_s);
   EXPECT_LT(with.best().step_s, without.best().step_s);
   EXPECT_LE(with.best().peak_bytes, o.memory_per_rank);
-  EXPECT_FALSE(offloads(without.best().schedule));
+  EXPECT_FALSE(without.best().schedule.offloads());
   const RematResult& r = with.remat;
   ASSERT_EQ(r.offload.size(), r.groups.size());
   bool attention = false;
