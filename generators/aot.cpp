@@ -330,7 +330,7 @@ int run(const Options& o, const ModelBuilder& build) {
     const auto k0 = std::chrono::steady_clock::now();
     const bool autoschedule = !sched.autoscheduler.empty() && !target.has_gpu_feature();
     LoweredStage ls = lower_stage(g, st, autoschedule, sched.kernel_tiles, target.natural_vector_size(Halide::Float(32)),
-                                  cuda ? Halide::DeviceAPI::CUDA : Halide::DeviceAPI::Host);
+                                  cuda ? Halide::DeviceAPI::CUDA : Halide::DeviceAPI::Host, target.has_gpu_feature());
     set_estimates(ls, g, st);
     if (autoschedule) {
       Halide::AutoschedulerParams params(sched.autoscheduler, {{"parallelism", "2"},

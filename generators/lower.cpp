@@ -65,6 +65,7 @@ struct Ctx {
   const KernelTiles& tiles;
   int panel;  // floats in a vector of the target: B's panels (ContractLayout)
   DeviceAPI gemm_device;  // where the runtime's GEMM reads and writes (Stage::gemm)
+  bool gpu;               // for schedule_gpu
   std::map<int, Func> funcs;
   std::map<std::string, Var> var_of;
 
@@ -597,11 +598,15 @@ void Ctx::attention(int id, Func out) {
   else rj.where(rj <= i);
 
   // scores[j, i, h] = q_i . k_j * scale
-  Func s_acc("s_acc"), s("s");
-  s_acc(j, i, h, b) = cast(T, 0);
-  s_acc(j, i, h, b) += q(rd, h, i, b) * kT(j, rd, h / grp, b);
-  s(j, i, h, b) = s_acc(j, i, h, b) * scale;
-  A.products.push_back({s, s_acc, j, i});
+  auto scores = [&](const std::string& tag) {
+    Func acc("s_acc" + tag), w("s" + tag);
+    acc(j, i, h, b) = cast(T, 0);
+    acc(j, i, h, b) += q(rd, h, i, b) * kT(j, rd, h / grp, b);
+    w(j, i, h, b) = acc(j, i, h, b) * scale;
+    return AttentionProduct{w, acc, j, i};
+  };
+  A.products.push_back(scores(""));
+  Func s = A.products.back().wrapper;
 
   auto row_stats = [&]() {  // max and sum of exp over visible keys, per query row
     // Keys in blocks: the predicate on the block index lets Halide drop the
@@ -614,10 +619,18 @@ void Ctx::attention(int id, Func out) {
     Expr key = rk.y * block + rk.x;
     Func m("row_max"), l("row_sum");
     Expr vis_r = substitute(j, key, visible);
+    // The GPU schedule computes each reduction's scores inside it, one key at
+    // a time: it needs Funcs of their own (Halide 21 cannot clone_in a clone).
+    auto scores_of = [&](const std::string& tag) {
+      if (!gpu) return s;
+      A.row_products.push_back(scores(tag));
+      return A.row_products.back().wrapper;
+    };
+    Func s_max = scores_of("_max"), s_sum = scores_of("_sum");
     m(i, h, b) = lowest;
-    m(i, h, b) = max(m(i, h, b), select(vis_r, s(key, i, h, b), lowest));
+    m(i, h, b) = max(m(i, h, b), select(vis_r, s_max(key, i, h, b), lowest));
     l(i, h, b) = cast(T, 0);
-    l(i, h, b) += select(vis_r, exp(s(key, i, h, b) - m(i, h, b)), cast(T, 0));
+    l(i, h, b) += select(vis_r, exp(s_sum(key, i, h, b) - m(i, h, b)), cast(T, 0));
     A.row_reductions = {m, l};
     return std::pair{m, l};
   };
@@ -805,7 +818,7 @@ void Ctx::device_gemm(int id, Func out) {
 }  // namespace
 
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles,
-                         int vector_floats, DeviceAPI gemm_device) {
+                         int vector_floats, DeviceAPI gemm_device, bool gpu) {
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
@@ -813,7 +826,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.args.push_back(ls.inputs.back());
   }
   const int panel = vector_floats > 0 ? vector_floats : Halide::get_host_target().natural_vector_size(Halide::Float(32));
-  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, gemm_device, {}, {}};
+  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, gemm_device, gpu, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
   if (ls.funcs.attn.kind >= 0) {

@@ -36,6 +36,7 @@ struct AttentionFuncs {
   std::vector<AttentionProduct> products;      // scores, dP: computed per tile
   std::vector<Halide::Func> pointwise;         // probabilities, dS: per tile, vectorized
   std::vector<Halide::Func> row_reductions;    // row max and sum: per tile
+  std::vector<AttentionProduct> row_products;  // GPU only: each row reduction's own scores
   Halide::Func out_acc;                        // the output's accumulator (register tile)
 };
 
@@ -76,9 +77,11 @@ struct LoweredStage {
 // of a contraction's panels of B. gemm_device: where a Stage::gemm
 // contraction's call to the runtime's GEMM (runtime/gemm.h) runs: CUDA for
 // CUDA targets (cuBLAS); Host runs the runtime's reference GEMM, which the
-// tests compare with Halide's.
+// tests compare with Halide's. gpu: the stage will be scheduled by
+// schedule_gpu (attention's row statistics then get scores of their own).
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false, const KernelTiles& tiles = {},
-                         int vector_floats = 0, Halide::DeviceAPI gemm_device = Halide::DeviceAPI::Host);
+                         int vector_floats = 0, Halide::DeviceAPI gemm_device = Halide::DeviceAPI::Host,
+                         bool gpu = false);
 
 // The data caches the CPU schedules size their blocks by. Halide's Target
 // carries no cache sizes, so they are read from the build host (sysfs); the

@@ -2,7 +2,9 @@
 // computed at root and tiled over GPU blocks and threads. It is correct, not
 // fast: it exists so that every model AOT-compiles for CUDA today; tuned GPU
 // schedules replace it when GPU training lands. Contractions of GEMM form
-// call cuBLAS instead (Schedule::contract_kernel, runtime/gemm.h).
+// call cuBLAS instead (Schedule::contract_kernel, runtime/gemm.h). Attention
+// is the exception to "at root": its memory stays O(S) (see below).
+#include "dsl/error.h"
 #include "generators/lowering.h"
 
 namespace halyard {
@@ -35,18 +37,72 @@ void on_gpu(Func f) {
   for (int u = 0; u < f.num_update_definitions(); ++u) tile(f.update(u), pure_update_vars(f, u));
 }
 
+// Attention in O(S) memory, flash-style without tiles: one GPU thread per
+// output row (a query; a key for dK and dV) and head, its accumulator over
+// head_dim in the thread's own memory, summed one key (or one query of one
+// head) at a time. That key's score, probability (and dP, dS) are computed
+// inside the reduction loop, once for all of head_dim, so no [keys x
+// queries] matrix exists anywhere: at root there are only the operands'
+// copies and the [queries x heads] row statistics. The row max and sum are
+// kernels of their own (one thread per query row), each computing the scores
+// it reads itself (lower_stage(..., gpu) gives them Funcs of their own), so
+// that no score Func has two consumers and so stays at root.
+// Memory-bound, not fast: a tensor-core kernel (cuDNN's SDPA) is the fast
+// path this leaves open.
+void schedule_attention(StageFuncs& F) {
+  AttentionFuncs& A = F.attn;
+  HALYARD_CHECK(A.row_products.size() == A.row_reductions.size(), "attention lowered without lower_stage(..., gpu)");
+  for (size_t k = 0; k < A.row_reductions.size(); ++k) {
+    Func f = A.row_reductions[k];
+    A.row_products[k].acc.compute_at(f, RVar(f.update().get_schedule().rvars().front().var));
+    on_gpu(f);
+  }
+  Func out = F.out;
+  auto args = out.args();
+  if (A.kind == static_cast<int>(Op::AttentionLse)) {  // out(h, i, b): the statistics alone
+    on_gpu(out);
+    return;
+  }
+  Var d = args[0], h = args[1], t = args[2], b = args[3], to("to"), tt("tt");
+  out.compute_root()
+      .split(t, to, tt, 64, TailStrategy::GuardWithIf)
+      .reorder(d, tt, to, h, b)
+      .gpu_blocks(to, h, b)
+      .gpu_threads(tt);
+  Func acc = A.out_acc;
+  acc.compute_at(out, tt);
+  // head_dim innermost (Halide puts reductions inside the pure loops), then
+  // the innermost reduction variable: one key (one query of one head), whose
+  // scores are computed once, outside the loop over head_dim.
+  std::vector<VarOrRVar> order = {acc.args()[0]};
+  for (const auto& r : acc.update().get_schedule().rvars()) order.push_back(RVar(r.var));
+  acc.update().reorder(order);
+  const RVar one = order[1].rvar;
+  // One element each: Halide cannot prove that size from the causal bounds,
+  // and unbounded it would allocate them in device memory, sized at run time
+  // (or, in registers, as long as a row).
+  auto one_element = [&](Func f) {
+    f.compute_at(acc, one);
+    for (const Var& v : f.args()) f.bound_storage(v, 1);
+  };
+  for (const AttentionProduct& pr : A.products) one_element(pr.acc);
+  for (Func f : A.pointwise) one_element(f);
+}
+
 }  // namespace
 
 void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
   StageFuncs& F = ls.funcs;
   std::vector<Func> all = F.small;
   all.insert(all.end(), F.tables.begin(), F.tables.end());
-  for (auto* list : {&F.staged, &F.root_copies, &F.attn.pointwise, &F.attn.row_reductions})
-    all.insert(all.end(), list->begin(), list->end());
-  for (const AttentionProduct& p : F.attn.products) all.insert(all.end(), {p.wrapper, p.acc});
-  if (F.attn.out_acc.defined()) all.push_back(F.attn.out_acc);
+  for (auto* list : {&F.staged, &F.root_copies}) all.insert(all.end(), list->begin(), list->end());
   if (F.contract_acc.defined()) all.push_back(F.contract_acc);
   for (Func f : all) on_gpu(f);
+  if (F.attn.kind >= 0) {
+    schedule_attention(F);
+    for (Func f : F.extra_outs) on_gpu(f);
+    return;
+  }
   if (F.library.defined()) F.library.compute_root();  // the runtime's GEMM, an extern stage on the device
   on_gpu(F.out);
   for (Func f : F.extra_outs) on_gpu(f);

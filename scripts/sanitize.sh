@@ -33,6 +33,7 @@ echo "[sanitize] configured and built in $((SECONDS - start)) s"
 symbolizer=$(command -v "llvm-symbolizer-${cxx##*-}" || command -v llvm-symbolizer || true)
 export ASAN_SYMBOLIZER_PATH=${ASAN_SYMBOLIZER_PATH:-$symbolizer}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:check_initialization_order=1}
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 cd "$build"
 # Two AutoSP property sweeps and the tiny model's gradcheck take 3 minutes under

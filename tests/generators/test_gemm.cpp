@@ -244,7 +244,7 @@ TEST(Gemm, CudaStagesCallTheRuntimeGemmOnTheDevice) {
   const Stage& st = p.stages.at(0);
   ASSERT_TRUE(st.gemm);
   const Halide::Target cuda("host-cuda-cuda_capability_80");
-  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA);
+  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
   schedule_gpu(ls, g, st, cuda);
   const std::string stmt = testing::TempDir() + "/gemm_cuda.stmt";
   std::vector<Halide::Argument> args = ls.args;

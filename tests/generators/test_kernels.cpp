@@ -18,10 +18,13 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <cstdio>
 #include <random>
+#include <regex>
 #include <string>
 
 #include "dsl/autodiff.h"
@@ -207,13 +210,11 @@ struct AttentionCase {
 // `target`: what Halide compiles the generated kernels for (the host's by
 // default); `bits`, if given, receives a 64-bit FNV-1a hash of every value
 // the stages wrote.
-double attention_case(const AttentionCase& c, const Halide::Target* target = nullptr, uint64_t* bits = nullptr) {
-  const int64_t seq = c.seq;
-  const bool packed = c.packed;
+// The stages of attention's forward and of its gradients (4 heads, 2 KV heads).
+Partition attention_partition(Graph& g, const AttentionCase& c) {
   Schedule sched;
   sched.attention_kernel = c.kernel;
-  Graph g;
-  const Axis B{"batch", c.batch}, S{"seq", seq}, H{"heads", 4}, KV{"kv_heads", 2}, D{"head_dim", c.head_dim};
+  const Axis B{"batch", c.batch}, S{"seq", c.seq}, H{"heads", 4}, KV{"kv_heads", 2}, D{"head_dim", c.head_dim};
   Value q = param(g, "q", DType::f32, {B, S, H, D});
   Value k = param(g, "k", DType::f32, {B, S, KV, D});
   Value v = param(g, "v", DType::f32, {B, S, KV, D});
@@ -222,7 +223,14 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
   Value r = input(g, "r", DType::f32, out.type().axes);
   Value loss = contract_to(out, r, {});
   Gradients grads = grad(loss, {q, k, v});
-  Partition p = partition(g, {out.id, grads[q].id, grads[k].id, grads[v].id}, sched);
+  return partition(g, {out.id, grads[q].id, grads[k].id, grads[v].id}, sched);
+}
+
+double attention_case(const AttentionCase& c, const Halide::Target* target = nullptr, uint64_t* bits = nullptr) {
+  const int64_t seq = c.seq;
+  const bool packed = c.packed;
+  Graph g;
+  Partition p = attention_partition(g, c);
 
   Interpreter<double> ref(g);
   std::map<int, Halide::Buffer<>> bufs;
@@ -244,6 +252,7 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
         values.push_back(static_cast<Halide::Buffer<float>>(b).data()[e] = normal(rng));
       ref.set(n.name, values);
     }
+    b.set_host_dirty();  // (a GPU target uploads only what the host wrote)
     bufs.emplace(id, b);
   }
   ref.run();
@@ -252,8 +261,10 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
   int attention_kernels = 0;
   uint64_t hash = 1469598103934665603ull;
   for (const Stage& st : p.stages) {
-    LoweredStage ls = lower_stage(g, st, false, {}, t.natural_vector_size(Halide::Float(32)));
-    schedule_cpu(ls, g, st, t);
+    LoweredStage ls = lower_stage(g, st, false, {}, t.natural_vector_size(Halide::Float(32)), Halide::DeviceAPI::Host,
+                                  t.has_gpu_feature());
+    if (t.has_gpu_feature()) schedule_gpu(ls, g, st, t);
+    else schedule_cpu(ls, g, st, t);
     for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(bufs.at(st.inputs[i]));
     std::vector<int> written = {st.root};
     written.insert(written.end(), st.extra_outputs.begin(), st.extra_outputs.end());
@@ -261,6 +272,7 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
     for (int id : written) outs.push_back(bufs.emplace(id, buffer_of(g.node(id).type)).first->second);
     ls.pipeline.compile_jit(t);
     ls.pipeline.realize(Halide::Realization(outs), t);
+    for (Halide::Buffer<>& o : outs) o.copy_to_host();  // a GPU target leaves them on the device
     const std::string kind = op_name(g.node(st.root).op);
     if (kind.rfind("attention", 0) == 0) ++attention_kernels;
     for (int id : written) {
@@ -298,6 +310,113 @@ void run_attention_cases(const std::vector<AttentionCase>& cases) {
 TEST(Kernels, AttentionMatchesTheInterpreterAtEveryLength) {
   run_attention_cases({{37, false, "halide"}, {300, false, "halide"}, {520, false, "halide"}, {100, true, "halide"},
                        {300, true, "halide"}});
+}
+
+// The GPU schedule (schedule_gpu.cpp: one thread per row, O(S) memory),
+// compiled for OpenCL and run by PoCL, OpenCL on the CPU (scripts/setup.sh
+// installs it): the same lengths, packed rows, a batch and a head_dim that
+// is no power of two.
+TEST(Kernels, GpuAttentionMatchesTheInterpreterAtEveryLength) {
+  const Halide::Target opencl("host-opencl-cl_doubles");
+  for (const AttentionCase& c : {AttentionCase{37, false, "halide"}, AttentionCase{300, false, "halide"},
+                                 AttentionCase{100, true, "halide"}, AttentionCase{130, true, "halide", 24, 2}}) {
+    double err = 1;
+    try {
+      err = attention_case(c, &opencl);
+    } catch (const Halide::Error& e) {
+      ADD_FAILURE() << "seq " << c.seq << ": Halide: " << e.what();
+      continue;
+    }
+    std::printf("  attention opencl seq %4lld d %3lld batch %lld %-7s worst value max |diff| / max |ref| = %.2e\n",
+                static_cast<long long>(c.seq), static_cast<long long>(c.head_dim), static_cast<long long>(c.batch),
+                c.packed ? "packed" : "causal", err);
+  }
+}
+
+// What a lowered stage allocates, with its buffers' sizes fixed: bytes in
+// device memory (Halide's buffers, outside kernels), and bytes its kernels
+// declare per thread, summed over its kernels (registers or local memory:
+// arrays in the OpenCL C source, the local depots of the PTX).
+struct Allocated {
+  int64_t memory = 0, per_thread = 0;
+  std::vector<std::string> unsized;
+};
+
+Allocated allocations_of(const Graph& g, const Stage& st, const Halide::Target& t) {
+  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::Host, t.has_gpu_feature());
+  schedule_gpu(ls, g, st, t);
+  auto fix = [](Halide::OutputImageParam b, const TensorType& type) {
+    for (int d = 0; d < type.rank(); ++d) b.dim(d).set_bounds(0, static_cast<int>(type.axes[static_cast<size_t>(type.rank() - 1 - d)].size));
+  };
+  for (size_t k = 0; k < st.inputs.size(); ++k) fix(ls.inputs[k], g.node(st.inputs[k]).type);
+  fix(ls.funcs.out.output_buffers().front(), g.node(st.root).type);  // (a Tuple's others follow the first)
+  for (size_t k = 0; k < ls.funcs.extra_outs.size(); ++k)
+    fix(ls.funcs.extra_outs[k].output_buffer(), g.node(st.extra_outputs[k]).type);
+  struct Walk : Halide::Internal::IRVisitor {
+    Allocated a;
+    using IRVisitor::visit;
+    void visit(const Halide::Internal::Allocate* op) override {
+      int64_t n = op->type.bytes();
+      for (const Halide::Expr& e : op->extents) {
+        const auto c = Halide::Internal::as_const_int(Halide::Internal::simplify(e));
+        if (!c) a.unsized.push_back(op->name);
+        n *= c ? *c : 0;
+      }
+      if (op->new_expr.defined()) a.unsized.push_back(op->name);  // a device allocation sized at run time
+      if (op->memory_type != Halide::MemoryType::Stack) a.memory += n;  // (not the host's bookkeeping)
+      IRVisitor::visit(op);
+    }
+  } walk;
+  // Kernels are offloaded by now: the walk sees the host's code, their code is text.
+  for (const auto& f : ls.pipeline.compile_to_module(ls.args, "attention_stage", t).functions()) f.body.accept(&walk);
+  const std::string stmt = testing::TempDir() + "/gpu_attention.stmt";
+  ls.pipeline.compile_to_lowered_stmt(stmt, ls.args, Halide::StmtOutputFormat::Text, t);
+  std::ifstream in(stmt);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::regex arrays(R"((float|int|uint|double) _\w+\[(\d+)\];|\.local \.align \d+ \.b8\s+\w+\[(\d+)\];)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), arrays); it != std::sregex_iterator(); ++it) {
+    const auto& m = *it;
+    if (m[3].matched) walk.a.per_thread += std::stoll(m[3]);
+    else walk.a.per_thread += std::stoll(m[2]) * (m[1] == "double" ? 8 : 4);
+  }
+  return walk.a;
+}
+
+// The GPU schedule's attention keeps O(S) memory: doubling the length at
+// most doubles what any stage allocates, and a kernel's per-thread storage
+// does not grow at all (no [keys x queries] scores anywhere; the old
+// schedule held three [S, S, heads] of them). Checked for CUDA, the target
+// that matters, and OpenCL, the one these tests run.
+TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
+  for (const char* target : {"host-cuda-cuda_capability_80", "host-opencl-cl_doubles"}) {
+    const Halide::Target t(target);
+    std::map<std::string, Allocated> at[2];
+    for (int x = 0; x < 2; ++x) {
+      Graph g;
+      const Partition p = attention_partition(g, {x ? 4096 : 2048, false, "halide", 64, 1});
+      for (const Stage& st : p.stages) {
+        const std::string kind = op_name(g.node(st.root).op);
+        if (kind.rfind("attention", 0) != 0) continue;
+        try {
+          at[x][kind] = allocations_of(g, st, t);
+        } catch (const Halide::Error& e) {
+          FAIL() << kind << " for " << target << ": Halide: " << e.what();
+        }
+      }
+    }
+    ASSERT_EQ(at[0].size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
+    for (const auto& [kind, a] : at[0]) {
+      const Allocated& b = at[1].at(kind);
+      EXPECT_TRUE(a.unsized.empty() && b.unsized.empty()) << kind << ": a buffer of no fixed size";
+      std::printf("  %-30s %-18s seq 2048: %9lld bytes, %4lld per thread; seq 4096: %9lld bytes, %4lld per thread\n",
+                  target, kind.c_str(), static_cast<long long>(a.memory), static_cast<long long>(a.per_thread),
+                  static_cast<long long>(b.memory), static_cast<long long>(b.per_thread));
+      EXPECT_LE(b.memory, 2 * a.memory) << kind;
+      EXPECT_EQ(b.per_thread, a.per_thread) << kind;
+      EXPECT_GT(a.per_thread, 0) << kind << ": no kernel's arrays found (has Halide's statement text changed?)";
+      EXPECT_LT(b.memory, int64_t{4096} * 4096) << kind << ": as much as one head's scores";
+    }
+  }
 }
 
 // The library kernels (runtime/attention_cpu.h) on lengths that are not
