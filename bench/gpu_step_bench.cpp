@@ -6,7 +6,10 @@
 // prints one JSON line: median step time after one warm-up step (which pays
 // the driver's PTX compilation), tokens/s, the device memory the step held
 // at its peak (sampled, above what was in use before the model existed), and
-// the copies home the executor made in a step. Without a CUDA device it
+// the copies home the executor made in a step; then one more step waiting
+// for the device around each kernel (Model::set_kernel_times_on_device) for
+// the device time of its attention kernels (attention_s: every layer's
+// forward and backward) and of the others (other_kernels_s). Without a CUDA device it
 // prints {"skip": "<why>"} and exits 77; a step that fails (out of device
 // memory, say) prints {"error": "<what>"} and exits 1. scripts/gpu_check.sh
 // runs it beside bench/torch_peer.py on the same GPU.
@@ -83,15 +86,17 @@ int main(int argc, char** argv) {
         bench::median_seconds([&] { loss = m.train_step(ids.data(), labels.data(), pos.data()); }, steps);
     const int64_t peak = gpu.stop_sampling();
     const auto& t = m.last_step_times();
+    const int64_t copies = t.device_to_host_copies, freed = t.device_buffers_freed;
+    m.set_kernel_times_on_device(true);
+    m.train_step(ids.data(), labels.data(), pos.data());
     std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"f32\","
                 "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
                 "\"peak_device_mib\":%.1f,\"executor_blocks_mib\":%.1f,\"device_to_host_copies\":%lld,"
-                "\"device_buffers_freed\":%lld}\n",
+                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f}\n",
                 json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, static_cast<long long>(m.spec().seq),
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
                 static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(m.device_bytes()) / (1 << 20),
-                static_cast<long long>(t.device_to_host_copies),
-                static_cast<long long>(t.device_buffers_freed));
+                static_cast<long long>(copies), static_cast<long long>(freed), t.attention_s, t.other_kernels_s);
   } catch (const std::exception& e) {
     gpu.stop_sampling();
     std::printf("{\"peer\":\"halyard\",\"seq\":%lld,\"error\":\"%s\"}\n", static_cast<long long>(seq),

@@ -44,6 +44,8 @@ DeviceBlock::DeviceBlock(const halide_device_interface_t* device, int64_t bytes)
 
 DeviceBlock::~DeviceBlock() { halide_device_free(nullptr, &buf_); }
 
+int DeviceBlock::sync() const { return halide_device_sync(nullptr, const_cast<halide_buffer_t*>(&buf_)); }
+
 bool DeviceBlock::alias(halide_buffer_t& buf, int64_t offset, int64_t align) const {
   if (aligned_aliases_ && offset % align != 0) return false;
   // A crop of the block whose first byte is `offset` (Halide computes a

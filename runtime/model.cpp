@@ -547,6 +547,13 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     if (st == Storage::Input || st == Storage::Param) bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
   }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
+  const DeviceBlock* timed = kernel_times_on_device_ && !device_blocks_.empty() ? device_blocks_.front().get() : nullptr;
+  auto wait_for_device = [&] {
+    if (timed)
+      if (int err = timed->sync())
+        throw Error("error: waiting for the device after a kernel of model \"" + std::string(spec_.name) +
+                    "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
+  };
   if (profile) {
     static std::once_flag once;
     std::call_once(once, [] {
@@ -687,10 +694,12 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     }
     peak_scratch = live_scratch.load();
     const int64_t scratch_before = live_scratch.load();
+    wait_for_device();  // (what ran before is not this kernel's time)
     const auto t0 = std::chrono::steady_clock::now();
     if (int err = call.fn(argv.data()))
       throw Error("error: kernel " + std::string(call.kernel) + " (" + call.label + ") of model \"" + spec_.name +
                   "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
+    wait_for_device();
     (std::strncmp(call.label, "attention", 9) == 0 ? times_.attention_s : times_.other_kernels_s) += since(t0);
     if (profile)
       prof << "  " << ms(since(t0)) << " ms  " << call.kernel << "  " << call.label << "  scratch "

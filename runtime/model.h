@@ -139,6 +139,13 @@ class Model {
   // MPI_THREAD_SERIALIZED, as runtime::make_mpi_communicator does).
   void set_overlap(bool on) { overlap_ = on; }
 
+  // A GPU library's kernels run asynchronously: StepTimes' attention_s and
+  // other_kernels_s are then the time their launches took. With this on, the
+  // executor waits for the device before and after each kernel, so that they
+  // are the kernels' device time; it serializes the step (for measuring
+  // only, as gpu_step_bench does). No effect on CPU libraries.
+  void set_kernel_times_on_device(bool on) { kernel_times_on_device_ = on; }
+
   // Halide's worker threads (the pool is global to the process).
   static void set_num_threads(int n);
 
@@ -185,6 +192,7 @@ class Model {
   std::vector<float> scratch_;  // staging of collectives
   std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
+  bool kernel_times_on_device_ = false;
   std::shared_ptr<CommThread> comm_thread_;  // when every communicator may be called from it
   // The train step's gradients, by the call after which each is final.
   std::vector<std::vector<int>> grads_final_after_;

@@ -199,22 +199,28 @@ EOF
             --steps 3 --device cuda --dtype "$dtype" --tokens "$dir/data/corpus.txt" 2>>"$results/bench.err") || rc=$?
           [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"dtype\":\"$dtype\",\"seq\":$seq,\"error\":\"exit $rc (see bench.err)\"}"
           echo "$line" | tee -a "$results/bench.jsonl"
+          # One layer's attention forward+backward alone, at the tiny Llama's shape.
+          rc=0
+          line=$(timeout "$(left)" $py "$dir/bench/torch_peer.py" attention --seq "$seq" --heads 8 --kv-heads 2 \
+            --head-dim 32 --reps 3 --device cuda --dtype "$dtype" 2>>"$results/bench.err") || rc=$?
+          [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"bench\":\"attention\",\"dtype\":\"$dtype\",\"seq\":$seq,\"error\":\"exit $rc (see bench.err)\"}"
+          echo "$line" | tee -a "$results/bench.jsonl"
         done
       fi
     done
   fi
-  summarize "$results"
+  summarize "$results" "$dir"
   echo "gpu_check: results in $results ($((SECONDS - start_s)) s)"
   return $failed
 }
 
 summarize() {
-  local results=$1
+  local results=$1 dir=$2
   if ! command -v python3 >/dev/null; then
     echo "(no python3: see $results/bench.jsonl)"
     return
   fi
-  python3 - "$results" <<'EOF' | tee "$results/summary.md"
+  python3 - "$results" "$dir" <<'EOF' | tee "$results/summary.md"
 import json, os, sys
 results = sys.argv[1]
 rows = {}
@@ -224,6 +230,8 @@ for line in open(os.path.join(results, "bench.jsonl")):
         continue
     r = json.loads(line)
     key = "halyard" if r.get("peer") == "halyard" else "torch_" + r.get("dtype", "?")
+    if r.get("bench") == "attention":
+        key = "attention_" + key
     rows.setdefault(r.get("seq"), {})[key] = r
 print("# gpu_check summary\n")
 print("device: " + open(os.path.join(results, "device.txt")).read().strip() + "\n")
@@ -249,6 +257,26 @@ for seq in sorted(rows):
         cell(b, "peak_device_mib", "%.0f"), cell(h, "device_to_host_copies", "%d")))
 print("\nHalyard's peak is the device's memory in use above the baseline (its CUDA context included);"
       " PyTorch's is torch.cuda.max_memory_allocated.")
+layers = json.load(open(os.path.join(sys.argv[2], "configs", "tiny.json")))["num_hidden_layers"]
+print("\n## Attention forward+backward, one layer (8 heads, 2 KV heads, head_dim 32)\n")
+print("| seq | Halyard f32 ms | PyTorch SDPA bf16 ms | ratio | PyTorch SDPA f32 ms | ratio |")
+print("|---|---|---|---|---|---|")
+def ms_of(r, seconds):
+    if r is None:
+        return None, "-"
+    if "error" in r:
+        return None, "error: " + r["error"].splitlines()[0][:60]
+    return seconds(r) * 1e3, "%.2f" % (seconds(r) * 1e3)
+for seq in sorted(rows):
+    h, h_text = ms_of(rows[seq].get("halyard"), lambda r: r["attention_s"] / layers)
+    cells = [str(seq), h_text]
+    for dtype in ("bf16", "f32"):
+        p, p_text = ms_of(rows[seq].get("attention_torch_" + dtype), lambda r: r["s_median"])
+        cells += [p_text, "%.2fx" % (p / h) if h and p is not None else "-"]  # the peer's time over ours
+    print("| " + " | ".join(cells) + " |")
+print("\nHalyard's is the device time of its step's attention kernels (set_kernel_times_on_device: one step"
+      " waiting for the device around each kernel) divided by its %d layers; a ratio is PyTorch's time over"
+      " Halyard's (the issue's target: >= 0.8 against SDPA)." % layers)
 EOF
 }
 

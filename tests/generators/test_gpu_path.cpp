@@ -103,6 +103,13 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
     for (int64_t k = 0; k < m.param_spec(i).numel; ++k) m.param(i)[k] *= 0.5f;
   const double halved = m.train_step(ids.data(), labels.data(), pos.data());
   EXPECT_NE(halved, loss);
+  // Kernel times measured on the device (waiting for it around each kernel):
+  // the same step, its attention kernels' time counted.
+  m.set_kernel_times_on_device(true);
+  EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), halved);
+  EXPECT_GT(t.attention_s, 0);
+  EXPECT_LT(t.attention_s + t.other_kernels_s, t.total_s);
+  m.set_kernel_times_on_device(false);
   runtime::Model fresh(halyard_models::llama_micro_opencl());
   for (int i = 0; i < m.num_params(); ++i) std::copy(m.param(i), m.param(i) + m.param_spec(i).numel, fresh.param(i));
   EXPECT_EQ(fresh.train_step(ids.data(), labels.data(), pos.data()), halved);
