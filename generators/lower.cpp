@@ -793,9 +793,9 @@ void Ctx::library_weight_grad(int id, Func out) {
   ls.funcs.library = call;
 }
 
-// A contraction through the runtime's GEMM (runtime/gemm.h): one extern
-// call on the stage's device writing the whole result, which the output
-// copies. The call's scalars say how each buffer's dimensions group into
+// A contraction through the runtime's GEMM (runtime/gemm.h): the stage's
+// output is the extern call on the stage's device, so the GEMM writes the
+// output buffer itself (a sequence tile's strided rows too). The call's scalars say how each buffer's dimensions group into
 // the GEMM's M, N and K (schedules/partition.h: gemm_form); the runtime
 // reads the extents and strides from the buffers, which lets it take a
 // sequence tile's strided rows in place.
@@ -808,11 +808,8 @@ void Ctx::device_gemm(int id, Func out) {
                                           Expr(form.m_dims), Expr(form.n_dims), Expr(form.k_dims),
                                           Expr(static_cast<int>(form.a_k_inner)), Expr(static_cast<int>(form.b_k_inner))};
   for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.k.size() ? form.k[k] : 1)));
-  const std::vector<Var> vs = vars(n.type.axis_names());
-  Func call("gemm_library");
-  call.define_extern("halyard_gemm", args, Float(32), vs, NameMangling::C, gemm_device);
-  out(vs) = call(vs);
-  ls.funcs.library = call;
+  out.define_extern("halyard_gemm", args, Float(32), vars(n.type.axis_names()), NameMangling::C, gemm_device);
+  ls.funcs.library = out;
 }
 
 }  // namespace

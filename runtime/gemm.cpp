@@ -233,6 +233,14 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
     return 0;
   }
   if (!a->device || !b->device) return fail("halyard_gemm: the output is on the device but an operand is not");
+  // The call is its stage's output, and its operands may be the stage's
+  // inputs: Halide moves none of them for it. So an operand the host wrote
+  // last (the parameters, each step) goes up here, on the stream the GEMM
+  // then runs on, and the output's device copy is the newer one after.
+  for (halide_buffer_t* x : {a, b})
+    if (x->host_dirty())
+      if (int err = halide_copy_to_device(nullptr, x, x->device_interface))
+        return fail("halyard_gemm: uploading an operand failed with Halide error " + std::to_string(err));
   const Cublas& cb = cublas();
   if (!cb.why_unusable.empty()) return fail("halyard_gemm: " + cb.why_unusable);
   // (A CUDA buffer's device field is its CUdeviceptr.)
@@ -258,5 +266,7 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
   drv.ctx_pop(&popped);
   if (status == -2) return fail("halyard_gemm: a GEMM dimension exceeds cuBLAS's 32-bit sizes");
   if (status != 0) return fail("halyard_gemm: cublasSgemm failed with status " + std::to_string(status));
+  out->set_host_dirty(false);
+  out->set_device_dirty();
   return 0;
 }

@@ -73,12 +73,11 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
     for (int t2 = 0; t2 < threads; ++t2) s.add(per_thread);
     return s;
   }
-  if (st.gemm) {  // runtime/gemm.h: an operand computed inline is copied whole first; the output copies the call's
+  if (st.gemm) {  // runtime/gemm.h: an operand computed inline is copied whole first; the call writes the output
     GemmForm form;
     gemm_form(g, n, &form);
     copy_unless_buffer(static_cast<size_t>(form.a));
     copy_unless_buffer(static_cast<size_t>(form.b));
-    s.add(value_bytes(n.type));
     return s;
   }
   if (st.library) {  // runtime/attention_cpu_impl.h and the copies around it (generators/lower.cpp)
