@@ -795,10 +795,10 @@ void Ctx::library_weight_grad(int id, Func out) {
 
 // A contraction through the runtime's GEMM (runtime/gemm.h): the stage's
 // output is the extern call on the stage's device, so the GEMM writes the
-// output buffer itself (a sequence tile's strided rows too). The call's scalars say how each buffer's dimensions group into
-// the GEMM's M, N and K (schedules/partition.h: gemm_form); the runtime
-// reads the extents and strides from the buffers, which lets it take a
-// sequence tile's strided rows in place.
+// output buffer itself. The call's scalars say how each buffer's
+// dimensions group into the GEMM's M, N and K (schedules/partition.h:
+// gemm_form); the runtime reads the extents and strides from the buffers,
+// which lets it take a sequence tile's strided rows in place.
 void Ctx::device_gemm(int id, Func out) {
   const Node& n = g.node(id);
   GemmForm form;

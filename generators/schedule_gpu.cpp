@@ -45,8 +45,8 @@ void on_gpu(Func f) {
 // queries] matrix exists anywhere: at root there are only the operands'
 // copies and the [queries x heads] row statistics. The row max and sum are
 // kernels of their own (one thread per query row), each computing the scores
-// it reads itself (lower_stage(..., gpu) gives them Funcs of their own), so
-// that no score Func has two consumers and so stays at root.
+// it reads itself (lower_stage(..., gpu) gives them Funcs of their own):
+// a score Func with two consumers would have to be computed at root.
 // Memory-bound, not fast: a tensor-core kernel (cuDNN's SDPA) is the fast
 // path this leaves open.
 void schedule_attention(StageFuncs& F) {

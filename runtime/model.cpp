@@ -551,7 +551,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   auto wait_for_device = [&] {
     if (timed)
       if (int err = timed->sync())
-        throw Error("error: waiting for the device after a kernel of model \"" + std::string(spec_.name) +
+        throw Error("error: waiting for the device around a kernel of model \"" + std::string(spec_.name) +
                     "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
   };
   if (profile) {

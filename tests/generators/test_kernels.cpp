@@ -207,9 +207,6 @@ struct AttentionCase {
   int64_t head_dim = 16, batch = 1;
 };
 
-// `target`: what Halide compiles the generated kernels for (the host's by
-// default); `bits`, if given, receives a 64-bit FNV-1a hash of every value
-// the stages wrote.
 // The stages of attention's forward and of its gradients (4 heads, 2 KV heads).
 Partition attention_partition(Graph& g, const AttentionCase& c) {
   Schedule sched;
@@ -226,6 +223,9 @@ Partition attention_partition(Graph& g, const AttentionCase& c) {
   return partition(g, {out.id, grads[q].id, grads[k].id, grads[v].id}, sched);
 }
 
+// `target`: what Halide compiles the generated kernels for (the host's by
+// default; a GPU target gets the GPU schedule); `bits`, if given, receives a
+// 64-bit FNV-1a hash of every value the stages wrote.
 double attention_case(const AttentionCase& c, const Halide::Target* target = nullptr, uint64_t* bits = nullptr) {
   const int64_t seq = c.seq;
   const bool packed = c.packed;
@@ -298,11 +298,18 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
   return worst;
 }
 
-void run_attention_cases(const std::vector<AttentionCase>& cases) {
+void run_attention_cases(const std::vector<AttentionCase>& cases, const Halide::Target* target = nullptr) {
   for (const AttentionCase& c : cases) {
-    const double err = attention_case(c);
+    double err = 1;
+    try {
+      err = attention_case(c, target);
+    } catch (const Halide::Error& e) {
+      ADD_FAILURE() << "seq " << c.seq << ": Halide: " << e.what();
+      continue;
+    }
     std::printf("  attention %-7s seq %4lld d %3lld batch %lld %-7s worst value max |diff| / max |ref| = %.2e\n",
-                c.kernel.c_str(), static_cast<long long>(c.seq), static_cast<long long>(c.head_dim),
+                target && target->has_gpu_feature() ? "gpu" : c.kernel.c_str(), static_cast<long long>(c.seq),
+                static_cast<long long>(c.head_dim),
                 static_cast<long long>(c.batch), c.packed ? "packed" : "causal", err);
   }
 }
@@ -318,19 +325,8 @@ TEST(Kernels, AttentionMatchesTheInterpreterAtEveryLength) {
 // is no power of two.
 TEST(Kernels, GpuAttentionMatchesTheInterpreterAtEveryLength) {
   const Halide::Target opencl("host-opencl-cl_doubles");
-  for (const AttentionCase& c : {AttentionCase{37, false, "halide"}, AttentionCase{300, false, "halide"},
-                                 AttentionCase{100, true, "halide"}, AttentionCase{130, true, "halide", 24, 2}}) {
-    double err = 1;
-    try {
-      err = attention_case(c, &opencl);
-    } catch (const Halide::Error& e) {
-      ADD_FAILURE() << "seq " << c.seq << ": Halide: " << e.what();
-      continue;
-    }
-    std::printf("  attention opencl seq %4lld d %3lld batch %lld %-7s worst value max |diff| / max |ref| = %.2e\n",
-                static_cast<long long>(c.seq), static_cast<long long>(c.head_dim), static_cast<long long>(c.batch),
-                c.packed ? "packed" : "causal", err);
-  }
+  run_attention_cases({{37, false, "halide"}, {300, false, "halide"}, {100, true, "halide"}, {130, true, "halide", 24, 2}},
+                      &opencl);
 }
 
 // What a lowered stage allocates, with its buffers' sizes fixed: bytes in
