@@ -18,6 +18,7 @@
 #include <map>
 #include <string>
 
+#include "bench/bench_target.h"
 #include "bench/bench_util.h"
 #include "dsl/autodiff.h"
 #include "dsl/ops.h"
@@ -86,13 +87,13 @@ int main(int argc, char** argv) {
     std::vector<int> extra;
   };
   std::vector<Kernel> kernels;
-  Halide::Target t = Halide::get_host_target();
+  Halide::Target t = bench::target();
   for (const Stage& st : p.stages) {
     Op op = g.node(st.root).op;
     if (op != Op::Attention && op != Op::AttentionLse && op != Op::AttentionGradQ && op != Op::AttentionGradK &&
         op != Op::AttentionGradV)
       continue;
-    LoweredStage ls = lower_stage(g, st, false, sched.kernel_tiles);
+    LoweredStage ls = lower_stage(g, st, false, sched.kernel_tiles, t.natural_vector_size(Halide::Float(32)));
     try {
       schedule_cpu(ls, g, st, t, sched.kernel_tiles);
       ls.pipeline.compile_jit(t);
@@ -117,6 +118,6 @@ int main(int argc, char** argv) {
   }
   std::printf("{\"peer\":\"halyard\",\"bench\":\"attention\",\"kernel\":\"%s\",\"isa\":\"%s\",\"seq\":%d,\"heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,"
               "\"threads\":%d,\"forward_s\":%.4f,\"forward_backward_s\":%.4f,\"peak_rss_mib\":%.1f}\n",
-              kernel.c_str(), kernel == "library" ? runtime::attention_cpu::isa() : "halide host target", o["--seq"], o["--heads"], o["--kv-heads"], o["--head-dim"], o["--threads"], fwd, total, bench::peak_rss_mib());
+              kernel.c_str(), kernel == "library" ? runtime::attention_cpu::isa() : ("halide " + t.to_string()).c_str(), o["--seq"], o["--heads"], o["--kv-heads"], o["--head-dim"], o["--threads"], fwd, total, bench::peak_rss_mib());
   return 0;
 }

@@ -4,6 +4,13 @@
 # so > 1 means Halyard is faster). Prints figures; asserts nothing.
 #
 #   bash scripts/bench.sh            # THREADS=2 by default
+#   ISA=avx2 bash scripts/bench.sh   # every side limited to AVX2 + FMA
+#
+# ISA=avx2 measures, on an AVX-512 machine, the code an AVX2-only x86 would
+# run: the Halide kernels' target, Halyard's library kernels
+# (HALYARD_CPU_ISA), Eigen's compile flags and PyTorch's kernels and MKL
+# (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS) all stop at AVX2. It builds
+# in build-avx2/. The microarchitecture is still this machine's.
 #
 # Peers: Eigen (matmul, same ISA flags as Halide's host target) and PyTorch
 # eager (attention, training step). PyTorch is looked up in .venv-bench/ (make
@@ -13,10 +20,22 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 threads=${THREADS:-2}
+isa_limit=${ISA:-}
 bash "$root/scripts/configure.sh"
 source "$root/.venv/halyard.env"
-"$HALYARD_CMAKE" --build "$root/build" -j "$(nproc)" --target matmul_bench attention_bench step_bench ring_bench >/dev/null
-bin="$root/build/bench"
+build="$root/build"
+case "$isa_limit" in
+  "") ;;
+  avx2)
+    build="$root/build-avx2"
+    "$HALYARD_CMAKE" -S "$root" -B "$build" -G Ninja -DHalide_DIR="$HALYARD_HALIDE_DIR" -DHALYARD_BENCH_ISA=avx2 \
+      >"$root/build-avx2.configure.log" 2>&1 || { cat "$root/build-avx2.configure.log"; exit 1; }
+    export HALYARD_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    ;;
+  *) echo "error: ISA=$isa_limit: legal values are avx2, or unset for this machine's own ISA" >&2; exit 2 ;;
+esac
+"$HALYARD_CMAKE" --build "$build" -j "$(nproc)" --target matmul_bench attention_bench step_bench ring_bench llama_aot >/dev/null
+bin="$build/bench"
 out=$(mktemp -d)
 
 torch_py=""
@@ -37,6 +56,10 @@ echo "cpu: ${cpu:-unknown}; $(nproc) cores visible, $(lscpu | sed -n 's/^Thread(
 echo "isa: ${isa:-none of the listed}"
 echo "caches: L1d $(lscpu | sed -n 's/^L1d cache: *//p'), L2 $(lscpu | sed -n 's/^L2 cache: *//p'), L3 $(lscpu | sed -n 's/^L3 cache: *//p')"
 echo "halide host target: $("$root/.venv/bin/python" -c 'import halide; print(halide.get_host_target())' 2>/dev/null || echo unknown)"
+if [ -n "$isa_limit" ]; then
+  echo "ISA limited to $isa_limit: $(cat "$build/bench/bench_isa.txt"), HALYARD_CPU_ISA=$HALYARD_CPU_ISA," \
+    "ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS=$MKL_ENABLE_INSTRUCTIONS"
+fi
 eigen_h=/usr/include/eigen3/Eigen/src/Core/util/Macros.h
 torch_ver="not found"
 if [ -n "$torch_py" ]; then
@@ -63,8 +86,7 @@ echo; echo "== sequence-parallel strategies on 4 MPI ranks: attention time per r
 mpirun --allow-run-as-root --oversubscribe -np 4 "$bin/ring_bench" --steps 5
 
 echo; echo "== activation memory per rank (the generator's static plan, nothing run): 1 rank vs 4 (sp)"
-aot="$root/build/examples/llama/llama_aot"
-"$HALYARD_CMAKE" --build "$root/build" --target llama_aot >/dev/null
+aot="$build/examples/llama/llama_aot"
 sched="$root/examples/llama/schedules"
 printf '%-8s %16s %24s %16s %32s\n' seq "1: recompute" "1: checkpoint+tiled" "4: ulysses" "4: ulysses+checkpoint+tiled"
 for seq in 16384 65536 131072; do
