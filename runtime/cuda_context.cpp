@@ -88,6 +88,34 @@ const RuntimeCudaContext& runtime_cuda_context() {
   return context;
 }
 
+PinnedHost::PinnedHost(void* p, size_t bytes) : p_(p), bytes_(bytes) {
+  const RuntimeCudaContext& c = runtime_cuda_context();
+  if (!c.context) {
+    error_ = c.error;
+    return;
+  }
+  const CudaDriver& d = cuda_driver();
+  if (int rc = d.ctx_push(c.context); rc != 0) {
+    error_ = "cuCtxPushCurrent failed: " + d.text(rc);
+    return;
+  }
+  constexpr unsigned kPortable = 0x01;  // CU_MEMHOSTREGISTER_PORTABLE
+  const int rc = d.mem_host_register(p, bytes, kPortable);
+  void* popped = nullptr;
+  d.ctx_pop(&popped);
+  if (rc != 0) error_ = "cuMemHostRegister of " + std::to_string(bytes) + " bytes failed: " + d.text(rc);
+  pinned_ = rc == 0;
+}
+
+PinnedHost::~PinnedHost() {
+  if (!pinned_) return;
+  const CudaDriver& d = cuda_driver();
+  if (d.ctx_push(runtime_cuda_context().context) != 0) return;
+  d.mem_host_unregister(p_);
+  void* popped = nullptr;
+  d.ctx_pop(&popped);
+}
+
 void use_runtime_cuda_context() {
   static std::once_flag installed;
   if (!halide_set_cuda_acquire_context || !halide_set_cuda_release_context || !halide_set_cuda_get_stream)

@@ -13,6 +13,7 @@
 // allocations, so that the buffers of one step serve the next.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace halyard::runtime {
@@ -30,5 +31,28 @@ struct RuntimeCudaContext {
 };
 // What the hooks handed (or would hand) Halide; made on first call.
 const RuntimeCudaContext& runtime_cuda_context();
+
+// Host memory page-locked for every CUDA context (cuMemHostRegister,
+// portable) while the object lives. Halide's copies between pageable memory
+// and the device go through a staging buffer of the driver, at about half
+// the link's rate, and no copy from pageable memory can run asynchronously;
+// a pinned range is copied by the GPU's DMA engines directly.
+class PinnedHost {
+ public:
+  // Pins [p, p + bytes) in the runtime's context; error() says why not (no
+  // device, the driver refused: RLIMIT_MEMLOCK, unsupported system).
+  PinnedHost(void* p, size_t bytes);
+  ~PinnedHost();
+  PinnedHost(const PinnedHost&) = delete;
+  PinnedHost& operator=(const PinnedHost&) = delete;
+  size_t bytes() const { return pinned_ ? bytes_ : 0; }
+  const std::string& error() const { return error_; }
+
+ private:
+  void* p_;
+  size_t bytes_;
+  bool pinned_ = false;
+  std::string error_;
+};
 
 }  // namespace halyard::runtime

@@ -39,6 +39,8 @@ CudaDriver load() {
   get(d.ctx_pop, "cuCtxPopCurrent_v2");
   get(d.mem_info, "cuMemGetInfo_v2");
   get(d.stream_create, "cuStreamCreate");
+  get(d.mem_host_register, "cuMemHostRegister_v2");
+  get(d.mem_host_unregister, "cuMemHostUnregister");
   get(d.error_string, "cuGetErrorString");
   if (!ok) {
     d.why_unusable = "libcuda.so.1 lacks a driver entry point (driver too old?)";

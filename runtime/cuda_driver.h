@@ -22,6 +22,8 @@ struct CudaDriver {
   CUresult (*ctx_pop)(void**) = nullptr;
   CUresult (*mem_info)(size_t*, size_t*) = nullptr;
   CUresult (*stream_create)(void**, unsigned) = nullptr;
+  CUresult (*mem_host_register)(void*, size_t, unsigned) = nullptr;
+  CUresult (*mem_host_unregister)(void*) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
 
   // Empty once the driver is loaded and cuInit succeeded; otherwise one

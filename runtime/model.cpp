@@ -13,6 +13,7 @@
 #include <thread>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -128,9 +129,11 @@ class Model::CommThread {
 bool Model::background() const { return overlap_ && comm_thread_ != nullptr; }
 
 Model::Block Model::allocate(int64_t bytes) {
-  void* p = std::aligned_alloc(kAlign, static_cast<size_t>(round_up(std::max<int64_t>(bytes, 1))));
+  constexpr int64_t kPage = 4096;
+  const auto size = static_cast<size_t>((std::max<int64_t>(bytes, 1) + kPage - 1) / kPage * kPage);
+  void* p = std::aligned_alloc(kPage, size);
   if (!p) throw Error("error: cannot allocate " + std::to_string(bytes) + " bytes for a generated model.");
-  std::memset(p, 0, static_cast<size_t>(round_up(std::max<int64_t>(bytes, 1))));
+  std::memset(p, 0, size);
   return Block(static_cast<uint8_t*>(p));
 }
 
@@ -290,9 +293,24 @@ void Model::to_host(halide_buffer_t& hb) {
     throw Error("error: model \"" + std::string(spec_.name) + "\": copying a device buffer home failed with Halide error " +
                 std::to_string(err) + "; Halide printed the reason above.");
   ++times_.device_to_host_copies;
+  wait_for_pinned_copies();
+}
+
+// Halide 21's CUDA copies run on the runtime's stream (cuMemcpy*Async) and
+// it does not wait for them: from pageable memory the driver finishes them
+// before returning, from pinned memory it does not. So with pinned blocks
+// the host waits for the stream before it reads what came home, and before
+// it writes host bytes an upload may still be reading (a collective's
+// output shares the arena's bytes with buffers that went up earlier).
+void Model::wait_for_pinned_copies() {
+  if (pinned_.empty()) return;
+  if (int err = device_blocks_.front()->sync())
+    throw Error("error: model \"" + std::string(spec_.name) + "\": waiting for copies between the device and pinned "
+                "host memory failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
 }
 
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
+  wait_for_pinned_copies();
   if (call.kind == CallKind::ConcatSeq) {
     concat(call, p, bufs);
     return;
@@ -502,6 +520,7 @@ Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) 
       const int64_t token_bytes = 4 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t)));
       for (int64_t bytes : {flat_size_ * 4, flat_size_ * 4, token_bytes, round_up(arena_bytes_)})
         device_blocks_.push_back(std::make_unique<DeviceBlock>(device, bytes));
+      if (std::string_view(spec_.target).find("cuda") != std::string_view::npos) pin_host_blocks(token_bytes);
     }
   }
   for (size_t i = 0; i < bufs.size() && !device_blocks_.empty(); ++i)  // (a tile's rows may start off OpenCL's alignment: then a copy)
@@ -524,7 +543,34 @@ void Model::release_device(Bound* b, bool aliases) {
   }
 }
 
+void Model::pin_host_blocks(int64_t token_bytes) {
+  const int64_t offload_bytes = std::max(spec_.train.offload_bytes, spec_.forward.offload_bytes);
+  const std::pair<uint8_t*, int64_t> blocks[] = {{params_.get(), flat_size_ * 4}, {grads_.get(), flat_size_ * 4},
+                                                 {tokens_.get(), token_bytes}, {arena_.get(), arena_bytes_},
+                                                 {offload_.get(), offload_bytes}};
+  for (const auto& [p, bytes] : blocks) {
+    if (bytes <= 0) continue;
+    auto pin = std::make_unique<PinnedHost>(p, static_cast<size_t>(bytes));
+    if (!pin->error().empty()) {
+      static std::once_flag said;
+      std::call_once(said, [&] {
+        std::fprintf(stderr, "warning: model \"%s\": host memory stays pageable, so copies to and from the device "
+                     "run slower: %s\n", spec_.name, pin->error().c_str());
+      });
+      continue;
+    }
+    pinned_.push_back(std::move(pin));
+  }
+}
+
+int64_t Model::pinned_host_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : pinned_) n += static_cast<int64_t>(p->bytes());
+  return n;
+}
+
 Model::~Model() {
+  if (!pinned_.empty()) device_blocks_.front()->sync();  // no copy may still read or write the blocks (errors: freed anyway)
   release_device(train_bufs_.get(), true);
   release_device(forward_bufs_.get(), true);
 }

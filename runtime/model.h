@@ -35,6 +35,7 @@ struct halide_buffer_t;
 namespace halyard::runtime {
 
 class DeviceBlock;
+class PinnedHost;
 
 // Tunes glibc so that memory freed by kernels stays in the heap (see model.cpp).
 // Model does this itself; programs that call kernels directly (benchmarks) call it.
@@ -93,6 +94,13 @@ class Model {
   // device too. 0 on CPU, and on GPU APIs other than CUDA and OpenCL (there
   // Halide allocates each buffer itself).
   int64_t device_bytes() const;
+  // Of a CUDA library's host blocks (the parameters, the gradients, the
+  // tokens, the arena's host side and the offloaded values' host copies),
+  // the bytes page-locked at its first step (runtime/cuda_context.h:
+  // PinnedHost), so that copies between them and the device run at the
+  // link's rate. 0 elsewhere, and where the driver refused (the step then
+  // copies from pageable memory and says so once on stderr).
+  int64_t pinned_host_bytes() const;
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
   // Where the last step's time went on this rank: attention kernels, other
@@ -157,6 +165,8 @@ class Model {
   // `aliases`, their aliases of the executor's blocks too (which otherwise
   // stay: they cost nothing).
   void release_device(Bound* b, bool aliases);
+  void pin_host_blocks(int64_t token_bytes);
+  void wait_for_pinned_copies();
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void to_host(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);  // buffer b of p, or a view's buffer
@@ -168,7 +178,8 @@ class Model {
   void validate(const int32_t* ids, const int32_t* labels, const int32_t* positions) const;
 
   // Halide's kernels may use aligned vector loads: every buffer they see
-  // starts on a 128-byte boundary (Halide's own allocation alignment).
+  // starts on a 128-byte boundary (Halide's own allocation alignment). A
+  // block starts on a page, which a CUDA step pins whole.
   struct Free {
     void operator()(uint8_t* p) const { std::free(p); }
   };
@@ -180,6 +191,7 @@ class Model {
   Block params_, grads_, tokens_, arena_;
   Block offload_;  // host copies of offloaded values (ProgramSpec::offload_bytes)
   std::vector<std::unique_ptr<DeviceBlock>> device_blocks_;  // their device mirrors (GPU)
+  std::vector<std::unique_ptr<PinnedHost>> pinned_;  // the blocks, page-locked (CUDA); released before them
   std::unique_ptr<Bound> train_bufs_, forward_bufs_;  // each program's buffers (bind)
   bool gpu_ = false;  // a GPU target's library: its kernels read and write device buffers
   std::vector<int32_t> row_index_;  // each local token's index in the row [batch, local_seq]: the step's token_index

@@ -114,8 +114,8 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
 // plan's arena, which every buffer aliases: runtime/device_memory.h):
 // memory in use after step 11 is what it was after step 1 (to 4 MiB: the
 // driver's own bookkeeping moves a little), and no buffer is freed. The
-// copies home (the loss and the gradients, for the host's optimizer) are
-// printed.
+// host side of the blocks is page-locked. The copies home (the loss and the
+// gradients, for the host's optimizer) are printed.
 TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
   HALYARD_NEED_GPU();
   runtime::Model dev(halyard_models::tiny_llama_cuda());
@@ -133,10 +133,15 @@ TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
   std::printf("  per step: %lld device-to-host copies (the loss and %d gradients), %lld device buffers freed\n",
               static_cast<long long>(t.device_to_host_copies), dev.num_params(),
               static_cast<long long>(t.device_buffers_freed));
-  std::printf("  the executor's blocks (parameters, gradients, tokens, the plan's arena): %.1f MiB\n",
-              static_cast<double>(dev.device_bytes()) / (1 << 20));
+  std::printf("  the executor's blocks (parameters, gradients, tokens, the plan's arena): %.1f MiB, their host side "
+              "page-locked: %.1f MiB\n",
+              static_cast<double>(dev.device_bytes()) / (1 << 20), static_cast<double>(dev.pinned_host_bytes()) / (1 << 20));
   EXPECT_LE(after_eleven - after_first, int64_t{4} << 20);
   EXPECT_EQ(dev.device_bytes(), testing::device_blocks_bytes(dev));
+  // The host blocks the copies go to and from are pinned: all four (this
+  // model offloads nothing), the arena without its rounding.
+  const int64_t token_slots = 4 * ((4 * dev.tokens() + 127) / 128 * 128);
+  EXPECT_EQ(dev.pinned_host_bytes(), 2 * 4 * dev.flat_size() + token_slots + dev.arena_bytes());
   EXPECT_EQ(t.device_buffers_freed, 0);
   EXPECT_LE(t.device_to_host_copies, dev.num_params() + 1 + testing::collectives(dev.spec().train));
 }

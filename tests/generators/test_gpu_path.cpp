@@ -90,6 +90,7 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   // their bytes as on the host (far less than the buffers added up).
   EXPECT_EQ(m.device_bytes(), testing::device_blocks_bytes(m));
   EXPECT_LT(m.arena_bytes(), testing::arena_buffers_bytes(m.spec().train) / 2);
+  EXPECT_EQ(m.pinned_host_bytes(), 0);  // page-locking is CUDA's (cuda_context.h), not OpenCL's
   // An evaluation between steps aliases the same blocks: nothing is freed,
   // nothing more allocated, and the next train step gives the same results.
   const double eval = m.forward_loss(ids.data(), labels.data(), pos.data());
