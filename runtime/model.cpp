@@ -544,6 +544,7 @@ void Model::release_device(Bound* b, bool aliases) {
 }
 
 void Model::pin_host_blocks(int64_t token_bytes) {
+  if (const char* e = std::getenv("HALYARD_PIN_HOST"); e && std::string_view(e) == "0") return;
   const int64_t offload_bytes = std::max(spec_.train.offload_bytes, spec_.forward.offload_bytes);
   const std::pair<uint8_t*, int64_t> blocks[] = {{params_.get(), flat_size_ * 4}, {grads_.get(), flat_size_ * 4},
                                                  {tokens_.get(), token_bytes}, {arena_.get(), arena_bytes_},

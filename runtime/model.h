@@ -98,8 +98,9 @@ class Model {
   // tokens, the arena's host side and the offloaded values' host copies),
   // the bytes page-locked at its first step (runtime/cuda_context.h:
   // PinnedHost), so that copies between them and the device run at the
-  // link's rate. 0 elsewhere, and where the driver refused (the step then
-  // copies from pageable memory and says so once on stderr).
+  // link's rate. 0 elsewhere, where the driver refused (the step then
+  // copies from pageable memory and says so once on stderr), and with
+  // HALYARD_PIN_HOST=0 in the environment (to tell a fault of pinning apart).
   int64_t pinned_host_bytes() const;
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
