@@ -148,7 +148,8 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
                 "), or build the model for this many with halyard_add_model(... SP " + std::to_string(ranks) + ").");
   // Halide's kernels run in the device's primary context, on the runtime's
   // stream, where cuBLAS, cuDNN and NCCL can reach their buffers.
-  if (spec.target && std::string_view(spec.target).find("cuda") != std::string_view::npos) use_runtime_cuda_context();
+  cuda_ = spec.target && std::string_view(spec.target).find("cuda") != std::string_view::npos;
+  if (cuda_) use_runtime_cuda_context();
   for (const char* api : {"cuda", "opencl", "metal", "vulkan", "d3d12", "webgpu"})
     gpu_ = gpu_ || (spec.target && std::string_view(spec.target).find(api) != std::string_view::npos);
   if (!mesh_) mesh_ = comm;
@@ -174,7 +175,7 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
   flat_size_ = total / static_cast<int64_t>(sizeof(float));
   params_ = allocate(total);
   grads_ = allocate(total);
-  tokens_ = allocate(4 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+  tokens_ = allocate(4 * token_slot_bytes());
   // Each token's index in the row: fixed by the rank and the layout.
   const std::vector<int32_t> index =
       Shard{comm_ ? comm_->rank() : 0, spec.sp, 0, 1, zigzag_layout(spec)}.row_index(spec.local_seq);
@@ -303,10 +304,13 @@ void Model::to_host(halide_buffer_t& hb) {
 // it writes host bytes an upload may still be reading (a collective's
 // output shares the arena's bytes with buffers that went up earlier).
 void Model::wait_for_pinned_copies() {
-  if (pinned_.empty()) return;
+  if (!pinned_.empty()) wait_for_device("copies between the device and pinned host memory");
+}
+
+void Model::wait_for_device(const char* what) {
   if (int err = device_blocks_.front()->sync())
-    throw Error("error: model \"" + std::string(spec_.name) + "\": waiting for copies between the device and pinned "
-                "host memory failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
+    throw Error("error: model \"" + std::string(spec_.name) + "\": waiting for the device (" + what +
+                ") failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
 }
 
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
@@ -517,10 +521,9 @@ Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) 
     if (const halide_device_interface_t* device = device_interface_of(spec_.target)) {
       // Halide's own temporaries come from its pool, not a cudaMalloc per step.
       halide_reuse_device_allocations(nullptr, true);
-      const int64_t token_bytes = 4 * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t)));
-      for (int64_t bytes : {flat_size_ * 4, flat_size_ * 4, token_bytes, round_up(arena_bytes_)})
+      for (int64_t bytes : {flat_size_ * 4, flat_size_ * 4, 4 * token_slot_bytes(), round_up(arena_bytes_)})
         device_blocks_.push_back(std::make_unique<DeviceBlock>(device, bytes));
-      if (std::string_view(spec_.target).find("cuda") != std::string_view::npos) pin_host_blocks(token_bytes);
+      if (cuda_) pin_host_blocks();
     }
   }
   for (size_t i = 0; i < bufs.size() && !device_blocks_.empty(); ++i)  // (a tile's rows may start off OpenCL's alignment: then a copy)
@@ -543,11 +546,13 @@ void Model::release_device(Bound* b, bool aliases) {
   }
 }
 
-void Model::pin_host_blocks(int64_t token_bytes) {
+int64_t Model::token_slot_bytes() const { return round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))); }
+
+void Model::pin_host_blocks() {
   if (const char* e = std::getenv("HALYARD_PIN_HOST"); e && std::string_view(e) == "0") return;
   const int64_t offload_bytes = std::max(spec_.train.offload_bytes, spec_.forward.offload_bytes);
   const std::pair<uint8_t*, int64_t> blocks[] = {{params_.get(), flat_size_ * 4}, {grads_.get(), flat_size_ * 4},
-                                                 {tokens_.get(), token_bytes}, {arena_.get(), arena_bytes_},
+                                                 {tokens_.get(), 4 * token_slot_bytes()}, {arena_.get(), arena_bytes_},
                                                  {offload_.get(), offload_bytes}};
   for (const auto& [p, bytes] : blocks) {
     if (bytes <= 0) continue;
@@ -580,7 +585,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // The caller's token arrays need not be aligned; copy them (they are small).
   const int32_t* inputs[4];
   for (int k = 0; k < 4; ++k) {
-    auto* dst = reinterpret_cast<int32_t*>(tokens_.get() + k * round_up(tokens() * static_cast<int64_t>(sizeof(int32_t))));
+    auto* dst = reinterpret_cast<int32_t*>(tokens_.get() + k * token_slot_bytes());
     std::memcpy(dst, caller_inputs[k], static_cast<size_t>(tokens()) * sizeof(int32_t));
     inputs[k] = dst;
   }
@@ -594,13 +599,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     if (st == Storage::Input || st == Storage::Param) bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
   }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
-  const DeviceBlock* timed = kernel_times_on_device_ && !device_blocks_.empty() ? device_blocks_.front().get() : nullptr;
-  auto wait_for_device = [&] {
-    if (timed)
-      if (int err = timed->sync())
-        throw Error("error: waiting for the device around a kernel of model \"" + std::string(spec_.name) +
-                    "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
-  };
+  const bool timed = kernel_times_on_device_ && !device_blocks_.empty();
   if (profile) {
     static std::once_flag once;
     std::call_once(once, [] {
@@ -741,12 +740,12 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     }
     peak_scratch = live_scratch.load();
     const int64_t scratch_before = live_scratch.load();
-    wait_for_device();  // (what ran before is not this kernel's time)
+    if (timed) wait_for_device("before a timed kernel");  // (what ran before is not this kernel's time)
     const auto t0 = std::chrono::steady_clock::now();
     if (int err = call.fn(argv.data()))
       throw Error("error: kernel " + std::string(call.kernel) + " (" + call.label + ") of model \"" + spec_.name +
                   "\" failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
-    wait_for_device();
+    if (timed) wait_for_device(call.kernel);
     (std::strncmp(call.label, "attention", 9) == 0 ? times_.attention_s : times_.other_kernels_s) += since(t0);
     if (profile)
       prof << "  " << ms(since(t0)) << " ms  " << call.kernel << "  " << call.label << "  scratch "

@@ -166,8 +166,10 @@ class Model {
   // `aliases`, their aliases of the executor's blocks too (which otherwise
   // stay: they cost nothing).
   void release_device(Bound* b, bool aliases);
-  void pin_host_blocks(int64_t token_bytes);
+  void pin_host_blocks();
   void wait_for_pinned_copies();
+  void wait_for_device(const char* what);  // throws naming `what`
+  int64_t token_slot_bytes() const;  // one of tokens_'s four int32 arrays, aligned
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void to_host(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);  // buffer b of p, or a view's buffer
@@ -195,6 +197,7 @@ class Model {
   std::vector<std::unique_ptr<PinnedHost>> pinned_;  // the blocks, page-locked (CUDA); released before them
   std::unique_ptr<Bound> train_bufs_, forward_bufs_;  // each program's buffers (bind)
   bool gpu_ = false;  // a GPU target's library: its kernels read and write device buffers
+  bool cuda_ = false;  // a CUDA target's (the runtime's context and stream, pinned host blocks)
   std::vector<int32_t> row_index_;  // each local token's index in the row [batch, local_seq]: the step's token_index
   int64_t arena_bytes_ = 0;
   int64_t flat_size_ = 0;

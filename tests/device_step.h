@@ -50,6 +50,11 @@ inline int64_t device_blocks_bytes(const runtime::Model& m) {
   auto round = [](int64_t n) { return (n + 127) / 128 * 128; };
   return 2 * 4 * m.flat_size() + 4 * round(4 * m.tokens()) + round(m.arena_bytes());
 }
+// The host side of those blocks, which a CUDA step pins (the arena as the
+// plan sized it, unrounded; a model that offloads nothing).
+inline int64_t pinned_blocks_bytes(const runtime::Model& m) {
+  return device_blocks_bytes(m) - ((m.arena_bytes() + 127) / 128 * 128 - m.arena_bytes());
+}
 
 // Bytes of a buffer's dimensions from `dim` inward (0: the whole buffer).
 inline int64_t bytes_from(const runtime::BufferSpec& s, int dim) {
