@@ -3,7 +3,9 @@
 #include <HalideRuntimeCuda.h>
 #include <HalideRuntimeOpenCL.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "runtime/error.h"
 
@@ -65,6 +67,55 @@ bool DeviceBlock::alias(halide_buffer_t& buf, int64_t offset, int64_t align) con
   buf.device_interface = crop.device_interface;
   buf.flags &= ~static_cast<uint64_t>(halide_buffer_flag_device_dirty);
   return true;
+}
+
+// In pieces that are crops of the block: the part of a row up to its end,
+// or whole rows (at most 2^16 of them, so that extents stay 32-bit).
+void DeviceBlock::copy(uint8_t* host, int64_t offset, int64_t bytes, bool to_host, const char* what) const {
+  if (offset < 0 || bytes < 0 || offset + bytes > bytes_)
+    throw Error(std::string("error: copying bytes [") + std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+                ") of a device block of " + std::to_string(bytes_) + " bytes (" + what + "): out of range.");
+  while (bytes > 0) {
+    const int64_t x = offset % kRow, y = offset / kRow;
+    const bool part_row = x != 0 || bytes < kRow;
+    const int64_t rows = part_row ? 1 : std::min<int64_t>(bytes / kRow, 1 << 16);
+    const int64_t n = part_row ? std::min(bytes, kRow - x) : rows * kRow;
+    halide_dimension_t dims[2] = {halide_dimension_t(static_cast<int32_t>(x), static_cast<int32_t>(part_row ? n : kRow), 1),
+                                  halide_dimension_t(static_cast<int32_t>(y), static_cast<int32_t>(rows), kRow)};
+    halide_buffer_t crop{};
+    crop.type = buf_.type;
+    crop.dimensions = 2;
+    crop.dim = dims;
+    int err = halide_device_crop(nullptr, &buf_, &crop);
+    if (!err) {
+      crop.host = host;  // the crop's first byte, at its mins
+      crop.flags = to_host ? halide_buffer_flag_device_dirty : halide_buffer_flag_host_dirty;
+      err = to_host ? halide_copy_to_host(nullptr, &crop) : halide_copy_to_device(nullptr, &crop, buf_.device_interface);
+      if (!err) err = halide_device_sync(nullptr, &crop);
+      halide_device_release_crop(nullptr, &crop);
+    }
+    if (err)
+      throw Error(std::string("error: copying ") + std::to_string(n) + " bytes " + (to_host ? "from" : "to") +
+                  " the device (" + what + ") failed with Halide error " + std::to_string(err) +
+                  "; Halide printed the reason above.");
+    host += n;
+    offset += n;
+    bytes -= n;
+  }
+}
+
+void DeviceBlock::copy_to_host(uint8_t* host, int64_t offset, int64_t bytes, const char* what) const {
+  copy(host, offset, bytes, true, what);
+}
+
+void DeviceBlock::copy_from_host(const uint8_t* host, int64_t offset, int64_t bytes, const char* what) const {
+  copy(const_cast<uint8_t*>(host), offset, bytes, false, what);  // (only read)
+}
+
+void DeviceBlock::fill_zero(const char* what) const {
+  const std::vector<uint8_t> zeros(static_cast<size_t>(std::min<int64_t>(bytes_, 64 << 20)), 0);
+  for (int64_t at = 0; at < bytes_; at += static_cast<int64_t>(zeros.size()))
+    copy_from_host(zeros.data(), at, std::min<int64_t>(bytes_ - at, static_cast<int64_t>(zeros.size())), what);
 }
 
 void release_alias(halide_buffer_t& buf) { halide_device_release_crop(nullptr, &buf); }

@@ -46,8 +46,16 @@ class DeviceBlock {
   // Waits for everything queued on the block's device so far (every
   // kernel and copy of the process's stream or queue); Halide's error code.
   int sync() const;
+  // Copies bytes [offset, offset + bytes) of the block to `host` (which
+  // holds that many) or from it, after what is queued before, and waits for
+  // the copy. Throws Error naming `what` when Halide fails.
+  void copy_to_host(uint8_t* host, int64_t offset, int64_t bytes, const char* what) const;
+  void copy_from_host(const uint8_t* host, int64_t offset, int64_t bytes, const char* what) const;
+  void fill_zero(const char* what) const;  // every byte
 
  private:
+  void copy(uint8_t* host, int64_t offset, int64_t bytes, bool to_host, const char* what) const;
+
   int64_t bytes_;
   bool aligned_aliases_;  // OpenCL: a sub-buffer's origin must be aligned
   halide_dimension_t dims_[2];

@@ -447,10 +447,246 @@ struct Model::Bound {
   std::vector<bool> aliased;  // its device memory is an alias into device_blocks_
 };
 
+// A GPU library's update on the device: the moments, a block for the
+// gradient norm's partial sums, and each parameter's buffers (aliases of
+// the parameters', gradients' and moments' blocks) for the optimizer's
+// kernels, made at the first update and kept.
+struct Model::DeviceAdamW {
+  std::unique_ptr<DeviceBlock> m, v, partials;
+  std::vector<halide_dimension_t> dims;  // one per buffer below
+  std::vector<halide_buffer_t> w, g, mom, var, part;  // by parameter
+  std::vector<int64_t> part_at;  // parameter i's partial sums: from this double of partials
+  std::vector<double> partials_home;
+  ~DeviceAdamW() {
+    for (auto* list : {&w, &g, &mom, &var, &part})
+      for (halide_buffer_t& b : *list)
+        if (b.device) release_alias(b);
+  }
+};
+
 int64_t Model::device_bytes() const {
   int64_t n = 0;
   for (const auto& b : device_blocks_) n += b->bytes();
+  if (device_adamw_)
+    for (const auto* b : {device_adamw_->m.get(), device_adamw_->v.get(), device_adamw_->partials.get()}) n += b->bytes();
   return n;
+}
+
+uint8_t* Model::params_on_host(bool writes) const {
+  fetch(0, params_at_);
+  if (writes) params_at_ = Current::Host;
+  return params_.get();
+}
+
+uint8_t* Model::grads_on_host(bool writes) const {
+  fetch(1, grads_at_);
+  if (writes) grads_at_ = Current::Host;
+  return grads_.get();
+}
+
+void Model::fetch(int block, Current& current) const {
+  if (current != Current::Device) return;
+  device_blocks_[static_cast<size_t>(block)]->copy_to_host((block ? grads_ : params_).get(), 0, flat_size_ * 4,
+                                                            block ? "the gradients" : "the parameters");
+  current = Current::Both;
+  if (block == 1 && train_bufs_)  // their kernels' results are home: nothing may copy them over what the host writes
+    for (int b = 0; b < spec_.train.num_buffers; ++b)
+      if (spec_.train.buffers[b].storage == Storage::Grad)
+        train_bufs_->bufs[static_cast<size_t>(b)].flags &= ~static_cast<uint64_t>(halide_buffer_flag_device_dirty);
+}
+
+void Model::upload_if_host_newer(int block, Current& current, int64_t& count) {
+  if (current != Current::Host) return;
+  device_blocks_[static_cast<size_t>(block)]->copy_from_host((block ? grads_ : params_).get(), 0, flat_size_ * 4,
+                                                              block ? "the gradients" : "the parameters");
+  current = Current::Both;
+  ++count;
+}
+
+bool Model::adamw_on_device() const {
+  return gpu_ && spec_.adamw && spec_.grad_sumsq && device_interface_of(spec_.target ? spec_.target : "");
+}
+
+void Model::use_adamw(std::vector<bool> decay, AdamWConfig cfg) {
+  if (static_cast<int>(decay.size()) != spec_.num_params)
+    throw Error("error: use_adamw got " + std::to_string(decay.size()) + " decay flags for model \"" + std::string(spec_.name) +
+                "\", which has " + std::to_string(spec_.num_params) + " parameters; give one flag per parameter.");
+  decay_ = std::move(decay);
+  adamw_cfg_ = cfg;
+  device_adamw_.reset();
+  host_adamw_.reset();
+  pending_m_.clear();
+  pending_v_.clear();
+  if (adamw_on_device()) return;  // its state is made at the first update (the device is picked at the first step)
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < spec_.num_params; ++i) sizes.push_back(spec_.params[i].numel);
+  host_adamw_ = std::make_unique<AdamW>(sizes, decay_, cfg);
+}
+
+// The chunk of a gradient one thread of grad_sumsq sums.
+constexpr int32_t kNormChunk = 4096;
+
+Model::DeviceAdamW& Model::device_adamw() {
+  if (device_adamw_) return *device_adamw_;
+  const halide_device_interface_t* device = device_interface_of(spec_.target);
+  auto d = std::make_unique<DeviceAdamW>();
+  const int n = spec_.num_params;
+  int64_t partials = 0;
+  for (int i = 0; i < n; ++i) {
+    d->part_at.push_back(partials);
+    partials += round_up((spec_.params[i].numel + kNormChunk - 1) / kNormChunk * 8) / 8;  // (aliases start aligned)
+  }
+  d->m = std::make_unique<DeviceBlock>(device, flat_size_ * 4);
+  d->v = std::make_unique<DeviceBlock>(device, flat_size_ * 4);
+  d->partials = std::make_unique<DeviceBlock>(device, std::max<int64_t>(partials, 1) * 8);
+  d->partials_home.resize(static_cast<size_t>(partials));
+  for (const DeviceBlock* b : {d->m.get(), d->v.get()}) b->fill_zero("the AdamW moments");
+  d->dims.resize(static_cast<size_t>(5 * n));
+  for (auto* list : {&d->w, &d->g, &d->mom, &d->var, &d->part}) list->assign(static_cast<size_t>(n), halide_buffer_t{});
+  for (int i = 0; i < n; ++i) {
+    const int64_t numel = spec_.params[i].numel;
+    if (numel > INT32_MAX)
+      throw Error("error: parameter \"" + std::string(spec_.params[i].name) + "\" has " + std::to_string(numel) +
+                  " elements, beyond a Halide buffer's 32-bit extent.\nfix: split it into parameters of fewer elements.");
+    const size_t k = static_cast<size_t>(i);
+    struct Place {
+      halide_buffer_t& buf;
+      const DeviceBlock& block;
+      int64_t offset, extent;
+      bool f64;
+    };
+    const Place places[] = {{d->w[k], *device_blocks_[0], offsets_[k], numel, false},
+                            {d->g[k], *device_blocks_[1], offsets_[k], numel, false},
+                            {d->mom[k], *d->m, offsets_[k], numel, false},
+                            {d->var[k], *d->v, offsets_[k], numel, false},
+                            {d->part[k], *d->partials, d->part_at[k] * 8, (numel + kNormChunk - 1) / kNormChunk, true}};
+    for (size_t j = 0; j < 5; ++j) {
+      const Place& pl = places[j];
+      pl.buf.type = pl.f64 ? halide_type_t(halide_type_float, 64) : halide_type_t(halide_type_float, 32);
+      pl.buf.dimensions = 1;
+      pl.buf.dim = &d->dims[5 * k + j];
+      *pl.buf.dim = halide_dimension_t(0, static_cast<int32_t>(pl.extent), 1);
+      if (!pl.block.alias(pl.buf, pl.offset, kAlign))
+        throw Error("error: model \"" + std::string(spec_.name) + "\": the optimizer's buffer at byte " +
+                    std::to_string(pl.offset) + " is off the device's alignment (a bug in the executor).");
+    }
+    if (!pending_m_.empty()) {  // moments set before the state existed (a checkpoint)
+      d->m->copy_from_host(reinterpret_cast<const uint8_t*>(pending_m_[k].data()), offsets_[k], numel * 4, "the AdamW moments");
+      d->v->copy_from_host(reinterpret_cast<const uint8_t*>(pending_v_[k].data()), offsets_[k], numel * 4, "the AdamW moments");
+    }
+  }
+  pending_m_.clear();
+  pending_v_.clear();
+  device_adamw_ = std::move(d);
+  return *device_adamw_;
+}
+
+double Model::adamw_step(int64_t t, double lr, double max_norm) {
+  const std::string who = "error: model \"" + std::string(spec_.name) + "\": adamw_step";
+  if (!host_adamw_ && !adamw_on_device()) throw Error(who + " before use_adamw.\nfix: call use_adamw(decay) once, first.");
+  if (!have_grads_) throw Error(who + " has no gradients yet.\nfix: call train_step first.");
+  if (mesh_ && !reduce_grads_)
+    throw Error(who + " needs the gradients summed over the mesh, and set_reduce_grads(false) leaves them partial."
+                "\nfix: set_reduce_grads(true), or shard the moments with runtime::ZeroAdamW (ZeRO-1).");
+  if (t < 1) throw Error(who + " step " + std::to_string(t) + ": steps count from 1.");
+  const auto t0 = std::chrono::steady_clock::now();
+  update_times_ = UpdateTimes{};
+  const int n = spec_.num_params;
+  double norm = 0;
+  if (host_adamw_) {
+    std::vector<float*> w;
+    std::vector<const float*> g;
+    std::vector<int64_t> sizes;
+    for (int i = 0; i < n; ++i) {
+      w.push_back(param(i));
+      g.push_back(grad(i));
+      sizes.push_back(spec_.params[i].numel);
+    }
+    norm = global_grad_norm(g.data(), sizes);
+    host_adamw_->step(t, lr, w.data(), g.data(), clip_scale(norm, max_norm));
+  } else {
+    DeviceAdamW& d = device_adamw();
+    upload_if_host_newer(0, params_at_, update_times_.host_to_device_copies);
+    upload_if_host_newer(1, grads_at_, update_times_.host_to_device_copies);
+    auto launch = [&](KernelFn fn, void** args, const char* kernel, int i) {
+      if (int err = fn(args))
+        throw Error(who + ": kernel " + kernel + " failed on parameter \"" + spec_.params[i].name +
+                    "\" with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
+    };
+    int32_t chunk = kNormChunk;
+    for (int i = 0; i < n; ++i) {
+      const size_t k = static_cast<size_t>(i);
+      void* args[] = {&d.g[k], &chunk, &d.part[k]};
+      launch(spec_.grad_sumsq, args, "grad_sumsq", i);
+    }
+    d.partials->copy_to_host(reinterpret_cast<uint8_t*>(d.partials_home.data()), 0,
+                             static_cast<int64_t>(d.partials_home.size()) * 8, "the gradient norm's partial sums");
+    ++update_times_.device_to_host_copies;
+    double ss = 0;
+    for (int i = 0; i < n; ++i)
+      for (int64_t j = 0; j < d.part[static_cast<size_t>(i)].dim[0].extent; ++j)
+        ss += d.partials_home[static_cast<size_t>(d.part_at[static_cast<size_t>(i)] + j)];
+    norm = std::sqrt(ss);
+    AdamWStepConstants k = adamw_step_constants(adamw_cfg_, t, lr, clip_scale(norm, max_norm));
+    for (int i = 0; i < n; ++i) {
+      const size_t j = static_cast<size_t>(i);
+      float decay = decay_[j] ? k.decay : 1.f;
+      void* args[] = {&d.w[j], &d.g[j], &d.mom[j], &d.var[j], &k.b1, &k.b2, &k.lr_over_c1, &k.inv_c2, &k.eps,
+                      &k.grad_scale, &decay, &d.w[j], &d.mom[j], &d.var[j]};
+      launch(spec_.adamw, args, "adamw", i);
+    }
+    params_at_ = Current::Device;
+  }
+  update_times_.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return norm;
+}
+
+void Model::adamw_moments(int i, std::vector<float>& m, std::vector<float>& v) const {
+  if (i < 0 || i >= spec_.num_params) throw Error("error: adamw_moments: no parameter " + std::to_string(i) + ".");
+  const size_t k = static_cast<size_t>(i);
+  const int64_t numel = spec_.params[i].numel;
+  if (host_adamw_) {
+    m = host_adamw_->m(k);
+    v = host_adamw_->v(k);
+  } else if (device_adamw_) {
+    m.resize(static_cast<size_t>(numel));
+    v.resize(static_cast<size_t>(numel));
+    device_adamw_->m->copy_to_host(reinterpret_cast<uint8_t*>(m.data()), offsets_[k], numel * 4, "the AdamW moments");
+    device_adamw_->v->copy_to_host(reinterpret_cast<uint8_t*>(v.data()), offsets_[k], numel * 4, "the AdamW moments");
+  } else if (!pending_m_.empty()) {
+    m = pending_m_[k];
+    v = pending_v_[k];
+  } else {
+    m.assign(static_cast<size_t>(numel), 0.f);
+    v.assign(static_cast<size_t>(numel), 0.f);
+  }
+}
+
+void Model::set_adamw_moments(int i, const std::vector<float>& m, const std::vector<float>& v) {
+  if (i < 0 || i >= spec_.num_params) throw Error("error: set_adamw_moments: no parameter " + std::to_string(i) + ".");
+  const size_t k = static_cast<size_t>(i);
+  const int64_t numel = spec_.params[i].numel;
+  if (static_cast<int64_t>(m.size()) != numel || static_cast<int64_t>(v.size()) != numel)
+    throw Error("error: set_adamw_moments: parameter \"" + std::string(spec_.params[i].name) + "\" has " +
+                std::to_string(numel) + " elements, the moments given " + std::to_string(m.size()) + " and " +
+                std::to_string(v.size()) + ".");
+  if (host_adamw_) {
+    host_adamw_->m(k) = m;
+    host_adamw_->v(k) = v;
+  } else if (device_adamw_) {
+    device_adamw_->m->copy_from_host(reinterpret_cast<const uint8_t*>(m.data()), offsets_[k], numel * 4, "the AdamW moments");
+    device_adamw_->v->copy_from_host(reinterpret_cast<const uint8_t*>(v.data()), offsets_[k], numel * 4, "the AdamW moments");
+  } else if (adamw_on_device()) {
+    if (pending_m_.empty())
+      for (int p = 0; p < spec_.num_params; ++p) {
+        pending_m_.emplace_back(static_cast<size_t>(spec_.params[p].numel), 0.f);
+        pending_v_.emplace_back(static_cast<size_t>(spec_.params[p].numel), 0.f);
+      }
+    pending_m_[k] = m;
+    pending_v_[k] = v;
+  } else {
+    throw Error("error: set_adamw_moments before use_adamw.\nfix: call use_adamw(decay) first.");
+  }
 }
 
 Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) {
@@ -577,6 +813,7 @@ int64_t Model::pinned_host_bytes() const {
 
 Model::~Model() {
   if (!pinned_.empty()) device_blocks_.front()->sync();  // no copy may still read or write the blocks (errors: freed anyway)
+  device_adamw_.reset();  // its aliases, before the blocks they alias
   release_device(train_bufs_.get(), true);
   release_device(forward_bufs_.get(), true);
 }
@@ -591,12 +828,21 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   }
   Bound& bound = bind(p, inputs);
   std::vector<halide_buffer_t>& bufs = bound.bufs;
-  // A GPU step reads the tokens and the parameters anew (the host wrote
-  // them since): Halide uploads a buffer only when it is host-dirty, also
-  // the first time. Every other device buffer keeps what the last step left.
-  for (int b = 0; b < p.num_buffers && gpu_; ++b) {
-    const Storage st = p.buffers[b].storage;
-    if (st == Storage::Input || st == Storage::Param) bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
+  // A GPU step reads the tokens anew: Halide uploads a buffer only when it
+  // is host-dirty, also the first time. The parameters go up when the host
+  // wrote them (all at once into their block; without the executor's blocks,
+  // each buffer by Halide, every step). Every other device buffer keeps what
+  // the last step left.
+  times_ = StepTimes{};
+  if (gpu_) {
+    if (!device_blocks_.empty()) upload_if_host_newer(0, params_at_, times_.host_to_device_copies);
+    for (int b = 0; b < p.num_buffers; ++b) {
+      const Storage st = p.buffers[b].storage;
+      if (st == Storage::Input || (st == Storage::Param && device_blocks_.empty())) {
+        bufs[static_cast<size_t>(b)].flags |= halide_buffer_flag_host_dirty;
+        ++times_.host_to_device_copies;
+      }
+    }
   }
   const bool profile = std::getenv("HALYARD_PROFILE") != nullptr;
   const bool timed = kernel_times_on_device_ && !device_blocks_.empty();
@@ -609,7 +855,6 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   }
   std::ostringstream prof;
   exchanges_.clear();  // left by a step that failed
-  times_ = StepTimes{};
   // Eval and training alternate rarely: the other program's device buffers
   // go (those Halide allocated; both programs alias the same blocks).
   release_device(&p == &spec_.train ? forward_bufs_.get() : train_bufs_.get(), false);
@@ -761,10 +1006,17 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     }
   }
   for (auto& f : grad_sums) finish(f, times_.grads);
-  // GPU kernels leave results on the device: what the caller reads (the
-  // loss and the gradients) comes home; activations stay for the next step.
+  // GPU kernels leave results on the device: the loss comes home, and the
+  // gradients when the host sums them over the mesh (or without the
+  // executor's blocks); otherwise they stay until the update reads them
+  // there, or the host asks (grad()). Activations stay for the next step.
+  const bool grads_home = sum_grads || device_blocks_.empty();
   for (int b = 0; b < p.num_buffers; ++b)
-    if (b == p.loss || p.buffers[b].storage == Storage::Grad) to_host(bufs[static_cast<size_t>(b)]);
+    if (b == p.loss || (grads_home && p.buffers[b].storage == Storage::Grad)) to_host(bufs[static_cast<size_t>(b)]);
+  if (&p == &spec_.train) {
+    have_grads_ = true;
+    grads_at_ = gpu_ && !grads_home ? Current::Device : Current::Host;
+  }
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();
     mesh_->all_reduce_sum(grads_flat(), flat_size_);

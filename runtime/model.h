@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/adamw.h"
 #include "runtime/comm.h"
 #include "runtime/step_program.h"
 
@@ -58,9 +59,16 @@ class Model {
   int num_params() const { return spec_.num_params; }
   const ParamSpec& param_spec(int i) const { return spec_.params[i]; }
   int param_index(const std::string& name) const;  // throws listing names
-  float* param(int i) { return reinterpret_cast<float*>(params_.get() + offsets_[static_cast<size_t>(i)]); }
-  const float* param(int i) const { return reinterpret_cast<const float*>(params_.get() + offsets_[static_cast<size_t>(i)]); }
-  const float* grad(int i) const { return reinterpret_cast<const float*>(grads_.get() + offsets_[static_cast<size_t>(i)]); }
+  // The host's copies. Where a GPU library's step or update left newer
+  // values on the device (adamw_step), these fetch them first; what the host
+  // writes through a non-const one goes up before the next kernel reads it.
+  float* param(int i) { return reinterpret_cast<float*>(params_on_host(true) + offsets_[static_cast<size_t>(i)]); }
+  const float* param(int i) const {
+    return reinterpret_cast<const float*>(params_on_host(false) + offsets_[static_cast<size_t>(i)]);
+  }
+  const float* grad(int i) const {
+    return reinterpret_cast<const float*>(grads_on_host(false) + offsets_[static_cast<size_t>(i)]);
+  }
 
   // Hugging Face's init: N(0, 0.02) for matrices and embeddings, 1 for norms.
   void init_params(uint64_t seed);
@@ -82,8 +90,8 @@ class Model {
   void set_reduce_grads(bool on) { reduce_grads_ = on; }
   // All parameters (and gradients) as one flat array of flat_size() floats:
   // parameter i starts at flat_offset(i); the gaps between them are zeros.
-  float* params_flat() { return reinterpret_cast<float*>(params_.get()); }
-  float* grads_flat() { return reinterpret_cast<float*>(grads_.get()); }
+  float* params_flat() { return reinterpret_cast<float*>(params_on_host(true)); }
+  float* grads_flat() { return reinterpret_cast<float*>(grads_on_host(true)); }
   int64_t flat_size() const { return flat_size_; }
   int64_t flat_offset(int i) const { return offsets_[static_cast<size_t>(i)] / static_cast<int64_t>(sizeof(float)); }
   int64_t arena_bytes() const { return arena_bytes_; }
@@ -102,6 +110,32 @@ class Model {
   // copies from pageable memory and says so once on stderr), and with
   // HALYARD_PIN_HOST=0 in the environment (to tell a fault of pinning apart).
   int64_t pinned_host_bytes() const;
+  // AdamW on this model's own parameters, with the gradients of its last
+  // train step (summed over the mesh, as set_reduce_grads(true) leaves them):
+  //   m.use_adamw(decay);                            // a flag per parameter
+  //   m.train_step(...); double norm = m.adamw_step(t, lr, max_norm);  // t = 1, 2, ...
+  // A GPU library's update runs on the device (its optimizer kernels,
+  // ModelSpec::adamw), the moments live there, and the parameters and
+  // gradients stay there from step to step: a step uploads only the tokens,
+  // and brings home only the loss; the update only the gradient norm's
+  // partial sums. A CPU library's update is runtime::AdamW on the host, the
+  // same bits as calling it directly. Every rank of a mesh applies the whole
+  // update (ZeRO-1, the moments sharded, is runtime::ZeroAdamW). Returns the
+  // gradients' global L2 norm before clipping by clip_scale(norm, max_norm).
+  void use_adamw(std::vector<bool> decay, AdamWConfig cfg = {});
+  double adamw_step(int64_t step, double lr, double max_norm);
+  bool adamw_on_device() const;
+  // The moments of parameter i (numel floats each), for checkpoints.
+  void adamw_moments(int i, std::vector<float>& m, std::vector<float>& v) const;
+  void set_adamw_moments(int i, const std::vector<float>& m, const std::vector<float>& v);
+  // The last adamw_step's device traffic: copies home (the norm's partial
+  // sums), and uploads (parameters or gradients the host wrote since).
+  struct UpdateTimes {
+    double total_s = 0;
+    int64_t device_to_host_copies = 0, host_to_device_copies = 0;
+  };
+  const UpdateTimes& last_update_times() const { return update_times_; }
+
   // Per-kernel wall time of the last step, when HALYARD_PROFILE is set.
   std::string profile() const { return profile_; }
   // Where the last step's time went on this rank: attention kernels, other
@@ -125,6 +159,11 @@ class Model {
     // evaluation or the reverse; a program's buffers otherwise stay on the
     // device from step to step).
     int64_t device_to_host_copies = 0, device_buffers_freed = 0;
+    // What it uploads as the step starts: the token arrays the program
+    // reads, and the parameters when the host wrote them since the device
+    // last had them (one copy of them all). (Collectives' outputs go up
+    // too, and are not counted.)
+    int64_t host_to_device_copies = 0;
     // Values the schedule offloads: bytes copied out to the host (each
     // comes back before the backward reads it) and the time both ways took.
     int64_t offloaded_bytes = 0;
@@ -167,6 +206,16 @@ class Model {
   // stay: they cost nothing).
   void release_device(Bound* b, bool aliases);
   void pin_host_blocks();
+  // Which copy of the parameters (the gradients) is current: a GPU step's
+  // kernels and its update leave them on the device; the host accessors
+  // fetch them and, when they may write, make the host's the current one.
+  enum class Current : uint8_t { Host, Device, Both };
+  uint8_t* params_on_host(bool writes) const;
+  uint8_t* grads_on_host(bool writes) const;
+  void fetch(int block, Current& current) const;  // device_blocks_[block] home, if the device's is newer
+  void upload_if_host_newer(int block, Current& current, int64_t& count);
+  struct DeviceAdamW;
+  DeviceAdamW& device_adamw();  // made at the first update
   void wait_for_pinned_copies();
   void wait_for_device(const char* what);  // throws naming `what`
   int64_t token_slot_bytes() const;  // one of tokens_'s four int32 arrays, aligned
@@ -192,6 +241,7 @@ class Model {
   const ModelSpec& spec_;
   std::vector<int64_t> offsets_;  // of each parameter in params_ and grads_
   Block params_, grads_, tokens_, arena_;
+  mutable Current params_at_ = Current::Host, grads_at_ = Current::Host;
   Block offload_;  // host copies of offloaded values (ProgramSpec::offload_bytes)
   std::vector<std::unique_ptr<DeviceBlock>> device_blocks_;  // their device mirrors (GPU)
   std::vector<std::unique_ptr<PinnedHost>> pinned_;  // the blocks, page-locked (CUDA); released before them
@@ -213,6 +263,13 @@ class Model {
   // The train step's gradients, by the call after which each is final.
   std::vector<std::vector<int>> grads_final_after_;
   StepTimes times_;
+  std::vector<bool> decay_;
+  AdamWConfig adamw_cfg_;
+  std::unique_ptr<AdamW> host_adamw_;       // a CPU library's update
+  std::unique_ptr<DeviceAdamW> device_adamw_;  // a GPU library's: moments and kernel buffers on the device
+  std::vector<std::vector<float>> pending_m_, pending_v_;  // moments set before device_adamw_ exists
+  bool have_grads_ = false;  // a train step has run
+  UpdateTimes update_times_;
   std::string profile_;
 };
 

@@ -127,6 +127,11 @@ struct ModelSpec {
   // runtime splits the sp ranks into Ulysses groups of u consecutive ranks,
   // mesh axis "sp_u", and ring groups across them, "sp_r"); 0 otherwise.
   int ulysses_degree;
+  // A GPU library's optimizer kernels (generators/optimizer.h), which
+  // Model::adamw_step runs on the device; nullptr in CPU libraries (the
+  // update runs on the host there, where the parameters are).
+  KernelFn adamw = nullptr;
+  KernelFn grad_sumsq = nullptr;
 };
 
 // Whether the library's sp ranks hold zigzag chunks (runtime::Shard::zigzag).

@@ -15,6 +15,9 @@
 //     step still equals the fixture: each value goes to host memory after
 //     the forward and comes back before the backward, other buffers using
 //     its device bytes in between, so the device holds a smaller arena;
+//   - AdamW on the device (the library's optimizer kernels) equals
+//     runtime::AdamW on the host, while parameters and gradients stay on
+//     the device: a step uploads only the tokens and brings home the loss;
 //   - two sequence-parallel ranks (threads) of the tiny Llama, checkpointed
 //     and tiled (views aliasing their buffers' device memory, tiles
 //     concatenated, all-to-alls of device-resident values), equal the
@@ -26,6 +29,10 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <vector>
+
+#include "runtime/adamw.h"
+#include "runtime/error.h"
 
 #include "llama_micro_opencl.h"
 #include "llama_micro_opencl_offload.h"
@@ -164,6 +171,168 @@ TEST(GpuPath, OffloadedValuesComeBackForTheBackwardAndTheArenaShrinks) {
   EXPECT_LE(std::abs(m.forward_loss(ids.data(), labels.data(), pos.data()) - want) / want, kTolerance);
   EXPECT_EQ(m.last_step_times().offloaded_bytes, 0);
   EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
+}
+
+std::vector<bool> decay_flags(const runtime::Model& m) {
+  std::vector<bool> decay;
+  for (int i = 0; i < m.num_params(); ++i) decay.push_back(m.param_spec(i).rank > 1);  // as llama_train decays
+  return decay;
+}
+
+// runtime::AdamW over a model's host copies, as a training loop calls it; returns the norm.
+double host_adamw_step(runtime::Model& m, runtime::AdamW& opt, int64_t t, double lr, double max_norm) {
+  std::vector<float*> w;
+  std::vector<const float*> g;
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < m.num_params(); ++i) {
+    w.push_back(m.param(i));
+    g.push_back(m.grad(i));
+    sizes.push_back(m.param_spec(i).numel);
+  }
+  const double norm = runtime::global_grad_norm(g.data(), sizes);
+  opt.step(t, lr, w.data(), g.data(), runtime::clip_scale(norm, max_norm));
+  return norm;
+}
+
+std::vector<int64_t> param_sizes(const runtime::Model& m) {
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < m.num_params(); ++i) sizes.push_back(m.param_spec(i).numel);
+  return sizes;
+}
+
+// The largest difference between two models' parameters, relative to the largest magnitude.
+double param_diff(const runtime::Model& a, const runtime::Model& b) {
+  double worst = 0;
+  for (int i = 0; i < a.num_params(); ++i) {
+    const std::vector<double> want(b.param(i), b.param(i) + b.param_spec(i).numel);
+    worst = std::max(worst, testing::rel_diff(a.param(i), want));
+  }
+  return worst;
+}
+
+// A GPU library's AdamW runs where its parameters live: its optimizer
+// kernels update them on the device, the moments stay there, and so steps
+// upload only the tokens and bring home only the loss (the update, the
+// gradient norm's partial sums). Three steps equal the same library updated
+// by runtime::AdamW on the host, clipping included.
+TEST(GpuPath, AdamWOnTheDeviceKeepsParametersAndGradientsThere) {
+  auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
+  const runtime::ModelSpec& spec = halyard_models::llama_micro_opencl();
+  ASSERT_NE(spec.adamw, nullptr);
+  ASSERT_NE(spec.grad_sumsq, nullptr);
+  runtime::Model dev(spec), host(spec);
+  testing::load_params(dev, st);
+  testing::load_params(host, st);
+  auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  dev.use_adamw(decay_flags(dev));
+  ASSERT_TRUE(dev.adamw_on_device());
+  runtime::AdamW opt(param_sizes(host), decay_flags(host));
+  int token_arrays = 0;
+  for (int b = 0; b < spec.train.num_buffers; ++b) token_arrays += spec.train.buffers[b].storage == runtime::Storage::Input;
+  const double lr = 3e-2, max_norm = 1.0;
+  bool clipped = false;
+  for (int64_t t = 1; t <= 3; ++t) {
+    const double loss = dev.train_step(ids.data(), labels.data(), pos.data());
+    const runtime::Model::StepTimes times = dev.last_step_times();
+    const double want = host.train_step(ids.data(), labels.data(), pos.data());
+    EXPECT_LE(std::abs(loss - want) / want, 1e-5) << "step " << t;
+    if (t > 1) {  // the parameters are where the last update left them
+      EXPECT_EQ(times.host_to_device_copies, token_arrays) << "step " << t;
+      EXPECT_LE(times.device_to_host_copies, 1 + testing::collectives(spec.train)) << "step " << t;  // no gradient
+    }
+    const double norm = dev.adamw_step(t, lr, max_norm);
+    EXPECT_EQ(dev.last_update_times().device_to_host_copies, 1);
+    EXPECT_EQ(dev.last_update_times().host_to_device_copies, 0);
+    const double host_norm = host_adamw_step(host, opt, t, lr, max_norm);
+    clipped = clipped || host_norm > max_norm;
+    std::printf("  step %lld: loss %.9f vs %.9f on the host; gradient norm %.9f vs %.9f\n", static_cast<long long>(t),
+                loss, want, norm, host_norm);
+    EXPECT_LE(std::abs(norm - host_norm), 1e-6 * host_norm) << "step " << t;
+  }
+  EXPECT_TRUE(clipped);  // (the case is exercised)
+  // The device held the moments, and a block for the norm's partial sums.
+  EXPECT_GT(dev.device_bytes(), testing::device_blocks_bytes(dev) + 2 * 4 * dev.flat_size());
+  // The host's copies are fetched when asked for: parameters and moments.
+  const double worst = param_diff(dev, host);
+  std::printf("  after 3 updates: parameters within %.2e of the host's update\n", worst);
+  EXPECT_LE(worst, 1e-5);
+  for (int i = 0; i < dev.num_params(); ++i) {
+    std::vector<float> m, v;
+    dev.adamw_moments(i, m, v);
+    const std::vector<double> want_m(opt.m(static_cast<size_t>(i)).begin(), opt.m(static_cast<size_t>(i)).end());
+    const std::vector<double> want_v(opt.v(static_cast<size_t>(i)).begin(), opt.v(static_cast<size_t>(i)).end());
+    EXPECT_LE(testing::rel_diff(m.data(), want_m), 1e-5) << dev.param_spec(i).name;
+    EXPECT_LE(testing::rel_diff(v.data(), want_v), 1e-5) << dev.param_spec(i).name;
+  }
+  // What the host writes goes up before the next kernel reads it: the
+  // parameters (one copy of them all) and the moments.
+  for (runtime::Model* m : {&dev, &host}) m->param(0)[0] += 0.25f;
+  std::vector<float> m0, v0;
+  dev.adamw_moments(0, m0, v0);
+  for (float& x : m0) x *= 0.5f;
+  dev.set_adamw_moments(0, m0, v0);
+  opt.m(0) = m0;
+  opt.v(0) = v0;
+  const double loss = dev.train_step(ids.data(), labels.data(), pos.data());
+  EXPECT_EQ(dev.last_step_times().host_to_device_copies, token_arrays + 1);
+  EXPECT_LE(std::abs(loss - host.train_step(ids.data(), labels.data(), pos.data())) / loss, 1e-5);
+  dev.adamw_step(4, lr, max_norm);
+  host_adamw_step(host, opt, 4, lr, max_norm);
+  EXPECT_LE(param_diff(dev, host), 1e-5);
+  // Gradients the host rewrote (a ZeRO step uses them as scratch) are the ones the update reads.
+  dev.train_step(ids.data(), labels.data(), pos.data());
+  host.train_step(ids.data(), labels.data(), pos.data());
+  for (runtime::Model* m : {&dev, &host}) std::fill(m->grads_flat(), m->grads_flat() + m->flat_size(), 0.f);
+  const auto before = [&] {
+    std::vector<float> w(dev.param(1), dev.param(1) + dev.param_spec(1).numel);
+    return w;
+  }();
+  EXPECT_EQ(dev.adamw_step(5, lr, max_norm), 0.0);
+  EXPECT_EQ(dev.last_update_times().host_to_device_copies, 2);  // the gradients, and the parameters (read above)
+  host_adamw_step(host, opt, 5, lr, max_norm);
+  EXPECT_LE(param_diff(dev, host), 1e-5);
+  EXPECT_FALSE(std::equal(before.begin(), before.end(), dev.param(1)));  // the moments still move them
+}
+
+// A CPU library's update is runtime::AdamW's on the host, bit for bit; and
+// the update refuses what it cannot do, saying what to do instead.
+TEST(GpuPath, AdamWOfACpuLibraryIsTheHostsAndMisuseIsNamed) {
+  const runtime::ModelSpec& spec = halyard_models::tiny_sp1_s126();
+  EXPECT_EQ(spec.adamw, nullptr);
+  runtime::Model m(spec), ref(spec);
+  m.init_params(7);
+  ref.init_params(7);
+  std::vector<int32_t> ids(static_cast<size_t>(m.tokens())), pos(ids.size());
+  for (size_t k = 0; k < ids.size(); ++k) {
+    ids[k] = static_cast<int32_t>((k * 7 + 3) % static_cast<size_t>(spec.vocab));
+    pos[k] = static_cast<int32_t>(k % static_cast<size_t>(spec.local_seq));
+  }
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const runtime::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_NE(message([&] { m.adamw_step(1, 1e-3, 1.0); }).find("use_adamw"), std::string::npos);
+  EXPECT_NE(message([&] { m.use_adamw({true}); }).find("one flag per parameter"), std::string::npos);
+  m.use_adamw(decay_flags(m));
+  EXPECT_FALSE(m.adamw_on_device());
+  EXPECT_NE(message([&] { m.adamw_step(1, 1e-3, 1.0); }).find("call train_step first"), std::string::npos);
+  runtime::AdamW opt(param_sizes(ref), decay_flags(ref));
+  for (int64_t t = 1; t <= 2; ++t) {
+    m.train_step(ids.data(), ids.data(), pos.data());
+    ref.train_step(ids.data(), ids.data(), pos.data());
+    EXPECT_EQ(m.adamw_step(t, 1e-2, 0.5), host_adamw_step(ref, opt, t, 1e-2, 0.5));
+  }
+  for (int i = 0; i < m.num_params(); ++i)
+    EXPECT_TRUE(std::equal(m.param(i), m.param(i) + m.param_spec(i).numel, ref.param(i))) << m.param_spec(i).name;
+  EXPECT_NE(message([&] { m.adamw_step(0, 1e-3, 1.0); }).find("steps count from 1"), std::string::npos);
+  std::vector<float> mm, vv;
+  m.adamw_moments(0, mm, vv);
+  EXPECT_EQ(mm, opt.m(0));
+  EXPECT_NE(message([&] { m.set_adamw_moments(0, {1.f}, {1.f}); }).find("elements"), std::string::npos);
 }
 
 TEST(GpuPath, TwoSequenceRanksCheckpointedAndTiledOnTheDeviceMatchOneCpuRank) {
