@@ -43,7 +43,11 @@ RuntimeCudaContext make_context() {
     return c;
   }
   void* stream = nullptr;
-  const int rc = d.stream_create(&stream, 0);  // 0: blocking (see the header)
+  void* comm = nullptr;
+  int rc = d.stream_create(&stream, 0);  // 0: blocking (see the header)
+  // Non-blocking: the copies on it must not wait for the legacy default stream.
+  constexpr unsigned kNonBlocking = 0x1;  // CU_STREAM_NON_BLOCKING
+  if (rc == 0) rc = d.stream_create(&comm, kNonBlocking);
   void* popped = nullptr;
   d.ctx_pop(&popped);
   if (rc != 0) {
@@ -52,6 +56,7 @@ RuntimeCudaContext make_context() {
   }
   c.context = ctx;
   c.stream = stream;
+  c.comm_stream = comm;
   c.device = device;
   return c;
 }
@@ -114,6 +119,94 @@ PinnedHost::~PinnedHost() {
   d.mem_host_unregister(p_);
   void* popped = nullptr;
   d.ctx_pop(&popped);
+}
+
+CudaCopyStream::CudaCopyStream() {
+  const RuntimeCudaContext& c = runtime_cuda_context();
+  if (!c.context || !c.comm_stream) error_ = c.error.empty() ? "no communication stream" : c.error;
+}
+
+CudaCopyStream::~CudaCopyStream() {
+  if (!error_.empty()) return;
+  const CudaDriver& d = cuda_driver();
+  if (d.ctx_push(runtime_cuda_context().context) != 0) return;
+  d.stream_synchronize(runtime_cuda_context().comm_stream);
+  for (void* e : events_) d.event_destroy(e);
+  void* popped = nullptr;
+  d.ctx_pop(&popped);
+}
+
+void CudaCopyStream::check(int rc, const char* what) {
+  if (rc != 0) throw Error(std::string("error: ") + what + " on the communication stream failed: " + cuda_driver().text(rc));
+}
+
+void* CudaCopyStream::event() {
+  if (used_ == events_.size()) {
+    void* e = nullptr;
+    constexpr unsigned kDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING: ordering only, cheaper
+    check(cuda_driver().event_create(&e, kDisableTiming), "cuEventCreate");
+    events_.push_back(e);
+  }
+  return events_[used_++];
+}
+
+namespace {
+// The runtime's context, current for the calls of a scope.
+struct Current {
+  Current() {
+    if (int rc = cuda_driver().ctx_push(runtime_cuda_context().context))
+      throw Error("error: cuCtxPushCurrent failed: " + cuda_driver().text(rc));
+  }
+  ~Current() {
+    void* popped = nullptr;
+    cuda_driver().ctx_pop(&popped);
+  }
+};
+}  // namespace
+
+int CudaCopyStream::copy_to_host(void* host, uint64_t device, size_t bytes) {
+  const CudaDriver& d = cuda_driver();
+  const RuntimeCudaContext& c = runtime_cuda_context();
+  Current scope;
+  void* ready = event();
+  check(d.event_record(ready, c.stream), "cuEventRecord");
+  check(d.stream_wait_event(c.comm_stream, ready, 0), "cuStreamWaitEvent");
+  check(d.memcpy_dtoh_async(host, device, bytes, c.comm_stream), "cuMemcpyDtoHAsync");
+  void* done = event();
+  check(d.event_record(done, c.comm_stream), "cuEventRecord");
+  done_.push_back(done);
+  return static_cast<int>(done_.size()) - 1;
+}
+
+int CudaCopyStream::copy_to_device(uint64_t device, const void* host, size_t bytes) {
+  const CudaDriver& d = cuda_driver();
+  const RuntimeCudaContext& c = runtime_cuda_context();
+  Current scope;
+  void* ready = event();
+  check(d.event_record(ready, c.stream), "cuEventRecord");
+  check(d.stream_wait_event(c.comm_stream, ready, 0), "cuStreamWaitEvent");
+  check(d.memcpy_htod_async(device, host, bytes, c.comm_stream), "cuMemcpyHtoDAsync");
+  void* done = event();
+  check(d.event_record(done, c.comm_stream), "cuEventRecord");
+  done_.push_back(done);
+  return static_cast<int>(done_.size()) - 1;
+}
+
+void CudaCopyStream::compute_waits(int ticket) {
+  Current scope;
+  check(cuda_driver().stream_wait_event(runtime_cuda_context().stream, done_.at(static_cast<size_t>(ticket)), 0),
+        "cuStreamWaitEvent");
+}
+
+void CudaCopyStream::synchronize() {
+  Current scope;
+  check(cuda_driver().stream_synchronize(runtime_cuda_context().comm_stream), "cuStreamSynchronize");
+}
+
+void CudaCopyStream::reset() {
+  synchronize();
+  done_.clear();
+  used_ = 0;
 }
 
 void use_runtime_cuda_context() {

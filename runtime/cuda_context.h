@@ -6,7 +6,8 @@
 // Model of a CUDA target calls use_runtime_cuda_context(), which hands
 // Halide the primary context of this thread's device (the one whose context
 // is current when the first kernel runs, e.g. after make_nccl_communicator's
-// cudaSetDevice; device 0 when none is) and one compute stream made in it.
+// cudaSetDevice; device 0 when none is) and one compute stream made in it
+// (and a communication stream beside it: CudaCopyStream).
 // The stream is a blocking one: Halide's copies between host and device are
 // synchronous calls on the legacy default stream, which then wait for the
 // kernels queued before them. It also turns on Halide's reuse of device
@@ -14,7 +15,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace halyard::runtime {
 
@@ -26,6 +29,7 @@ void use_runtime_cuda_context();
 struct RuntimeCudaContext {
   void* context = nullptr;  // CUcontext: the device's primary context
   void* stream = nullptr;   // CUstream: where Halide launches kernels
+  void* comm_stream = nullptr;  // CUstream: copies that run beside the kernels (CudaCopyStream)
   int device = -1;
   std::string error;        // why there is none (no driver, no device), or empty
 };
@@ -52,6 +56,35 @@ class PinnedHost {
   void* p_;
   size_t bytes_;
   bool pinned_ = false;
+  std::string error_;
+};
+
+// Copies between device and pinned host memory on the runtime's
+// communication stream, beside the kernels of its compute stream, ordered
+// against them by events: a copy starts after everything queued on the
+// compute stream before it, and the compute stream waits for it where the
+// caller says (runtime/offload_windows.h gives where). Methods throw Error
+// naming the driver's error. Tickets count from 0 after each reset().
+class CudaCopyStream {
+ public:
+  CudaCopyStream();  // error() says why it cannot run (then use synchronous copies)
+  ~CudaCopyStream();
+  CudaCopyStream(const CudaCopyStream&) = delete;
+  CudaCopyStream& operator=(const CudaCopyStream&) = delete;
+  const std::string& error() const { return error_; }
+
+  int copy_to_host(void* host, uint64_t device, size_t bytes);
+  int copy_to_device(uint64_t device, const void* host, size_t bytes);
+  void compute_waits(int ticket);  // work queued on the compute stream from here on runs after the copy
+  void synchronize();              // the host waits for every copy queued
+  void reset();                    // synchronize, and count tickets from 0 again
+
+ private:
+  void* event();  // a recorded-for-reuse event of the pool
+  void check(int rc, const char* what);
+  std::vector<void*> events_;  // reused step to step
+  size_t used_ = 0;
+  std::vector<void*> done_;  // by ticket: recorded on the communication stream after the copy
   std::string error_;
 };
 

@@ -42,6 +42,13 @@ CudaDriver load() {
   get(d.mem_host_register, "cuMemHostRegister_v2");
   get(d.mem_host_unregister, "cuMemHostUnregister");
   get(d.error_string, "cuGetErrorString");
+  get(d.event_create, "cuEventCreate");
+  get(d.event_destroy, "cuEventDestroy_v2");
+  get(d.event_record, "cuEventRecord");
+  get(d.stream_wait_event, "cuStreamWaitEvent");
+  get(d.stream_synchronize, "cuStreamSynchronize");
+  get(d.memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
+  get(d.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
   if (!ok) {
     d.why_unusable = "libcuda.so.1 lacks a driver entry point (driver too old?)";
     return d;

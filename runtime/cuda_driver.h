@@ -25,6 +25,14 @@ struct CudaDriver {
   CUresult (*mem_host_register)(void*, size_t, unsigned) = nullptr;
   CUresult (*mem_host_unregister)(void*) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
+  // Events and asynchronous copies (CudaCopyStream); CUdeviceptr is 64-bit.
+  CUresult (*event_create)(void**, unsigned) = nullptr;
+  CUresult (*event_destroy)(void*) = nullptr;
+  CUresult (*event_record)(void*, void*) = nullptr;
+  CUresult (*stream_wait_event)(void*, void*, unsigned) = nullptr;
+  CUresult (*stream_synchronize)(void*) = nullptr;
+  CUresult (*memcpy_dtoh_async)(void*, unsigned long long, size_t, void*) = nullptr;
+  CUresult (*memcpy_htod_async)(unsigned long long, const void*, size_t, void*) = nullptr;
 
   // Empty once the driver is loaded and cuInit succeeded; otherwise one
   // line saying why not: no libcuda.so.1, an entry point missing, or cuInit's

@@ -25,6 +25,7 @@
 #include "runtime/data.h"
 #include "runtime/device_memory.h"
 #include "runtime/error.h"
+#include "runtime/offload_windows.h"
 
 namespace halyard::runtime {
 namespace {
@@ -445,6 +446,7 @@ struct Model::Bound {
   std::vector<halide_buffer_t> bufs;
   std::vector<halide_dimension_t> dims;
   std::vector<bool> aliased;  // its device memory is an alias into device_blocks_
+  std::vector<CopyWindow> windows;  // of its offload copies (offload_windows.h)
 };
 
 // A GPU library's update on the device: the moments, a block for the
@@ -764,6 +766,7 @@ Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) 
   }
   for (size_t i = 0; i < bufs.size() && !device_blocks_.empty(); ++i)  // (a tile's rows may start off OpenCL's alignment: then a copy)
     b.aliased[i] = device_blocks_[static_cast<size_t>(place[i].first)]->alias(bufs[i], place[i].second, kAlign);
+  b.windows = copy_windows(p);
   slot = std::move(fresh);
   return *slot;
 }
@@ -793,6 +796,10 @@ void Model::pin_host_blocks() {
   for (const auto& [p, bytes] : blocks) {
     if (bytes <= 0) continue;
     auto pin = std::make_unique<PinnedHost>(p, static_cast<size_t>(bytes));
+    if (p == offload_.get() && pin->error().empty()) {  // asynchronous copies need pinned host memory
+      auto stream = std::make_unique<CudaCopyStream>();
+      if (stream->error().empty()) copy_stream_ = std::move(stream);
+    }
     if (!pin->error().empty()) {
       static std::once_flag said;
       std::call_once(said, [&] {
@@ -915,8 +922,64 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     const int64_t n = end_of(hi) - flat_offset(lo);
     grad_sums.push_back(comm_thread_->submit([this, at, n] { mesh_->all_reduce_sum(at, n); }));
   };
+  // Offload copies at the edges of their windows (set_copies_at_window_edges):
+  // queued in the order a communication stream would take them, each
+  // offload run only once a later call needs it done, each reload as soon
+  // as its window opens (with every copy queued before it).
+  const bool at_edges = copies_at_edges_ && gpu_ && !bound.windows.empty();
+  std::vector<int> queued;  // windows, in queue order
+  auto run_copies_through = [&](int w) {
+    const auto it = std::find(queued.begin(), queued.end(), w);
+    if (it == queued.end()) return;
+    const std::vector<int> now(queued.begin(), it + 1);
+    queued.erase(queued.begin(), it + 1);
+    for (int k : now) offload(p.calls[bound.windows[static_cast<size_t>(k)].call], p, bufs.data());
+  };
+  auto copies_before = [&](int c) {  // before call c starts (c == num_calls: the step's end)
+    for (size_t k = 0; k < bound.windows.size(); ++k)
+      if (bound.windows[k].finish == c) run_copies_through(static_cast<int>(k));
+    for (size_t k = 0; k < bound.windows.size(); ++k) {
+      const CopyWindow& w = bound.windows[k];
+      const bool reload = p.calls[w.call].kind == CallKind::Reload;
+      if (w.start != c) continue;
+      queued.push_back(static_cast<int>(k));
+      if (reload) run_copies_through(static_cast<int>(k));
+    }
+  };
+  // A CUDA step with pinned host copies runs the offload copies on the
+  // communication stream inside their windows: each starts after the calls
+  // before its window and the first call its window closes on waits for it.
+  const bool async_copies = !at_edges && copy_stream_ && !bound.windows.empty();
+  std::vector<int> ticket(bound.windows.size(), -1);
+  if (async_copies) copy_stream_->reset();  // (a step that failed may have left copies)
+  auto stream_copies_before = [&](int c) {
+    for (size_t k = 0; k < bound.windows.size(); ++k)
+      if (bound.windows[k].finish == c && ticket[k] >= 0) copy_stream_->compute_waits(ticket[k]);
+    for (size_t k = 0; k < bound.windows.size(); ++k) {
+      if (bound.windows[k].start != c) continue;
+      const CallSpec& copy = p.calls[bound.windows[k].call];
+      halide_buffer_t& hb = bufs[static_cast<size_t>(copy.args[0])];
+      if (!hb.device) continue;
+      const size_t bytes = hb.size_in_bytes();
+      if (copy.kind == CallKind::Offload) {
+        ticket[k] = copy_stream_->copy_to_host(hb.host, hb.device, bytes);
+        hb.flags &= ~static_cast<uint64_t>(halide_buffer_flag_device_dirty);
+        times_.offloaded_bytes += static_cast<int64_t>(bytes);
+      } else {
+        ticket[k] = copy_stream_->copy_to_device(hb.device, hb.host, bytes);
+        hb.flags &= ~static_cast<uint64_t>(halide_buffer_flag_host_dirty);
+      }
+    }
+  };
   for (int c = 0; c < p.num_calls; ++c) {
     const CallSpec& call = p.calls[c];
+    if (at_edges || async_copies) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (at_edges) copies_before(c);
+      else stream_copies_before(c);
+      times_.offload_s += since(t0);
+      if (call.kind == CallKind::Offload || call.kind == CallKind::Reload) continue;
+    }
     if (call.kind == CallKind::AllReduceGrads) {
       if (grads_in_background) {
         if (bucket_hi > 0) sum_bucket(0, bucket_hi);
@@ -1004,6 +1067,11 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
         bucket_hi = bucket_lo;
       }
     }
+  }
+  if (at_edges) copies_before(p.num_calls);
+  if (async_copies) {
+    stream_copies_before(p.num_calls);
+    copy_stream_->reset();  // the host copies are whole before the next step writes them again
   }
   for (auto& f : grad_sums) finish(f, times_.grads);
   // GPU kernels leave results on the device: the loss comes home, and the

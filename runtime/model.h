@@ -35,6 +35,7 @@ struct halide_buffer_t;
 
 namespace halyard::runtime {
 
+class CudaCopyStream;
 class DeviceBlock;
 class PinnedHost;
 
@@ -194,6 +195,13 @@ class Model {
   // only, as gpu_step_bench does). No effect on CPU libraries.
   void set_kernel_times_on_device(bool on) { kernel_times_on_device_ = on; }
 
+  // Checks the windows in which an offloaded value's copies may run beside
+  // the kernels (runtime/offload_windows.h) on any device: with this on, each
+  // offload's copy runs as late as its window allows and each reload's as
+  // early, in the order one communication stream would take them, instead
+  // of at their calls. Correct windows leave the results unchanged.
+  void set_copies_at_window_edges(bool on) { copies_at_edges_ = on; }
+
   // Halide's worker threads (the pool is global to the process).
   static void set_num_threads(int n);
 
@@ -245,6 +253,7 @@ class Model {
   Block offload_;  // host copies of offloaded values (ProgramSpec::offload_bytes)
   std::vector<std::unique_ptr<DeviceBlock>> device_blocks_;  // their device mirrors (GPU)
   std::vector<std::unique_ptr<PinnedHost>> pinned_;  // the blocks, page-locked (CUDA); released before them
+  std::unique_ptr<CudaCopyStream> copy_stream_;  // offload copies beside the kernels (CUDA, offload block pinned)
   std::unique_ptr<Bound> train_bufs_, forward_bufs_;  // each program's buffers (bind)
   bool gpu_ = false;  // a GPU target's library: its kernels read and write device buffers
   bool cuda_ = false;  // a CUDA target's (the runtime's context and stream, pinned host blocks)
@@ -259,6 +268,7 @@ class Model {
   std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
   bool kernel_times_on_device_ = false;
+  bool copies_at_edges_ = false;
   std::shared_ptr<CommThread> comm_thread_;  // when every communicator may be called from it
   // The train step's gradients, by the call after which each is final.
   std::vector<std::vector<int>> grads_final_after_;

@@ -23,6 +23,7 @@
 #include "tests/device_step.h"
 #include "tiny_llama_cpu_s256.h"
 #include "tiny_llama_cuda.h"
+#include "tiny_llama_cuda_offload.h"
 
 // Halide's CUDA runtime (linked through the CUDA libraries); the real
 // declaration takes a CUcontext*, a pointer all the same.
@@ -189,6 +190,40 @@ TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
   EXPECT_EQ(t.device_buffers_freed, 0);
   EXPECT_EQ(t.host_to_device_copies, token_arrays);
   EXPECT_LE(t.device_to_host_copies, 1 + testing::collectives(dev.spec().train));
+}
+
+// The tiny Llama with every value the backward reads offloaded: on a GPU
+// its copies run on the communication stream inside their windows
+// (runtime/offload_windows.h), beside the kernels, and the step equals the
+// library that keeps the values; so does the same library with each copy
+// at the far edge of its window (synchronous, on the compute stream).
+TEST(Cuda, OffloadCopiesBesideTheKernelsChangeNothing) {
+  HALYARD_NEED_GPU();
+  runtime::Model kept(halyard_models::tiny_llama_cuda()), off(halyard_models::tiny_llama_cuda_offload()),
+      edges(halyard_models::tiny_llama_cuda_offload());
+  edges.set_copies_at_window_edges(true);
+  Batch b(kept.tokens());
+  for (runtime::Model* m : {&kept, &off, &edges}) m->init_params(9);
+  for (int step = 0; step < 2; ++step) {
+    const double want = kept.train_step(b.ids.data(), b.labels.data(), b.pos.data());
+    for (runtime::Model* m : {&off, &edges}) {
+      const double got = m->train_step(b.ids.data(), b.labels.data(), b.pos.data());
+      EXPECT_LE(std::abs(got - want) / want, 1e-6) << "step " << step;
+      for (int i = 0; i < m->num_params(); ++i) {
+        const std::vector<double> ref(kept.grad(i), kept.grad(i) + kept.param_spec(i).numel);
+        EXPECT_LE(testing::rel_diff(m->grad(i), ref), 1e-6) << "step " << step << " " << m->param_spec(i).name;
+      }
+    }
+  }
+  const auto& t = off.last_step_times();
+  std::printf("  offloaded: %.1f MiB out and back, %.3f ms to queue the copies; step %.3f ms vs %.3f ms kept "
+              "(%.3f ms with the copies at their windows' edges); arena %.1f vs %.1f MiB; copy stream: %s\n",
+              static_cast<double>(t.offloaded_bytes) / (1 << 20), t.offload_s * 1e3, t.total_s * 1e3,
+              kept.last_step_times().total_s * 1e3, edges.last_step_times().total_s * 1e3,
+              static_cast<double>(off.arena_bytes()) / (1 << 20), static_cast<double>(kept.arena_bytes()) / (1 << 20),
+              off.pinned_host_bytes() > 0 ? "pinned host memory" : "none (pageable: synchronous copies)");
+  EXPECT_GT(t.offloaded_bytes, 0);
+  EXPECT_LT(off.arena_bytes(), kept.arena_bytes());
 }
 
 // A CUDA model hands Halide the device's primary context and the runtime's

@@ -33,6 +33,7 @@
 
 #include "runtime/adamw.h"
 #include "runtime/error.h"
+#include "runtime/offload_windows.h"
 
 #include "llama_micro_opencl.h"
 #include "llama_micro_opencl_offload.h"
@@ -171,6 +172,74 @@ TEST(GpuPath, OffloadedValuesComeBackForTheBackwardAndTheArenaShrinks) {
   EXPECT_LE(std::abs(m.forward_loss(ids.data(), labels.data(), pos.data()) - want) / want, kTolerance);
   EXPECT_EQ(m.last_step_times().offloaded_bytes, 0);
   EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
+}
+
+// The windows of a hand-made program: A and B share arena bytes, C does not.
+//   0: k0 writes A   1: Offload A   2: k1 writes C   3: k2 writes B
+//   4: k3 reads C    5: Reload A    6: k4 reads A
+TEST(GpuPath, CopyWindowsEndWhereTheBytesAreTouched) {
+  using runtime::BufferSpec;
+  using runtime::CallKind;
+  using runtime::ElemType;
+  using runtime::Storage;
+  const BufferSpec buffers[] = {{"A", ElemType::F32, 1, {256}, Storage::Arena, 0, 0, 0, 0},
+                                {"B", ElemType::F32, 1, {128}, Storage::Arena, 0, 512, 0},
+                                {"C", ElemType::F32, 1, {64}, Storage::Arena, 0, 2048, 0}};
+  const int a[] = {0}, b[] = {1}, c[] = {2}, ca[] = {2, 0};
+  const runtime::CallSpec calls[] = {{nullptr, "k0", "", 1, a, CallKind::Kernel, nullptr, 0},
+                                     {nullptr, "offload", "A", 1, a, CallKind::Offload, nullptr, 0},
+                                     {nullptr, "k1", "", 1, c, CallKind::Kernel, nullptr, 0},
+                                     {nullptr, "k2", "", 1, b, CallKind::Kernel, nullptr, 0},
+                                     {nullptr, "k3", "", 1, c, CallKind::Kernel, nullptr, 0},
+                                     {nullptr, "reload", "A", 1, a, CallKind::Reload, nullptr, 0},
+                                     {nullptr, "k4", "", 2, ca, CallKind::Kernel, nullptr, 0}};
+  const runtime::ProgramSpec p{buffers, 3, calls, 7, 4096, 0};
+  const std::vector<runtime::CopyWindow> w = runtime::copy_windows(p);
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_EQ(w[0].call, 1);
+  EXPECT_EQ(w[0].start, 1);
+  EXPECT_EQ(w[0].finish, 3);  // k2 writes B over A's bytes
+  EXPECT_EQ(w[1].call, 5);
+  EXPECT_EQ(w[1].start, 4);  // after k2, the last to touch A's bytes
+  EXPECT_EQ(w[1].finish, 6);  // k4 reads A
+}
+
+// The micro Llama with every value the backward reads offloaded, its copies
+// run at the far edges of their windows (offloads as late as they may,
+// reloads as early): the same bits as the copies at their calls. This is
+// what a communication stream may do with them, checked without one.
+TEST(GpuPath, OffloadCopiesAtTheEdgesOfTheirWindowsGiveTheSameBits) {
+  auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
+  const runtime::ModelSpec& spec = halyard_models::llama_micro_opencl_offload();
+  const std::vector<runtime::CopyWindow> windows = runtime::copy_windows(spec.train);
+  int offloads = 0, late = 0, early = 0, calls_hidden = 0;
+  for (const runtime::CopyWindow& w : windows) {
+    if (spec.train.calls[w.call].kind == runtime::CallKind::Offload) {
+      ++offloads;
+      late += w.finish > w.call + 1;
+    } else {
+      early += w.start < w.call;
+    }
+    calls_hidden += w.finish - w.start - 1;
+  }
+  std::printf("  %zu copies: %d offloads may finish later than the next call, %d reloads start earlier than "
+              "their calls; %d calls inside windows in all\n", windows.size(), late, early, calls_hidden);
+  EXPECT_EQ(static_cast<int>(windows.size()), 2 * offloads);
+  EXPECT_GT(late, 0);  // (the cases are exercised)
+  EXPECT_GT(early, 0);
+  runtime::Model at_calls(spec), at_edges(spec);
+  testing::load_params(at_calls, st);
+  testing::load_params(at_edges, st);
+  at_edges.set_copies_at_window_edges(true);
+  auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  for (int step = 0; step < 2; ++step) {
+    const double want = at_calls.train_step(ids.data(), labels.data(), pos.data());
+    EXPECT_EQ(at_edges.train_step(ids.data(), labels.data(), pos.data()), want) << "step " << step;
+    EXPECT_EQ(at_edges.last_step_times().offloaded_bytes, at_calls.last_step_times().offloaded_bytes);
+    for (int i = 0; i < at_calls.num_params(); ++i)
+      EXPECT_TRUE(std::equal(at_calls.grad(i), at_calls.grad(i) + at_calls.param_spec(i).numel, at_edges.grad(i)))
+          << "step " << step << " " << at_calls.param_spec(i).name;
+  }
 }
 
 std::vector<bool> decay_flags(const runtime::Model& m) {
