@@ -517,9 +517,11 @@ void Model::use_adamw(std::vector<bool> decay, AdamWConfig cfg) {
   adamw_cfg_ = cfg;
   device_adamw_.reset();
   host_adamw_.reset();
+  device_update_ = false;
   pending_m_.clear();
   pending_v_.clear();
-  if (adamw_on_device()) return;  // its state is made at the first update (the device is picked at the first step)
+  device_update_ = adamw_on_device();
+  if (device_update_) return;  // its state is made at the first update (the device is picked at the first step)
   std::vector<int64_t> sizes;
   for (int i = 0; i < spec_.num_params; ++i) sizes.push_back(spec_.params[i].numel);
   host_adamw_ = std::make_unique<AdamW>(sizes, decay_, cfg);
@@ -842,7 +844,10 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // the last step left.
   times_ = StepTimes{};
   if (gpu_) {
-    if (!device_blocks_.empty()) upload_if_host_newer(0, params_at_, times_.host_to_device_copies);
+    if (!device_blocks_.empty()) {
+      if (!device_update_) params_at_ = Current::Host;  // the host's optimizer may have written through kept pointers
+      upload_if_host_newer(0, params_at_, times_.host_to_device_copies);
+    }
     for (int b = 0; b < p.num_buffers; ++b) {
       const Storage st = p.buffers[b].storage;
       if (st == Storage::Input || (st == Storage::Param && device_blocks_.empty())) {
@@ -1078,7 +1083,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // gradients when the host sums them over the mesh (or without the
   // executor's blocks); otherwise they stay until the update reads them
   // there, or the host asks (grad()). Activations stay for the next step.
-  const bool grads_home = sum_grads || device_blocks_.empty();
+  const bool grads_home = sum_grads || device_blocks_.empty() || !device_update_;
   for (int b = 0; b < p.num_buffers; ++b)
     if (b == p.loss || (grads_home && p.buffers[b].storage == Storage::Grad)) to_host(bufs[static_cast<size_t>(b)]);
   if (&p == &spec_.train) {

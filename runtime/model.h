@@ -60,9 +60,14 @@ class Model {
   int num_params() const { return spec_.num_params; }
   const ParamSpec& param_spec(int i) const { return spec_.params[i]; }
   int param_index(const std::string& name) const;  // throws listing names
-  // The host's copies. Where a GPU library's step or update left newer
-  // values on the device (adamw_step), these fetch them first; what the host
-  // writes through a non-const one goes up before the next kernel reads it.
+  // The host's copies. Until use_adamw puts a GPU library's update on the
+  // device, the host holds the truth: each step uploads the parameters and
+  // brings the gradients home, so pointers may be kept from step to step.
+  // After it, parameters and gradients stay on the device: these fetch the
+  // device's newer values when called, and what the host writes through a
+  // non-const one goes up before the next kernel reads it (call them again
+  // after each step and update: a pointer kept from before reads stale
+  // values, and writes through it are lost).
   float* param(int i) { return reinterpret_cast<float*>(params_on_host(true) + offsets_[static_cast<size_t>(i)]); }
   const float* param(int i) const {
     return reinterpret_cast<const float*>(params_on_host(false) + offsets_[static_cast<size_t>(i)]);
@@ -279,6 +284,7 @@ class Model {
   std::unique_ptr<DeviceAdamW> device_adamw_;  // a GPU library's: moments and kernel buffers on the device
   std::vector<std::vector<float>> pending_m_, pending_v_;  // moments set before device_adamw_ exists
   bool have_grads_ = false;  // a train step has run
+  bool device_update_ = false;  // use_adamw put the update on the device: parameters and gradients stay there
   UpdateTimes update_times_;
   std::string profile_;
 };

@@ -122,6 +122,16 @@ TEST(GpuPath, MicroLlamaStepsOnTheDeviceMatchTorchAndKeepTheirBuffers) {
   runtime::Model fresh(halyard_models::llama_micro_opencl());
   for (int i = 0; i < m.num_params(); ++i) std::copy(m.param(i), m.param(i) + m.param_spec(i).numel, fresh.param(i));
   EXPECT_EQ(fresh.train_step(ids.data(), labels.data(), pos.data()), halved);
+  // Without use_adamw the host holds the truth: pointers kept across steps
+  // (as training loops keep them) write what the next step reads, and read
+  // the gradients it made.
+  float* w0 = m.param(0);
+  const float* g0 = m.grad(0);
+  EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), halved);
+  const std::vector<float> g_before(g0, g0 + m.param_spec(0).numel);
+  for (int64_t k = 0; k < m.param_spec(0).numel; ++k) w0[k] *= 2.f;
+  EXPECT_NE(m.train_step(ids.data(), labels.data(), pos.data()), halved);
+  EXPECT_FALSE(std::equal(g_before.begin(), g_before.end(), g0));
 }
 
 TEST(GpuPath, OffloadedValuesComeBackForTheBackwardAndTheArenaShrinks) {
