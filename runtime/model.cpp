@@ -827,6 +827,70 @@ Model::~Model() {
   release_device(forward_bufs_.get(), true);
 }
 
+// A step's offload copies inside their windows (offload_windows.h) instead
+// of at their calls: on the communication stream (a CUDA step whose host
+// copies are pinned), each starting after the calls before its window, the
+// call its window closes on waiting for it; or, to check the windows on any
+// device, synchronously at their far edges, in the order one stream would
+// take them: each offload only once a later call needs it done, each reload
+// as soon as its window opens (with every copy queued before it).
+struct Model::WindowedCopies {
+  Model& m;
+  const ProgramSpec& p;
+  Bound& b;
+  bool at_edges;
+  std::vector<int> queued;  // at the edges: windows, in queue order
+  std::vector<int> ticket;  // on the stream: each window's copy, or -1
+
+  WindowedCopies(Model& model, const ProgramSpec& prog, Bound& bound, bool edges)
+      : m(model), p(prog), b(bound), at_edges(edges), ticket(bound.windows.size(), -1) {
+    if (!at_edges && m.copy_stream_ && !b.windows.empty()) m.copy_stream_->reset();  // (a failed step may have left copies)
+  }
+
+  // Before call c starts; c == num_calls: the step's end, after which the
+  // host copies are whole (the next step writes them again).
+  void before(int c) {
+    for (size_t k = 0; k < b.windows.size(); ++k)
+      if (b.windows[k].finish == c) done_before(k);
+    for (size_t k = 0; k < b.windows.size(); ++k)
+      if (b.windows[k].start == c) start(k);
+    if (c == p.num_calls && !at_edges) m.copy_stream_->reset();
+  }
+
+ private:
+  void done_before(size_t k) {
+    if (!at_edges) {
+      if (ticket[k] >= 0) m.copy_stream_->compute_waits(ticket[k]);
+      return;
+    }
+    const auto it = std::find(queued.begin(), queued.end(), static_cast<int>(k));
+    if (it == queued.end()) return;
+    const std::vector<int> now(queued.begin(), it + 1);
+    queued.erase(queued.begin(), it + 1);
+    for (int w : now) m.offload(p.calls[b.windows[static_cast<size_t>(w)].call], p, b.bufs.data());
+  }
+
+  void start(size_t k) {
+    const CallSpec& copy = p.calls[b.windows[k].call];
+    if (at_edges) {
+      queued.push_back(static_cast<int>(k));
+      if (copy.kind == CallKind::Reload) done_before(k);
+      return;
+    }
+    halide_buffer_t& hb = b.bufs[static_cast<size_t>(copy.args[0])];
+    if (!hb.device) return;
+    const size_t bytes = hb.size_in_bytes();
+    if (copy.kind == CallKind::Offload) {
+      ticket[k] = m.copy_stream_->copy_to_host(hb.host, hb.device, bytes);
+      hb.flags &= ~static_cast<uint64_t>(halide_buffer_flag_device_dirty);
+      m.times_.offloaded_bytes += static_cast<int64_t>(bytes);
+    } else {
+      ticket[k] = m.copy_stream_->copy_to_device(hb.device, hb.host, bytes);
+      hb.flags &= ~static_cast<uint64_t>(halide_buffer_flag_host_dirty);
+    }
+  }
+};
+
 double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   // The caller's token arrays need not be aligned; copy them (they are small).
   const int32_t* inputs[4];
@@ -927,61 +991,14 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     const int64_t n = end_of(hi) - flat_offset(lo);
     grad_sums.push_back(comm_thread_->submit([this, at, n] { mesh_->all_reduce_sum(at, n); }));
   };
-  // Offload copies at the edges of their windows (set_copies_at_window_edges):
-  // queued in the order a communication stream would take them, each
-  // offload run only once a later call needs it done, each reload as soon
-  // as its window opens (with every copy queued before it).
-  const bool at_edges = copies_at_edges_ && gpu_ && !bound.windows.empty();
-  std::vector<int> queued;  // windows, in queue order
-  auto run_copies_through = [&](int w) {
-    const auto it = std::find(queued.begin(), queued.end(), w);
-    if (it == queued.end()) return;
-    const std::vector<int> now(queued.begin(), it + 1);
-    queued.erase(queued.begin(), it + 1);
-    for (int k : now) offload(p.calls[bound.windows[static_cast<size_t>(k)].call], p, bufs.data());
-  };
-  auto copies_before = [&](int c) {  // before call c starts (c == num_calls: the step's end)
-    for (size_t k = 0; k < bound.windows.size(); ++k)
-      if (bound.windows[k].finish == c) run_copies_through(static_cast<int>(k));
-    for (size_t k = 0; k < bound.windows.size(); ++k) {
-      const CopyWindow& w = bound.windows[k];
-      const bool reload = p.calls[w.call].kind == CallKind::Reload;
-      if (w.start != c) continue;
-      queued.push_back(static_cast<int>(k));
-      if (reload) run_copies_through(static_cast<int>(k));
-    }
-  };
-  // A CUDA step with pinned host copies runs the offload copies on the
-  // communication stream inside their windows: each starts after the calls
-  // before its window and the first call its window closes on waits for it.
-  const bool async_copies = !at_edges && copy_stream_ && !bound.windows.empty();
-  std::vector<int> ticket(bound.windows.size(), -1);
-  if (async_copies) copy_stream_->reset();  // (a step that failed may have left copies)
-  auto stream_copies_before = [&](int c) {
-    for (size_t k = 0; k < bound.windows.size(); ++k)
-      if (bound.windows[k].finish == c && ticket[k] >= 0) copy_stream_->compute_waits(ticket[k]);
-    for (size_t k = 0; k < bound.windows.size(); ++k) {
-      if (bound.windows[k].start != c) continue;
-      const CallSpec& copy = p.calls[bound.windows[k].call];
-      halide_buffer_t& hb = bufs[static_cast<size_t>(copy.args[0])];
-      if (!hb.device) continue;
-      const size_t bytes = hb.size_in_bytes();
-      if (copy.kind == CallKind::Offload) {
-        ticket[k] = copy_stream_->copy_to_host(hb.host, hb.device, bytes);
-        hb.flags &= ~static_cast<uint64_t>(halide_buffer_flag_device_dirty);
-        times_.offloaded_bytes += static_cast<int64_t>(bytes);
-      } else {
-        ticket[k] = copy_stream_->copy_to_device(hb.device, hb.host, bytes);
-        hb.flags &= ~static_cast<uint64_t>(halide_buffer_flag_host_dirty);
-      }
-    }
-  };
+  // The offload copies inside their windows, instead of at their calls.
+  const bool windowed = gpu_ && !bound.windows.empty() && (copies_at_edges_ || copy_stream_);
+  WindowedCopies copies(*this, p, bound, copies_at_edges_);
   for (int c = 0; c < p.num_calls; ++c) {
     const CallSpec& call = p.calls[c];
-    if (at_edges || async_copies) {
+    if (windowed) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (at_edges) copies_before(c);
-      else stream_copies_before(c);
+      copies.before(c);
       times_.offload_s += since(t0);
       if (call.kind == CallKind::Offload || call.kind == CallKind::Reload) continue;
     }
@@ -1073,11 +1090,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       }
     }
   }
-  if (at_edges) copies_before(p.num_calls);
-  if (async_copies) {
-    stream_copies_before(p.num_calls);
-    copy_stream_->reset();  // the host copies are whole before the next step writes them again
-  }
+  if (windowed) copies.before(p.num_calls);
   for (auto& f : grad_sums) finish(f, times_.grads);
   // GPU kernels leave results on the device: the loss comes home, and the
   // gradients when the host sums them over the mesh (or without the

@@ -227,6 +227,7 @@ class Model {
   uint8_t* grads_on_host(bool writes) const;
   void fetch(int block, Current& current) const;  // device_blocks_[block] home, if the device's is newer
   void upload_if_host_newer(int block, Current& current, int64_t& count);
+  struct WindowedCopies;
   struct DeviceAdamW;
   DeviceAdamW& device_adamw();  // made at the first update
   void wait_for_pinned_copies();
