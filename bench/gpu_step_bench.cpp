@@ -9,7 +9,11 @@
 // the copies home the executor made in a step; then one more step waiting
 // for the device around each kernel (Model::set_kernel_times_on_device) for
 // the device time of its attention kernels (attention_s: every layer's
-// forward and backward) and of the others (other_kernels_s). Without a CUDA device it
+// forward and backward) and of the others (other_kernels_s); then, with
+// AdamW on the device (Model::use_adamw: parameters and gradients stay
+// there), the median of a step and its update (step_and_update_s_median),
+// of the update alone (update_s_median), and a step's copies each way.
+// Without a CUDA device it
 // prints {"skip": "<why>"} and exits 77; a step that fails (out of device
 // memory, say) prints {"error": "<what>"} and exits 1. scripts/gpu_check.sh
 // runs it beside bench/torch_peer.py on the same GPU.
@@ -89,14 +93,33 @@ int main(int argc, char** argv) {
     const int64_t copies = t.device_to_host_copies, freed = t.device_buffers_freed;
     m.set_kernel_times_on_device(true);
     m.train_step(ids.data(), labels.data(), pos.data());
+    const double attention_s = t.attention_s, other_kernels_s = t.other_kernels_s;
+    m.set_kernel_times_on_device(false);
+    const int64_t blocks = m.device_bytes();
+    std::vector<bool> decay;
+    for (int i = 0; i < m.num_params(); ++i) decay.push_back(m.param_spec(i).rank > 1);
+    m.use_adamw(decay);
+    int64_t update = 0;
+    auto step_and_update = [&] {
+      m.train_step(ids.data(), labels.data(), pos.data());
+      m.adamw_step(++update, 1e-4, 1.0);
+    };
+    step_and_update();  // (the moments are made at the first update)
+    const double with_update = bench::median_seconds(step_and_update, steps);
+    const int64_t to_host = t.device_to_host_copies, to_device = t.host_to_device_copies;
+    const double update_s = bench::median_seconds([&] { m.adamw_step(++update, 1e-4, 1.0); }, steps);
     std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"f32\","
                 "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
                 "\"peak_device_mib\":%.1f,\"executor_blocks_mib\":%.1f,\"device_to_host_copies\":%lld,"
-                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f}\n",
+                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f,"
+                "\"step_and_update_s_median\":%.4f,\"update_s_median\":%.5f,\"device_update_copies_home\":%lld,"
+                "\"device_update_copies_to_device\":%lld,\"device_update_mib\":%.1f}\n",
                 json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, static_cast<long long>(m.spec().seq),
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
-                static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(m.device_bytes()) / (1 << 20),
-                static_cast<long long>(copies), static_cast<long long>(freed), t.attention_s, t.other_kernels_s);
+                static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(blocks) / (1 << 20),
+                static_cast<long long>(copies), static_cast<long long>(freed), attention_s, other_kernels_s,
+                with_update, update_s, static_cast<long long>(to_host), static_cast<long long>(to_device),
+                static_cast<double>(m.device_bytes()) / (1 << 20));
   } catch (const std::exception& e) {
     gpu.stop_sampling();
     std::printf("{\"peer\":\"halyard\",\"seq\":%lld,\"error\":\"%s\"}\n", static_cast<long long>(seq),

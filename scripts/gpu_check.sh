@@ -265,6 +265,15 @@ for seq in sorted(rows):
         cell(b, "peak_device_mib", "%.0f"), cell(h, "device_to_host_copies", "%d")))
 print("\nHalyard's peak is the device's memory in use above the baseline (its CUDA context included);"
       " PyTorch's is torch.cuda.max_memory_allocated.")
+print("\n## With AdamW on the device (parameters and gradients stay there)\n")
+print("| seq | step + update s | update s | copies home/step | copies to device/step | device MiB held |")
+print("|---|---|---|---|---|---|")
+for seq in sorted(rows):
+    h = rows[seq].get("halyard")
+    print("| %s | %s | %s | %s | %s | %s |" % (
+        seq, cell(h, "step_and_update_s_median", "%.4f"), cell(h, "update_s_median", "%.5f"),
+        cell(h, "device_update_copies_home", "%d"), cell(h, "device_update_copies_to_device", "%d"),
+        cell(h, "device_update_mib", "%.1f")))
 layers = json.load(open(os.path.join(sys.argv[2], "configs", "tiny.json")))["num_hidden_layers"]
 print("\n## Attention forward+backward, one layer (8 heads, 2 KV heads, head_dim 32)\n")
 print("| seq | Halyard f32 ms | PyTorch SDPA bf16 ms | ratio | PyTorch SDPA f32 ms | ratio |")
