@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "runtime/adamw.h"
@@ -412,6 +413,78 @@ TEST(GpuPath, AdamWOfACpuLibraryIsTheHostsAndMisuseIsNamed) {
   m.adamw_moments(0, mm, vv);
   EXPECT_EQ(mm, opt.m(0));
   EXPECT_NE(message([&] { m.set_adamw_moments(0, {1.f}, {1.f}); }).find("elements"), std::string::npos);
+}
+
+// Two sequence ranks, each updating on its device: the gradients are summed
+// over the ranks on the host and go up once, both ranks take the same
+// update, and after two steps the loss is one CPU rank's with
+// runtime::AdamW. (Parameters are compared by the loss they give: Adam
+// divides a gradient near zero by its own small magnitude, so the two
+// schedules' last bits move such a parameter apart, by up to a fraction of
+// the learning rate: 3 elements by 2e-4 to 8e-4 here, with lr 1e-2.)
+TEST(GpuPath, TwoRanksUpdatingOnTheirDevicesMatchOneCpuRank) {
+  const runtime::ModelSpec &ref_spec = halyard_models::tiny_sp1_s126(), &dev = halyard_models::tiny_opencl_sp2_s126_tiled();
+  constexpr int kSteps = 2;
+  constexpr double kLr = 1e-2, kClip = 1.0;
+  auto run = [&](const runtime::ModelSpec& spec, runtime::Communicator* comm, std::vector<std::vector<float>>* params,
+                 std::vector<double>* norms, int64_t* grad_uploads, double* loss_after) {
+    runtime::Model m(spec, comm);
+    m.init_params(5);
+    m.use_adamw(decay_flags(m));
+    const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+    const runtime::Batcher batcher(runtime::TokenFile::from_text(sp_check::kCorpus), spec.batch, spec.seq, spec.vocab,
+                                   5, runtime::Shard{rank, ranks, 0, 1, runtime::zigzag_layout(spec)});
+    for (int64_t t = 1; t <= kSteps; ++t) {
+      const auto b = batcher.get(t);
+      m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+      norms->push_back(m.adamw_step(t, kLr, kClip));
+      *grad_uploads += m.last_update_times().host_to_device_copies;
+    }
+    for (int i = 0; i < m.num_params(); ++i) params->emplace_back(m.param(i), m.param(i) + m.param_spec(i).numel);
+    const auto b = batcher.get(kSteps + 1);
+    *loss_after = m.forward_loss(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+  };
+  std::vector<std::vector<float>> want;
+  std::vector<double> want_norms;
+  int64_t unused = 0;
+  double want_loss = 0;
+  run(ref_spec, nullptr, &want, &want_norms, &unused, &want_loss);
+  auto comms = runtime::make_in_process_group(2, 120);
+  std::vector<std::vector<std::vector<float>>> got(2);
+  std::vector<std::vector<double>> norms(2);
+  std::vector<int64_t> uploads(2, 0);
+  std::vector<double> losses(2, 0);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        run(dev, comms[static_cast<size_t>(r)].get(), &got[static_cast<size_t>(r)], &norms[static_cast<size_t>(r)],
+            &uploads[static_cast<size_t>(r)], &losses[static_cast<size_t>(r)]);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    EXPECT_EQ(uploads[static_cast<size_t>(r)], kSteps) << "rank " << r;  // the summed gradients, once per update
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const std::vector<double> w(want[i].begin(), want[i].end());
+      worst = std::max(worst, testing::rel_diff(got[static_cast<size_t>(r)][i].data(), w));
+      EXPECT_EQ(got[static_cast<size_t>(r)][i], got[0][i]) << "rank " << r << " parameter " << i;  // the same update
+    }
+    std::printf("  rank %d: gradient norms %.9f, %.9f vs %.9f, %.9f on one CPU rank; then loss %.9f vs %.9f "
+                "(parameters within %.2e of the largest)\n", r, norms[static_cast<size_t>(r)][0],
+                norms[static_cast<size_t>(r)][1], want_norms[0], want_norms[1], losses[static_cast<size_t>(r)],
+                want_loss, worst);
+    for (int t = 0; t < kSteps; ++t)
+      EXPECT_LE(std::abs(norms[static_cast<size_t>(r)][static_cast<size_t>(t)] - want_norms[static_cast<size_t>(t)]),
+                1e-4 * want_norms[static_cast<size_t>(t)]);
+    EXPECT_LE(std::abs(losses[static_cast<size_t>(r)] - want_loss) / want_loss, 1e-5) << "rank " << r;
+    EXPECT_LE(worst, 2 * kSteps * kLr) << "rank " << r;
+  }
 }
 
 TEST(GpuPath, TwoSequenceRanksCheckpointedAndTiledOnTheDeviceMatchOneCpuRank) {
