@@ -164,32 +164,25 @@ struct Current {
 };
 }  // namespace
 
-int CudaCopyStream::copy_to_host(void* host, uint64_t device, size_t bytes) {
+int CudaCopyStream::copy(void* host, uint64_t device, size_t bytes, bool to_host) {
   const CudaDriver& d = cuda_driver();
   const RuntimeCudaContext& c = runtime_cuda_context();
   Current scope;
   void* ready = event();
   check(d.event_record(ready, c.stream), "cuEventRecord");
   check(d.stream_wait_event(c.comm_stream, ready, 0), "cuStreamWaitEvent");
-  check(d.memcpy_dtoh_async(host, device, bytes, c.comm_stream), "cuMemcpyDtoHAsync");
+  if (to_host) check(d.memcpy_dtoh_async(host, device, bytes, c.comm_stream), "cuMemcpyDtoHAsync");
+  else check(d.memcpy_htod_async(device, host, bytes, c.comm_stream), "cuMemcpyHtoDAsync");
   void* done = event();
   check(d.event_record(done, c.comm_stream), "cuEventRecord");
   done_.push_back(done);
   return static_cast<int>(done_.size()) - 1;
 }
 
+int CudaCopyStream::copy_to_host(void* host, uint64_t device, size_t bytes) { return copy(host, device, bytes, true); }
+
 int CudaCopyStream::copy_to_device(uint64_t device, const void* host, size_t bytes) {
-  const CudaDriver& d = cuda_driver();
-  const RuntimeCudaContext& c = runtime_cuda_context();
-  Current scope;
-  void* ready = event();
-  check(d.event_record(ready, c.stream), "cuEventRecord");
-  check(d.stream_wait_event(c.comm_stream, ready, 0), "cuStreamWaitEvent");
-  check(d.memcpy_htod_async(device, host, bytes, c.comm_stream), "cuMemcpyHtoDAsync");
-  void* done = event();
-  check(d.event_record(done, c.comm_stream), "cuEventRecord");
-  done_.push_back(done);
-  return static_cast<int>(done_.size()) - 1;
+  return copy(const_cast<void*>(host), device, bytes, false);  // (only read)
 }
 
 void CudaCopyStream::compute_waits(int ticket) {

@@ -80,7 +80,8 @@ class CudaCopyStream {
   void reset();                    // synchronize, and count tickets from 0 again
 
  private:
-  void* event();  // a recorded-for-reuse event of the pool
+  int copy(void* host, uint64_t device, size_t bytes, bool to_host);
+  void* event();  // the pool's next event (reused step to step)
   void check(int rc, const char* what);
   std::vector<void*> events_;  // reused step to step
   size_t used_ = 0;
