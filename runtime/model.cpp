@@ -343,10 +343,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     return;
   }
   if (!over && call.kind == CallKind::AllReduce) {  // one rank: the sum is the value
-    const BufferSpec& s = p.buffers[call.args[0]];
-    int64_t n = s.type == ElemType::F64 ? 8 : 4;
-    for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
-    std::memcpy(out.host, in.host, static_cast<size_t>(n));
+    std::memcpy(out.host, in.host, static_cast<size_t>(buffer_bytes(p.buffers[call.args[0]])));
   } else if (!over) {
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
   } else {
@@ -421,7 +418,7 @@ void Model::concat(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* 
   int d = 0;
   while (d < o.rank && o.shape[d] == t0.shape[d]) ++d;
   if (d == o.rank) d = 0;  // one tile: a copy
-  const int64_t es = o.type == ElemType::F64 ? 8 : 4;
+  const int64_t es = elem_bytes(o.type);
   int64_t outer = 1, inner = es;
   for (int k = 0; k < d; ++k) outer *= o.shape[k];
   for (int k = d + 1; k < o.rank; ++k) inner *= o.shape[k];

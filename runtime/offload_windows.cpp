@@ -7,8 +7,6 @@
 namespace halyard::runtime {
 namespace {
 
-int64_t elem_bytes(ElemType t) { return t == ElemType::F64 ? 8 : 4; }
-
 // Arena byte ranges a buffer covers: [lo, hi), or empty (lo == hi) outside the arena.
 struct Range {
   int64_t lo = 0, hi = 0;
@@ -17,9 +15,7 @@ struct Range {
 
 Range arena_range(const ProgramSpec& p, int b) {
   const BufferSpec& s = p.buffers[b];
-  int64_t bytes = elem_bytes(s.type);
-  for (int d = 0; d < s.rank; ++d) bytes *= s.shape[d];
-  if (s.storage == Storage::Arena) return {s.offset, s.offset + bytes};
+  if (s.storage == Storage::Arena) return {s.offset, s.offset + buffer_bytes(s)};
   if (s.storage != Storage::View) return {};
   // A tile: rows [offset, offset + shape[dim]) of its buffer along dim,
   // with that buffer's strides; its first byte to one past its last.

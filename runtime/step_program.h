@@ -38,6 +38,15 @@ struct BufferSpec {
   int64_t host_offset = -1;
 };
 
+// Bytes of one element of a buffer, and of the buffer's dimensions from
+// `dim` inward (0: the whole buffer; a View's own shape, not its rows' span).
+inline int64_t elem_bytes(ElemType t) { return t == ElemType::F64 ? 8 : 4; }
+inline int64_t buffer_bytes(const BufferSpec& s, int dim = 0) {
+  int64_t n = elem_bytes(s.type);
+  for (int d = dim; d < s.rank; ++d) n *= s.shape[d];
+  return n;
+}
+
 using KernelFn = int (*)(void**);
 
 // What a call does: run a generated kernel, or a collective over the mesh

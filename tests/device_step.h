@@ -56,18 +56,11 @@ inline int64_t pinned_blocks_bytes(const runtime::Model& m) {
   return device_blocks_bytes(m) - ((m.arena_bytes() + 127) / 128 * 128 - m.arena_bytes());
 }
 
-// Bytes of a buffer's dimensions from `dim` inward (0: the whole buffer).
-inline int64_t bytes_from(const runtime::BufferSpec& s, int dim) {
-  int64_t n = s.type == runtime::ElemType::F64 ? 8 : 4;
-  for (int d = dim; d < s.rank; ++d) n *= s.shape[d];
-  return n;
-}
-
 // The arena buffers of a program added up, as if none shared its bytes.
 inline int64_t arena_buffers_bytes(const runtime::ProgramSpec& p) {
   int64_t total = 0;
   for (int b = 0; b < p.num_buffers; ++b)
-    if (p.buffers[b].storage == runtime::Storage::Arena) total += bytes_from(p.buffers[b], 0);
+    if (p.buffers[b].storage == runtime::Storage::Arena) total += runtime::buffer_bytes(p.buffers[b], 0);
   return total;
 }
 
@@ -86,7 +79,7 @@ inline int unaligned_views(const runtime::ProgramSpec& p) {
   int n = 0;
   for (int b = 0; b < p.num_buffers; ++b) {
     const runtime::BufferSpec& s = p.buffers[b];
-    if (s.storage == runtime::Storage::View) n += s.offset * bytes_from(s, s.dim + 1) % 128 != 0;
+    if (s.storage == runtime::Storage::View) n += s.offset * runtime::buffer_bytes(s, s.dim + 1) % 128 != 0;
   }
   return n;
 }
