@@ -31,6 +31,8 @@ namespace halyard::runtime {
 namespace {
 
 constexpr int64_t kAlign = 128;
+// The chunk of a gradient one thread of the optimizer's grad_sumsq sums.
+constexpr int32_t kNormChunk = 4096;
 // Gradient sums start in buckets of at least this many bytes: large enough
 // that each call moves data at the link's rate, small enough that the first
 // starts well before the backward ends (a layer of the tiny Llama is 3.4 MB).
@@ -514,7 +516,6 @@ void Model::use_adamw(std::vector<bool> decay, AdamWConfig cfg) {
   adamw_cfg_ = cfg;
   device_adamw_.reset();
   host_adamw_.reset();
-  device_update_ = false;
   pending_m_.clear();
   pending_v_.clear();
   device_update_ = adamw_on_device();
@@ -523,9 +524,6 @@ void Model::use_adamw(std::vector<bool> decay, AdamWConfig cfg) {
   for (int i = 0; i < spec_.num_params; ++i) sizes.push_back(spec_.params[i].numel);
   host_adamw_ = std::make_unique<AdamW>(sizes, decay_, cfg);
 }
-
-// The chunk of a gradient one thread of grad_sumsq sums.
-constexpr int32_t kNormChunk = 4096;
 
 Model::DeviceAdamW& Model::device_adamw() {
   if (device_adamw_) return *device_adamw_;
@@ -584,7 +582,7 @@ Model::DeviceAdamW& Model::device_adamw() {
 
 double Model::adamw_step(int64_t t, double lr, double max_norm) {
   const std::string who = "error: model \"" + std::string(spec_.name) + "\": adamw_step";
-  if (!host_adamw_ && !adamw_on_device()) throw Error(who + " before use_adamw.\nfix: call use_adamw(decay) once, first.");
+  if (!host_adamw_ && !device_update_) throw Error(who + " before use_adamw.\nfix: call use_adamw(decay) once, first.");
   if (!have_grads_) throw Error(who + " has no gradients yet.\nfix: call train_step first.");
   if (mesh_ && !reduce_grads_)
     throw Error(who + " needs the gradients summed over the mesh, and set_reduce_grads(false) leaves them partial."
@@ -677,7 +675,7 @@ void Model::set_adamw_moments(int i, const std::vector<float>& m, const std::vec
   } else if (device_adamw_) {
     device_adamw_->m->copy_from_host(reinterpret_cast<const uint8_t*>(m.data()), offsets_[k], numel * 4, "the AdamW moments");
     device_adamw_->v->copy_from_host(reinterpret_cast<const uint8_t*>(v.data()), offsets_[k], numel * 4, "the AdamW moments");
-  } else if (adamw_on_device()) {
+  } else if (device_update_) {
     if (pending_m_.empty())
       for (int p = 0; p < spec_.num_params; ++p) {
         pending_m_.emplace_back(static_cast<size_t>(spec_.params[p].numel), 0.f);

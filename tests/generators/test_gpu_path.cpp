@@ -304,6 +304,12 @@ TEST(GpuPath, AdamWOnTheDeviceKeepsParametersAndGradientsThere) {
   testing::load_params(dev, st);
   testing::load_params(host, st);
   auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  try {
+    dev.adamw_step(1, 1e-3, 1.0);
+    ADD_FAILURE() << "an update before use_adamw ran";
+  } catch (const runtime::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("use_adamw"), std::string::npos) << e.what();
+  }
   dev.use_adamw(decay_flags(dev));
   ASSERT_TRUE(dev.adamw_on_device());
   runtime::AdamW opt(param_sizes(host), decay_flags(host));
