@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "runtime/adamw.h"
+#include "runtime/device_memory.h"
 #include "runtime/error.h"
 #include "runtime/offload_windows.h"
 
@@ -183,6 +184,28 @@ TEST(GpuPath, OffloadedValuesComeBackForTheBackwardAndTheArenaShrinks) {
   EXPECT_LE(std::abs(m.forward_loss(ids.data(), labels.data(), pos.data()) - want) / want, kTolerance);
   EXPECT_EQ(m.last_step_times().offloaded_bytes, 0);
   EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
+}
+
+// A device block's copies go in pieces (to a row's end, whole rows, at most
+// 2^16 rows at once, a tail): a range starting mid-row and longer than one
+// piece of rows lands byte for byte, the bytes around it untouched, and a
+// range past the block's end is refused.
+TEST(GpuPath, DeviceBlockCopiesEveryByteInPieces) {
+  const halide_device_interface_t* device = runtime::device_interface_of(halyard_models::llama_micro_opencl().target);
+  ASSERT_NE(device, nullptr);
+  const int64_t bytes = (int64_t{1} << 16) * 4096 + 3 * 4096 + 100, at = 4000, n = bytes - at - 50;
+  runtime::DeviceBlock block(device, bytes);
+  block.fill_zero("the test's block");
+  std::vector<uint8_t> host(static_cast<size_t>(bytes));
+  for (size_t k = 0; k < host.size(); ++k) host[k] = static_cast<uint8_t>(k * 131 + 7);
+  block.copy_from_host(host.data() + at, at, n, "the test's block");
+  std::vector<uint8_t> back(static_cast<size_t>(bytes), 0xAA);
+  block.copy_to_host(back.data(), 0, bytes, "the test's block");
+  int64_t wrong = 0;
+  for (int64_t k = 0; k < bytes; ++k)
+    wrong += back[static_cast<size_t>(k)] != (k >= at && k < at + n ? host[static_cast<size_t>(k)] : 0);
+  EXPECT_EQ(wrong, 0);
+  EXPECT_THROW(block.copy_to_host(back.data(), bytes - 10, 20, "the test's block"), runtime::Error);
 }
 
 // The windows of a hand-made program: A and B share arena bytes, C does not.
