@@ -96,9 +96,7 @@ int main(int argc, char** argv) {
     const double attention_s = t.attention_s, other_kernels_s = t.other_kernels_s;
     m.set_kernel_times_on_device(false);
     const int64_t blocks = m.device_bytes();
-    std::vector<bool> decay;
-    for (int i = 0; i < m.num_params(); ++i) decay.push_back(m.param_spec(i).rank > 1);
-    m.use_adamw(decay);
+    m.use_adamw(m.decay_flags());
     int64_t update = 0;
     auto step_and_update = [&] {
       m.train_step(ids.data(), labels.data(), pos.data());

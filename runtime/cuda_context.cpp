@@ -191,13 +191,9 @@ void CudaCopyStream::compute_waits(int ticket) {
         "cuStreamWaitEvent");
 }
 
-void CudaCopyStream::synchronize() {
+void CudaCopyStream::reset() {
   Current scope;
   check(cuda_driver().stream_synchronize(runtime_cuda_context().comm_stream), "cuStreamSynchronize");
-}
-
-void CudaCopyStream::reset() {
-  synchronize();
   done_.clear();
   used_ = 0;
 }

@@ -76,8 +76,7 @@ class CudaCopyStream {
   int copy_to_host(void* host, uint64_t device, size_t bytes);
   int copy_to_device(uint64_t device, const void* host, size_t bytes);
   void compute_waits(int ticket);  // work queued on the compute stream from here on runs after the copy
-  void synchronize();              // the host waits for every copy queued
-  void reset();                    // synchronize, and count tickets from 0 again
+  void reset();                    // the host waits for every copy queued; tickets count from 0 again
 
  private:
   int copy(void* host, uint64_t device, size_t bytes, bool to_host);

@@ -834,12 +834,15 @@ struct Model::WindowedCopies {
   const ProgramSpec& p;
   Bound& b;
   bool at_edges;
+  bool active;  // the step has offload copies, and a stream or the edges to run them (else they run at their calls)
   std::vector<int> queued;  // at the edges: windows, in queue order
   std::vector<int> ticket;  // on the stream: each window's copy, or -1
 
-  WindowedCopies(Model& model, const ProgramSpec& prog, Bound& bound, bool edges)
-      : m(model), p(prog), b(bound), at_edges(edges), ticket(bound.windows.size(), -1) {
-    if (!at_edges && m.copy_stream_ && !b.windows.empty()) m.copy_stream_->reset();  // (a failed step may have left copies)
+  WindowedCopies(Model& model, const ProgramSpec& prog, Bound& bound)
+      : m(model), p(prog), b(bound), at_edges(model.copies_at_edges_),
+        active(model.gpu_ && !bound.windows.empty() && (at_edges || model.copy_stream_)),
+        ticket(bound.windows.size(), -1) {
+    if (active && !at_edges) m.copy_stream_->reset();  // (a failed step may have left copies)
   }
 
   // Before call c starts; c == num_calls: the step's end, after which the
@@ -986,12 +989,10 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     const int64_t n = end_of(hi) - flat_offset(lo);
     grad_sums.push_back(comm_thread_->submit([this, at, n] { mesh_->all_reduce_sum(at, n); }));
   };
-  // The offload copies inside their windows, instead of at their calls.
-  const bool windowed = gpu_ && !bound.windows.empty() && (copies_at_edges_ || copy_stream_);
-  WindowedCopies copies(*this, p, bound, copies_at_edges_);
+  WindowedCopies copies(*this, p, bound);  // the offload copies inside their windows, instead of at their calls
   for (int c = 0; c < p.num_calls; ++c) {
     const CallSpec& call = p.calls[c];
-    if (windowed) {
+    if (copies.active) {
       const auto t0 = std::chrono::steady_clock::now();
       copies.before(c);
       times_.offload_s += since(t0);
@@ -1085,7 +1086,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       }
     }
   }
-  if (windowed) copies.before(p.num_calls);
+  if (copies.active) copies.before(p.num_calls);
   for (auto& f : grad_sums) finish(f, times_.grads);
   // GPU kernels leave results on the device: the loss comes home, and the
   // gradients when the host sums them over the mesh (or without the

@@ -78,6 +78,13 @@ class Model {
 
   // Hugging Face's init: N(0, 0.02) for matrices and embeddings, 1 for norms.
   void init_params(uint64_t seed);
+  // Which parameters AdamW's weight decay applies to, as Halyard's training
+  // programs choose: matrices and embeddings, not norm weights.
+  std::vector<bool> decay_flags() const {
+    std::vector<bool> decay;
+    for (int i = 0; i < spec_.num_params; ++i) decay.push_back(spec_.params[i].rank > 1);
+    return decay;
+  }
 
   // Forward + backward: returns the loss and fills every gradient.
   double train_step(const int32_t* input_ids, const int32_t* labels, const int32_t* position_ids);

@@ -152,12 +152,11 @@ Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, co
   runtime::Model m(spec, comm, comm);
   m.init_params(0);
   std::vector<int64_t> sizes;
-  std::vector<bool> decay;
+  const std::vector<bool> decay = m.decay_flags();
   std::vector<float*> params;
   std::vector<const float*> grads;
   for (int i = 0; i < m.num_params(); ++i) {
     sizes.push_back(m.param_spec(i).numel);
-    decay.push_back(m.param_spec(i).rank > 1);
     params.push_back(m.param(i));
     grads.push_back(m.grad(i));
   }

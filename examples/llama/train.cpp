@@ -496,13 +496,12 @@ int train(const Options& o) {
     }
 
     std::vector<int64_t> sizes, offsets;
-    std::vector<bool> decay;
+    const std::vector<bool> decay = m.decay_flags();
     std::vector<float*> params;
     std::vector<const float*> grads;
     for (int i = 0; i < m.num_params(); ++i) {
       sizes.push_back(m.param_spec(i).numel);
       offsets.push_back(m.flat_offset(i));
-      decay.push_back(m.param_spec(i).rank > 1);
       params.push_back(m.param(i));
       grads.push_back(m.grad(i));
     }

@@ -110,12 +110,6 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
   std::printf("  tiny s256: worst gradient difference %.3g of the largest gradient\n", worst);
 }
 
-std::vector<bool> decay_flags(const runtime::Model& m) {
-  std::vector<bool> decay;
-  for (int i = 0; i < m.num_params(); ++i) decay.push_back(m.param_spec(i).rank > 1);
-  return decay;
-}
-
 // AdamW on the device (the library's optimizer kernels, Model::adamw_step)
 // gives the parameters the CPU library's host update gives, over 3 steps.
 TEST(Cuda, AdamWOnTheDeviceMatchesTheHostsUpdate) {
@@ -123,8 +117,8 @@ TEST(Cuda, AdamWOnTheDeviceMatchesTheHostsUpdate) {
   runtime::Model cpu(halyard_models::tiny_llama_cpu_s256()), dev(halyard_models::tiny_llama_cuda());
   cpu.init_params(5);
   dev.init_params(5);
-  cpu.use_adamw(decay_flags(cpu));
-  dev.use_adamw(decay_flags(dev));
+  cpu.use_adamw(cpu.decay_flags());
+  dev.use_adamw(dev.decay_flags());
   ASSERT_TRUE(dev.adamw_on_device());
   Batch b(dev.tokens());
   for (int64_t t = 1; t <= 3; ++t) {
@@ -157,7 +151,7 @@ TEST(Cuda, DeviceMemoryDoesNotGrowOverTenSteps) {
   HALYARD_NEED_GPU();
   runtime::Model dev(halyard_models::tiny_llama_cuda());
   dev.init_params(3);
-  dev.use_adamw(decay_flags(dev));
+  dev.use_adamw(dev.decay_flags());
   Batch b(dev.tokens());
   dev.train_step(b.ids.data(), b.labels.data(), b.pos.data());
   dev.adamw_step(1, 1e-3, 1.0);

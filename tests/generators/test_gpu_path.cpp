@@ -276,12 +276,6 @@ TEST(GpuPath, OffloadCopiesAtTheEdgesOfTheirWindowsGiveTheSameBits) {
   }
 }
 
-std::vector<bool> decay_flags(const runtime::Model& m) {
-  std::vector<bool> decay;
-  for (int i = 0; i < m.num_params(); ++i) decay.push_back(m.param_spec(i).rank > 1);  // as llama_train decays
-  return decay;
-}
-
 // runtime::AdamW over a model's host copies, as a training loop calls it; returns the norm.
 double host_adamw_step(runtime::Model& m, runtime::AdamW& opt, int64_t t, double lr, double max_norm) {
   std::vector<float*> w;
@@ -333,9 +327,9 @@ TEST(GpuPath, AdamWOnTheDeviceKeepsParametersAndGradientsThere) {
   } catch (const runtime::Error& e) {
     EXPECT_NE(std::string(e.what()).find("use_adamw"), std::string::npos) << e.what();
   }
-  dev.use_adamw(decay_flags(dev));
+  dev.use_adamw(dev.decay_flags());
   ASSERT_TRUE(dev.adamw_on_device());
-  runtime::AdamW opt(param_sizes(host), decay_flags(host));
+  runtime::AdamW opt(param_sizes(host), host.decay_flags());
   int token_arrays = 0;
   for (int b = 0; b < spec.train.num_buffers; ++b) token_arrays += spec.train.buffers[b].storage == runtime::Storage::Input;
   const double lr = 3e-2, max_norm = 1.0;
@@ -426,10 +420,10 @@ TEST(GpuPath, AdamWOfACpuLibraryIsTheHostsAndMisuseIsNamed) {
   };
   EXPECT_NE(message([&] { m.adamw_step(1, 1e-3, 1.0); }).find("use_adamw"), std::string::npos);
   EXPECT_NE(message([&] { m.use_adamw({true}); }).find("one flag per parameter"), std::string::npos);
-  m.use_adamw(decay_flags(m));
+  m.use_adamw(m.decay_flags());
   EXPECT_FALSE(m.adamw_on_device());
   EXPECT_NE(message([&] { m.adamw_step(1, 1e-3, 1.0); }).find("call train_step first"), std::string::npos);
-  runtime::AdamW opt(param_sizes(ref), decay_flags(ref));
+  runtime::AdamW opt(param_sizes(ref), ref.decay_flags());
   for (int64_t t = 1; t <= 2; ++t) {
     m.train_step(ids.data(), ids.data(), pos.data());
     ref.train_step(ids.data(), ids.data(), pos.data());
@@ -459,7 +453,7 @@ TEST(GpuPath, TwoRanksUpdatingOnTheirDevicesMatchOneCpuRank) {
                  std::vector<double>* norms, int64_t* grad_uploads, double* loss_after) {
     runtime::Model m(spec, comm);
     m.init_params(5);
-    m.use_adamw(decay_flags(m));
+    m.use_adamw(m.decay_flags());
     const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
     const runtime::Batcher batcher(runtime::TokenFile::from_text(sp_check::kCorpus), spec.batch, spec.seq, spec.vocab,
                                    5, runtime::Shard{rank, ranks, 0, 1, runtime::zigzag_layout(spec)});

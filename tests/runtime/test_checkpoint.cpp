@@ -67,12 +67,8 @@ const Tokens& fixture() {
 
 AdamW make_opt(const Model& m) {
   std::vector<int64_t> sizes;
-  std::vector<bool> decay;
-  for (int i = 0; i < m.num_params(); ++i) {
-    sizes.push_back(m.param_spec(i).numel);
-    decay.push_back(m.param_spec(i).rank > 1);
-  }
-  return AdamW(sizes, decay);
+  for (int i = 0; i < m.num_params(); ++i) sizes.push_back(m.param_spec(i).numel);
+  return AdamW(sizes, m.decay_flags());
 }
 
 // Steps first..last (inclusive) on the fixture's tokens; returns the losses.
