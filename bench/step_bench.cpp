@@ -19,23 +19,26 @@
 #include "tiny_s1024_default.h"
 #include "tiny_s1024_recompute.h"
 #include "tiny_s1024_tiled.h"
+#include "tiny_s1024_tiled_bf16.h"
 #include "tiny_s4096_checkpoint.h"
 #include "tiny_s4096_default.h"
 #include "tiny_s4096_recompute.h"
 #include "tiny_s4096_tiled.h"
+#include "tiny_s4096_tiled_bf16.h"
 #include "tiny_s8192_checkpoint.h"
 #include "tiny_s8192_default.h"
 #include "tiny_s8192_recompute.h"
 #include "tiny_s8192_tiled.h"
+#include "tiny_s8192_tiled_bf16.h"
 
 using namespace halyard;
 
 int main(int argc, char** argv) {
 #define HALYARD_MODEL(seq, sched) {"tiny_s" #seq "_" #sched, &halyard_models::tiny_s##seq##_##sched}
   std::map<std::string, const runtime::ModelSpec& (*)()> models = {
-      HALYARD_MODEL(1024, default), HALYARD_MODEL(1024, recompute), HALYARD_MODEL(1024, checkpoint), HALYARD_MODEL(1024, tiled),
-      HALYARD_MODEL(4096, default), HALYARD_MODEL(4096, recompute), HALYARD_MODEL(4096, checkpoint), HALYARD_MODEL(4096, tiled),
-      HALYARD_MODEL(8192, default), HALYARD_MODEL(8192, recompute), HALYARD_MODEL(8192, checkpoint), HALYARD_MODEL(8192, tiled),
+      HALYARD_MODEL(1024, default), HALYARD_MODEL(1024, recompute), HALYARD_MODEL(1024, checkpoint), HALYARD_MODEL(1024, tiled), HALYARD_MODEL(1024, tiled_bf16),
+      HALYARD_MODEL(4096, default), HALYARD_MODEL(4096, recompute), HALYARD_MODEL(4096, checkpoint), HALYARD_MODEL(4096, tiled), HALYARD_MODEL(4096, tiled_bf16),
+      HALYARD_MODEL(8192, default), HALYARD_MODEL(8192, recompute), HALYARD_MODEL(8192, checkpoint), HALYARD_MODEL(8192, tiled), HALYARD_MODEL(8192, tiled_bf16),
   };
 #undef HALYARD_MODEL
   std::string name;

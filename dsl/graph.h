@@ -61,6 +61,10 @@ enum class Op {
   // rank's key block, merged with the online-softmax rule.
   LseMerge,          // (l_0, ..., l_{n-1}) [batch, seq, heads] -> log sum_j exp(l_j)
   AttentionMerge,    // (q, positions, L, then per block k_j, v_j, key positions_j, o_j, l_j) -> sum_j exp(l_j - L) o_j
+  // Storage precision (schedules/precision.h inserts them after autodiff):
+  // a saved value kept in bf16 between the forward and the backward.
+  StoreBf16,         // (x f32) -> bf16: x rounded to nearest even, stored in 16 bits
+  LoadBf16,          // (x bf16) -> f32: exact
 };
 
 bool is_collective(Op op);

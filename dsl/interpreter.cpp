@@ -5,6 +5,8 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -15,6 +17,15 @@
 
 namespace halyard {
 namespace {
+
+// f32 rounded to bf16's precision (nearest, ties to even; every NaN the
+// quiet 0x7FC0), as generators/bf16.h encodes it.
+float round_to_bf16(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return std::bit_cast<float>(uint32_t{0x7fc00000u});
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return std::bit_cast<float>(u);
+}
 
 template <class T>
 using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -631,6 +642,13 @@ void Interpreter<T>::eval(const Node& n) {
       if (n.op == Op::CrossEntropy) out[0] = total / count;
       return;
     }
+    case Op::StoreBf16:  // through f32 (a double rounds twice), then to nearest even as torch.bfloat16
+      out.resize(numel);
+      for (size_t i = 0; i < numel; ++i) out[i] = static_cast<T>(round_to_bf16(static_cast<float>(F(0)[i])));
+      return;
+    case Op::LoadBf16:
+      out = F(0);
+      return;
   }
   HALYARD_CHECK(false, "unhandled op " << op_name(n.op));
 }

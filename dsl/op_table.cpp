@@ -11,7 +11,7 @@
 namespace halyard {
 namespace {
 
-constexpr int kBuiltinOps = static_cast<int>(Op::AttentionMerge) + 1;
+constexpr int kBuiltinOps = static_cast<int>(Op::LoadBf16) + 1;
 
 double numel(const TensorType& t) { return static_cast<double>(t.numel()); }
 const TensorType& in_type(const Graph& g, const Node& n, size_t k) { return g.node(n.inputs[k]).type; }
@@ -130,12 +130,15 @@ std::deque<OpInfo> make_builtin_rows() {
         r.flops = attention_flops;
       }));
   // Their work per pair: attention_work() above.
-  set(Op::AttentionLse, with(row("attention_lse", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
+  set(Op::AttentionLse, with(row("attention_lse", C::Heavy), [](OpInfo& r) {
+        r.store_f32 = true;
+        r.flops = attention_flops;
+      }));
   set(Op::AttentionGradQ, with(row("attention_grad_q", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
   set(Op::AttentionGradK, with(row("attention_grad_k", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
   set(Op::AttentionGradV, with(row("attention_grad_v", C::Heavy), [](OpInfo& r) { r.flops = attention_flops; }));
   set(Op::TokenCount, with(row("token_count", C::Heavy), [](OpInfo& r) {
-        r.checkpoint_keeps = true;
+        r.checkpoint_keeps = r.store_f32 = true;
         r.flops = per_input_element(1, 0);
       }));
   set(Op::CrossEntropy, with(row("cross_entropy", C::Heavy), [](OpInfo& r) {
@@ -158,7 +161,7 @@ std::deque<OpInfo> make_builtin_rows() {
   // (heavy), so that the attention backward reads L from memory, and kept
   // by checkpointing like the attention output they are.
   set(Op::LseMerge, with(row("lse_merge", C::Heavy), [](OpInfo& r) {
-        r.checkpoint_keeps = true;
+        r.checkpoint_keeps = r.store_f32 = true;
         r.flops = [](const Graph&, const Node& n) { return 4 * numel(n.type) * static_cast<double>(n.inputs.size()); };
       }));
   set(Op::AttentionMerge, with(row("attention_merge", C::Heavy), [](OpInfo& r) {
@@ -167,6 +170,11 @@ std::deque<OpInfo> make_builtin_rows() {
           return 3 * numel(n.type) * static_cast<double>((n.inputs.size() - kMergeBlocks) / kMergeBlockOperands);
         };
       }));
+  // A stored copy is always a stage of its own (heavy): the buffer is its
+  // point, and inlined into its reader it would make the reader recompute
+  // from the f32 value it replaces. Its load is inlined into each reader.
+  set(Op::StoreBf16, with(row("store_bf16", C::Heavy), [](OpInfo& r) { r.token_local = true; }));
+  set(Op::LoadBf16, with(row("load_bf16", C::Cheap), [](OpInfo& r) { r.token_local = true; }));
   return t;
 }
 

@@ -48,6 +48,10 @@ struct OpInfo {
   // it: the residual stream, attention (its recompute costs O(S^2)), counts,
   // and collectives (redoing one costs a network round).
   bool checkpoint_keeps = false;
+  // A schedule that stores saved values in bf16 (schedules/precision.h)
+  // still saves this one in f32: softmax statistics (an error of 2^-9 in a
+  // row's log-sum-exp scales every probability of the row) and counts.
+  bool store_f32 = false;
   // Floating-point operations to compute the node once, from its shapes
   // (counted as multiply-add = 2; exp, division and sqrt count 1). Empty: 0.
   std::function<double(const Graph&, const Node&)> flops;

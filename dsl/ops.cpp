@@ -528,6 +528,17 @@ TensorType infer_type(const Graph& g, Op op, const std::vector<int>& in, const A
     case Op::PadSeq:
     case Op::ConcatSeq:
       return tile_type(c, attrs);
+    case Op::StoreBf16:
+    case Op::LoadBf16: {
+      c.arity(1);
+      const DType from = op == Op::StoreBf16 ? DType::f32 : DType::bf16;
+      if (c.t(0).dtype != from)
+        c.fail("operand " + c.label(0) + " has dtype " + std::string(dtype_name(c.t(0).dtype)) + ".",
+               std::string(dtype_name(from)) + (op == Op::StoreBf16 ? " (f32 values are stored in bf16)" : " (loads read bf16)") + ".");
+      TensorType t = c.t(0);
+      t.dtype = op == Op::StoreBf16 ? DType::bf16 : DType::f32;
+      return t;
+    }
   }
   HALYARD_CHECK(false, "unknown op");
   return {};
@@ -648,6 +659,9 @@ Value embedding_grad(Value dy, Value ids, int64_t vocab) {
 }
 
 Value silu_grad(Value x, Value dy) { return x.graph->add(Op::SiluGrad, {x, dy}); }
+
+Value store_bf16(Value x) { return x.graph->add(Op::StoreBf16, {x}, {}, x.node().name); }
+Value load_bf16(Value x) { return x.graph->add(Op::LoadBf16, {x}, {}, x.node().name); }
 
 Value rms_norm_grad_x(Value x, Value w, Value dy, double eps) {
   Attrs a;

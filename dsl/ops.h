@@ -71,6 +71,12 @@ Value slice_seq(Value x, int64_t offset, int64_t size);
 Value pad_seq(Value x, int64_t offset, int64_t size);
 Value concat_seq(const std::vector<Value>& tiles);
 
+// Storage precision: x (f32) rounded to bf16 (nearest, ties to even, as
+// torch.bfloat16) and stored in 16 bits; a bf16 value read back as f32.
+// Nothing computes in bf16: loads come before any other op.
+Value store_bf16(Value x);
+Value load_bf16(Value x);
+
 // The mesh axes a sequence is split over: sp (every rank of a sequence),
 // and, for hybrid sequence parallelism, its two factors sp = sp_r x sp_u:
 // Ulysses groups of consecutive ranks (sp_u) and the ring across them (sp_r).

@@ -143,6 +143,11 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // gradients this leaves on each rank are summed after the step.
       d[0] = dy;
       break;
+    case Op::StoreBf16:
+    case Op::LoadBf16:
+      throw UserError(std::string("error: cannot differentiate ") + op_name(n.op) + " at " + describe(g, n.id) +
+                      "\nstorage precision is the schedule's choice, applied after autodiff.\n"
+                      "legal: build the model in f32; a schedule rule {\"store\": \"bf16\"} keeps saved values in bf16.");
     default:
       if (const OpInfo& r = op_info(n.op); r.vjp) return r.vjp(g, n, dy, needed, fwd);
       throw UserError(std::string("error: cannot differentiate ") + op_name(n.op) + " at " +

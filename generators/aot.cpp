@@ -152,7 +152,14 @@ const char* call_kind(Op op) {
   }
 }
 
-const char* elem(DType t) { return t == DType::f64 ? "ElemType::F64" : t == DType::i32 ? "ElemType::I32" : "ElemType::F32"; }
+const char* elem(DType t) {
+  switch (t) {
+    case DType::f64: return "ElemType::F64";
+    case DType::i32: return "ElemType::I32";
+    case DType::bf16: return "ElemType::BF16";
+    default: return "ElemType::F32";
+  }
+}
 
 void emit_program(std::ostream& os, const Graph& g, const Partition& p, const Program& prog,
                   const std::string& name, const std::string& tag) {

@@ -242,6 +242,16 @@ Func Ctx::lower(int id) {
       f(vs) = x / (1 + exp(-x));
       break;
     }
+    // A stage's bf16 output is its 16 bits; inside a stage (and read from a
+    // bf16 input buffer, get()) a bf16 value is the f32 it rounds to.
+    case Op::StoreBf16: {
+      Expr bits = bf16_encode(at(in(0), e));
+      f(vs) = is_root ? bits : bf16_decode(bits);
+      break;
+    }
+    case Op::LoadBf16:
+      f(vs) = at(in(0), e);
+      break;
     case Op::SiluGrad: {  // dy * s * (1 + x (1 - s))
       Expr x = at(in(0), e), s = 1 / (1 + exp(-x));
       f(vs) = at(in(1), e) * s * (1 + x * (1 - s));

@@ -44,6 +44,7 @@ halide_type_t halide_type_of(ElemType t) {
   switch (t) {
     case ElemType::F64: return halide_type_t(halide_type_float, 64);
     case ElemType::I32: return halide_type_t(halide_type_int, 32);
+    case ElemType::BF16: return halide_type_t(halide_type_uint, 16);
     default: return halide_type_t(halide_type_float, 32);
   }
 }

@@ -13,7 +13,9 @@
 
 namespace halyard::runtime {
 
-enum class ElemType : uint8_t { F32, F64, I32 };
+// BF16: a saved value's 16-bit copy (schedules/precision.h), only ever
+// written and read by kernels (Halide sees it as UInt(16)).
+enum class ElemType : uint8_t { F32, F64, I32, BF16 };
 // Input index: 0 input_ids, 1 position_ids, 2 labels, 3 token_index (each
 // token's index in the row, which the runtime fills). A View is a tile of
 // another buffer (sequence tiling): the rows [offset, offset + shape[dim])
@@ -40,7 +42,7 @@ struct BufferSpec {
 
 // Bytes of one element of a buffer, and of the buffer's dimensions from
 // `dim` inward (0: the whole buffer; a View's own shape, not its rows' span).
-inline int64_t elem_bytes(ElemType t) { return t == ElemType::F64 ? 8 : 4; }
+inline int64_t elem_bytes(ElemType t) { return t == ElemType::F64 ? 8 : t == ElemType::BF16 ? 2 : 4; }
 inline int64_t buffer_bytes(const BufferSpec& s, int dim = 0) {
   int64_t n = elem_bytes(s.type);
   for (int d = dim; d < s.rank; ++d) n *= s.shape[d];

@@ -162,7 +162,7 @@ Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& gro
   std::vector<ValueRule> tile_rules;
   for (const ValueRule& r : base.values) (r.match == "seq_tiles" ? tile_rules : s.values).push_back(r);
   for (size_t i = 0; i < groups.size(); ++i)
-    s.values.push_back({groups[i].match(), !offload.empty() && offload[i] ? "offload" : recompute[i] ? "recompute" : "save", ""});
+    s.values.push_back({groups[i].match(), !offload.empty() && offload[i] ? "offload" : recompute[i] ? "recompute" : "save", "", ""});
   for (const ValueRule& r : tile_rules) s.values.push_back(r);
   return s;
 }
@@ -341,8 +341,8 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
 
 std::vector<ValueRule> layer_checkpoint_rules() {
   std::vector<ValueRule> r = inline_cheap_rules();
-  r.push_back({"model.layers.*", "recompute", ""});
-  r.push_back({"model.layers.*.mlp.residual", "save", ""});
+  r.push_back({"model.layers.*", "recompute", "", ""});
+  r.push_back({"model.layers.*.mlp.residual", "save", "", ""});
   return r;
 }
 

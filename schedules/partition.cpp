@@ -168,7 +168,8 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     // A tile is a view of its (materialized) input: no copy, and one kernel
     // serves every tile, whatever its offset.
     else if (node.op == Op::SliceSeq) root = true;
-    else if (node.op == Op::Fill || node.op == Op::PadSeq) root = false;  // a constant; an index remap
+    // A constant; an index remap; a bf16 copy decoded by each reader (schedules/precision.h).
+    else if (node.op == Op::Fill || node.op == Op::PadSeq || node.op == Op::LoadBf16) root = false;
     // A weight gradient summed over sequence tiles: keep the running sum, so
     // that the tiles' partial gradients do not all live until the last one.
     else if (node.backward && node.op == Op::Add && !node.type.has("seq")) root = true;

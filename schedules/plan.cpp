@@ -9,6 +9,7 @@
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
 #include "dsl/op_table.h"
+#include "schedules/precision.h"
 #include "schedules/sharding.h"
 #include "schedules/tiling.h"
 
@@ -226,6 +227,11 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
                     std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
   if (req.precision != "f32" && req.precision != "bf16-mixed")
     throw UserError("error: plan precision \"" + req.precision + "\".\nlegal: f32, or bf16-mixed (GPU clusters, planned only).");
+  if (req.precision == "bf16-mixed" &&
+      std::any_of(schedule.values.begin(), schedule.values.end(), [](const ValueRule& r) { return r.store == "bf16"; }))
+    throw UserError("error: schedule \"" + schedule.name + "\" stores saved values in bf16 (a rule with \"store\": "
+                    "\"bf16\"), and the plan's precision is bf16-mixed, which counts every value in bf16 already.\n"
+                    "fix: plan precision f32 with the store rules (what the libraries run), or bf16-mixed without them.");
   // Bytes of a value as the precision stores it (the graph is built in f32).
   const double held = req.precision == "bf16-mixed" ? 0.5 : 1.0;
   auto stored = [held](int64_t b) { return static_cast<int64_t>(static_cast<double>(b) * held); };
@@ -241,15 +247,23 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   m.graph = std::move(tiled.graph);
   m.loss = tiled.loss;
   m.params = tiled.params;
-  Graph& g = *m.graph;
-  schedule.check(g);
+  schedule.check(*m.graph);
   Gradients grads = grad(m.loss, m.params, GradOptions{schedule.rematerialize()});
-  verify(g);
+  verify(*m.graph);
   for (const Value& v : m.params) {
     p.param_ids.push_back(v.id);
     p.grad_ids.push_back(grads[v].id);
     p.num_params += v.type().numel();
   }
+  if (StoredGraph stored = store_saved(*m.graph, schedule); stored.graph) {
+    p.stored_bf16 = stored.stored;
+    for (std::vector<int>* ids : {&p.param_ids, &p.grad_ids})
+      for (int& x : *ids) x = stored.id_of[static_cast<size_t>(x)];
+    m.graph = std::move(stored.graph);
+    m.loss = m.graph->value(stored.id_of[static_cast<size_t>(m.loss.id)]);
+    for (Value& v : m.params) v = m.graph->value(stored.id_of[static_cast<size_t>(v.id)]);
+  }
+  Graph& g = *m.graph;
   std::vector<int> train_out = p.grad_ids;
   train_out.push_back(m.loss.id);
   p.train = partition(g, train_out, schedule);
@@ -257,7 +271,11 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
   // Offloading moves values to the host and back over the cluster's host
   // link; CPU ranks have none (their memory is host memory).
   std::function<bool(const Node&)> offload;
-  if (schedule.offloads()) offload = [&schedule](const Node& n) { return schedule.keep(n) == Keep::Offload; };
+  // A bf16 copy goes where its value's rules say the value goes.
+  if (schedule.offloads())
+    offload = [&schedule, &g](const Node& n) {
+      return schedule.keep(n.op == Op::StoreBf16 ? g.node(n.inputs[0]) : n) == Keep::Offload;
+    };
   if (offload && !cluster.has_host_link()) {
     std::string linked;
     for (const std::string& n : Cluster::presets())

@@ -105,6 +105,7 @@ struct Plan {
   BuiltModel model;       // the scheduled joint graph (forward and backward) and its parameters
   std::vector<int> param_ids, grad_ids;
   int64_t num_params = 0;  // parameter elements
+  int stored_bf16 = 0;     // saved values the backward reads as bf16 copies (schedules/precision.h)
   Partition train, forward;
   Program train_program, forward_program;
 

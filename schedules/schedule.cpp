@@ -79,6 +79,7 @@ std::string rules_str(const std::vector<ValueRule>& rules) {
     std::string s = r.match + ":";
     if (!r.keep.empty()) s += " " + r.keep;
     if (!r.compute.empty()) s += " " + (r.compute == "inline" ? std::string("inline") : "root");
+    if (!r.store.empty()) s += " store " + r.store;
     parts.push_back(s);
   }
   return join(parts);
@@ -106,20 +107,20 @@ bool glob_match(const std::string& p, const std::string& s) {
 
 std::vector<ValueRule> inline_cheap_rules() {
   std::vector<ValueRule> r;
-  for (const char* op : kInlinedByRecompute) r.push_back({std::string("op:") + op, "", "inline"});
+  for (const char* op : kInlinedByRecompute) r.push_back({std::string("op:") + op, "", "inline", ""});
   return r;
 }
 
 std::vector<ValueRule> checkpoint_rules() {
-  std::vector<ValueRule> r = {{"*", "recompute", ""}};
+  std::vector<ValueRule> r = {{"*", "recompute", "", ""}};
   for (const std::string& cls : {std::string("cheap"), std::string("heavy")})
     for (const std::string& op : op_names(cls == "cheap" ? OpClass::Cheap : OpClass::Heavy))
-      if (op_info(op_by_name(op)).checkpoint_keeps) r.push_back({"op:" + op, "save", ""});
-  r.push_back({"class:runtime", "save", ""});
+      if (op_info(op_by_name(op)).checkpoint_keeps) r.push_back({"op:" + op, "save", "", ""});
+  r.push_back({"class:runtime", "save", "", ""});
   return r;
 }
 
-ValueRule recompute_seq_tiles_rule() { return {"seq_tiles", "recompute", ""}; }
+ValueRule recompute_seq_tiles_rule() { return {"seq_tiles", "recompute", "", ""}; }
 
 Keep Schedule::keep(const Node& n) const {
   Keep k = Keep::Save;
@@ -140,6 +141,13 @@ Compute Schedule::compute(const Node& n) const {
   for (const ValueRule& r : values)
     if (!r.compute.empty() && matches(r.match, n)) c = r.compute == "inline" ? Compute::Inline : Compute::Root;
   return c;
+}
+
+bool Schedule::stores_bf16(const Node& n) const {
+  bool bf16 = false;
+  for (const ValueRule& r : values)
+    if (!r.store.empty() && matches(r.match, n)) bf16 = r.store == "bf16";
+  return bf16;
 }
 
 const AttentionRule* Schedule::attention_rule(const Node& n) const {
@@ -182,6 +190,13 @@ void Schedule::check(const Graph& g) const {
                         "\", compute: inline}\nonly cheap values can be computed inside their consumers.\nlegal: "
                         "compute \"root\", or keep \"recompute\"; cheap ops: " + join(op_names(OpClass::Cheap)) + ".");
     }
+    if (r.store == "bf16")
+      for (const std::string& t : terms(r.match))
+        if (t.rfind("op:", 0) == 0 && op_info(op_by_name(t.substr(3))).store_f32)
+          throw UserError("error: schedule \"" + name + "\": rule {match: \"" + r.match + "\", store: bf16}\n" +
+                          t.substr(3) + " is kept in f32 whatever the schedule stores: softmax statistics and counts "
+                          "lose the gradient's accuracy in bf16.\nlegal: store bf16 for activations (op:attention, "
+                          "op:add, op:contract, *, ...); " + t.substr(3) + " stays f32.");
     bool named = false;
     for (const std::string& t : terms(r.match)) named = named || is_name_term(t);
     if (!any && named)
@@ -216,6 +231,7 @@ std::string Schedule::to_json() const {
     nlohmann::json v = {{"match", r.match}};
     if (!r.keep.empty()) v["keep"] = r.keep;
     if (!r.compute.empty()) v["compute"] = r.compute;
+    if (!r.store.empty()) v["store"] = r.store;
     j["values"].push_back(v);
   }
   if (seq_tile > 0) j["seq_tile"] = seq_tile;
@@ -301,19 +317,22 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         if (!r.is_object() || !r.contains("match") || !r["match"].is_string())
           bad(what, "value rule " + r.dump() + " has no \"match\" string.\nlegal: {\"match\": \"op:rms_norm\", "
                     "\"compute\": \"inline\"} or {\"match\": \"model.layers.*.mlp\", \"keep\": \"recompute\"}.");
-        ValueRule vr{r["match"].get<std::string>(), "", ""};
+        ValueRule vr{r["match"].get<std::string>(), "", "", ""};
         for (const std::string& t : terms(vr.match)) check_term(what, t);
         for (auto f = r.begin(); f != r.end(); ++f) {
           const std::string val = f->is_string() ? f->get<std::string>() : f->dump();
           if (f.key() == "match") continue;
           if (f.key() == "keep" && (val == "save" || val == "recompute" || val == "offload")) vr.keep = val;
           else if (f.key() == "compute" && (val == "root" || val == "inline")) vr.compute = val;
+          else if (f.key() == "store" && (val == "f32" || val == "bf16")) vr.store = val;
           else
             bad(what, "value rule " + r.dump() + ": " + f.key() + " \"" + val +
-                      "\".\nlegal: keep \"save\" | \"recompute\" | \"offload\", compute \"root\" | \"inline\".");
+                      "\".\nlegal: keep \"save\" | \"recompute\" | \"offload\", compute \"root\" | \"inline\", "
+                      "store \"f32\" | \"bf16\".");
         }
-        if (vr.keep.empty() && vr.compute.empty())
-          bad(what, "value rule " + r.dump() + " decides nothing.\nlegal: add keep (save | recompute | offload) or compute (root | inline).");
+        if (vr.keep.empty() && vr.compute.empty() && vr.store.empty())
+          bad(what, "value rule " + r.dump() + " decides nothing.\nlegal: add keep (save | recompute | offload), compute "
+                    "(root | inline) or store (f32 | bf16).");
         s.values.push_back(vr);
       }
     } else if (key == "attention" && v.is_array()) {
@@ -347,7 +366,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         if (std::find(cheap.begin(), cheap.end(), o) == cheap.end())
           bad(what, "recompute(" + o + ")\nonly cheap ops can be recomputed inside their consumers.\nlegal: " +
                         join(cheap) + ".");
-        s.values.push_back({"op:" + o, "", "inline"});
+        s.values.push_back({"op:" + o, "", "inline", ""});
       }
     } else if (key == "checkpoint" && v.is_boolean()) {  // the first vocabulary: full checkpointing
       if (v.get<bool>())
@@ -404,7 +423,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
     } else {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
-                    "of {match, strategy}), values (array of {match, keep, compute}), seq_tile (integer), loss_seq_tile (integer), "
+                    "of {match, strategy}), values (array of {match, keep, compute, store}), seq_tile (integer), loss_seq_tile (integer), "
                     "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), contract_kernel (\"auto\" | \"cublas\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }

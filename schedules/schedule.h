@@ -12,6 +12,8 @@
 //     GPU targets), and whether a cheap value is computed inside
 //     each consumer's kernel instead of being stored (`compute: inline`, like
 //     Halide's compute_inline);
+//   - per saved value, the precision of the copy the backward reads
+//     (`store`: f32, or bf16, half the bytes; schedules/precision.h);
 //   - the sequence tiles of the MLP and of the LM head + loss;
 //   - kernel loops: Halyard's hand-written schedules (with the loop tiles
 //     that are a real choice) or an autoscheduler.
@@ -62,6 +64,10 @@ struct ValueRule {
   std::string match;
   std::string keep;     // "" (unchanged), "save", "recompute" or "offload"
   std::string compute;  // "" (unchanged), "root" or "inline"
+  // "" (unchanged), "f32" or "bf16": the copy the backward reads of a value
+  // it reads saved (or offloaded); the forward reads the f32 value, but for
+  // attention's operands (schedules/precision.h).
+  std::string store;
   bool operator==(const ValueRule&) const = default;
 };
 
@@ -131,6 +137,7 @@ struct Schedule {
   Keep keep(const Node& n) const;
   bool offloads() const;  // a value rule says keep "offload"
   Compute compute(const Node& n) const;
+  bool stores_bf16(const Node& n) const;  // the backward's copy of n is bf16 (by the rules; f32 unless one says so)
   // The strategy of an attention node ("" when the sequence is not split),
   // and the rule that gives it (nullptr then).
   std::string strategy(const Node& attention) const;

@@ -113,7 +113,7 @@ for seq in 1024 4096 8192; do
   "$aot" --name plan --config "$root/examples/llama/configs/tiny.json" --schedule default --seq "$seq" --sp 1 --plan-only |
     sed -n 's/.*(model FLOPs \([0-9.]*\):.*/{"seq":'"$seq"',"model_gflop":\1}/p' >> "$out/model_flops.json"
   for round in $(seq "$rounds"); do
-    for sched in default recompute checkpoint tiled; do
+    for sched in default recompute checkpoint tiled tiled_bf16; do
       "$bin/step_bench" --model "tiny_s${seq}_${sched}" --threads "$threads" --steps 3 | tee -a "$out/step_halyard.json"
     done
     [ -n "$torch_py" ] && "$torch_py" "$root/bench/torch_peer.py" step --config "$root/examples/llama/configs/tiny.json" \

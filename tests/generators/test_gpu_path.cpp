@@ -38,7 +38,9 @@
 #include "runtime/offload_windows.h"
 
 #include "llama_micro_opencl.h"
+#include "llama_micro_bf16_saved.h"
 #include "llama_micro_opencl_offload.h"
+#include "llama_micro_opencl_offload_bf16.h"
 #include "tests/device_step.h"
 #include "tests/generators/sp_check.h"
 #include "tiny_opencl_sp2_s126_tiled.h"
@@ -184,6 +186,38 @@ TEST(GpuPath, OffloadedValuesComeBackForTheBackwardAndTheArenaShrinks) {
   EXPECT_LE(std::abs(m.forward_loss(ids.data(), labels.data(), pos.data()) - want) / want, kTolerance);
   EXPECT_EQ(m.last_step_times().offloaded_bytes, 0);
   EXPECT_EQ(m.train_step(ids.data(), labels.data(), pos.data()), loss);
+}
+
+// Offloaded copies stored in bf16 (schedules/precision.h) on the device
+// path: loss and gradients the CPU library's that stores the same values in
+// bf16 (kernels in another order round a few saved values apart: 1e-3), and
+// half the bytes out and back.
+TEST(GpuPath, OffloadedBf16CopiesMoveHalfTheBytes) {
+  auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
+  runtime::Model m(halyard_models::llama_micro_opencl_offload_bf16()), f32(halyard_models::llama_micro_opencl_offload()),
+      cpu(halyard_models::llama_micro_bf16_saved());
+  for (runtime::Model* x : {&m, &f32, &cpu}) testing::load_params(*x, st);
+  auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  const double want = st.to_f64("loss")[0];
+  const double loss = m.train_step(ids.data(), labels.data(), pos.data());
+  const int64_t bf16_bytes = m.last_step_times().offloaded_bytes;
+  f32.train_step(ids.data(), labels.data(), pos.data());
+  const int64_t f32_bytes = f32.last_step_times().offloaded_bytes;
+  const double cpu_loss = cpu.train_step(ids.data(), labels.data(), pos.data());
+  EXPECT_LE(std::abs(loss - cpu_loss) / want, 1e-5);
+  double worst = 0;
+  for (int i = 0; i < m.num_params(); ++i) {
+    const std::vector<float> ref(cpu.grad(i), cpu.grad(i) + cpu.param_spec(i).numel);
+    const double e = testing::rel_diff(m.grad(i), std::vector<double>(ref.begin(), ref.end()));
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 1e-3) << m.param_spec(i).name;
+  }
+  std::printf("  bf16 copies offloaded: loss %.9f vs torch %.9f; worst gradient rel diff vs the CPU library %.2e; "
+              "%lld bytes out and back (f32 copies: %lld); device arena %lld bytes (f32: %lld)\n",
+              loss, want, worst, static_cast<long long>(bf16_bytes), static_cast<long long>(f32_bytes),
+              static_cast<long long>(m.arena_bytes()), static_cast<long long>(f32.arena_bytes()));
+  EXPECT_GT(bf16_bytes, 0);
+  EXPECT_LT(static_cast<double>(bf16_bytes), 0.56 * static_cast<double>(f32_bytes));
 }
 
 // A device block's copies go in pieces (to a row's end, whole rows, at most

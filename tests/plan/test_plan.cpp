@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
@@ -283,11 +284,108 @@ TEST(Plan, TileSizesPerTiledRegion) {
 // second arena. Both arenas are sound (no two buffers whose live ranges
 // meet share a byte), the device arena shrinks, and the plan prices the
 // copies over the cluster's host link.
+// {"store": "bf16"}: every activation the backward reads is a bf16 copy
+// (softmax statistics and counts stay f32, as the op table says), the f32
+// values die in the forward, and the saved bytes halve.
+TEST(Plan, SavedValuesStoredInBf16) {
+  for (const char* preset : {"default", "checkpoint", "tiled", "ulysses_checkpoint"}) {
+    Schedule f32 = Schedule::named(preset), bf16 = f32;
+    if (f32.split_sequence.empty()) f32.mesh.sp = bf16.mesh.sp = 1;
+    else f32.mesh.sp = bf16.mesh.sp = 2;
+    bf16.values.push_back({"*", "", "", "bf16"});
+    const Plan a = plan(llama::llama_builder(), {kTiny, 1, 4096}, f32, Cluster::named("local-cpu"));
+    const Plan b = plan(llama::llama_builder(), {kTiny, 1, 4096}, bf16, Cluster::named("local-cpu"));
+    EXPECT_EQ(a.stored_bf16, 0);
+    EXPECT_GT(b.stored_bf16, 0) << preset;
+    const Graph& g = *b.model.graph;
+    int64_t saved_a = 0, saved_b = 0;  // forward buffers the backward reads
+    auto saved = [](const Plan& p, int64_t& bytes) {
+      const Graph& pg = *p.model.graph;
+      std::set<int> read;
+      for (const Stage& st : p.train.stages)
+        if (pg.node(st.root).backward)
+          for (int in : st.inputs) {
+            const Node* x = &pg.node(in);
+            while (x->op == Op::SliceSeq) x = &pg.node(x->inputs[0]);  // a tile reads its buffer
+            if (!x->backward && x->op != Op::Param && x->op != Op::Input) read.insert(x->id);
+          }
+      for (int id : read) bytes += value_bytes(pg.node(id).type);
+      return read;
+    };
+    saved(a, saved_a);
+    for (int id : saved(b, saved_b)) {
+      const Node& x = g.node(id);
+      if (x.type.dtype == DType::f32)
+        EXPECT_TRUE(op_info(x.op).store_f32 || !x.type.has("seq")) << preset << ": " << describe(g, id) << " read in f32";
+      else if (x.type.dtype == DType::bf16)
+        EXPECT_EQ(x.op, Op::StoreBf16) << preset << ": " << describe(g, id);
+    }
+    // The backward reads no f32 value that has a copy; it decodes inside its kernels.
+    for (const Stage& st : b.train.stages) {
+      EXPECT_NE(g.node(st.root).op, Op::LoadBf16) << preset;
+      for (int in : st.inputs)
+        if (g.node(st.root).backward && !g.node(in).backward)
+          for (const Node& n : g.nodes())
+            EXPECT_FALSE(n.op == Op::StoreBf16 && n.inputs[0] == in) << preset << ": " << describe(g, in);
+    }
+    const double ratio = static_cast<double>(saved_b) / static_cast<double>(saved_a);
+    std::printf("  %-18s saved for the backward %7.1f MiB f32, %7.1f MiB bf16 (%.2fx); activations %7.1f -> %7.1f MiB; "
+                "%d values stored\n", preset, static_cast<double>(saved_a) / (1 << 20), static_cast<double>(saved_b) / (1 << 20),
+                ratio, static_cast<double>(a.memory.activations) / (1 << 20),
+                static_cast<double>(b.memory.activations) / (1 << 20), b.stored_bf16);
+    EXPECT_LT(ratio, 0.56) << preset;  // half, but for the f32 statistics
+    EXPECT_LT(b.memory.activations, a.memory.activations) << preset;
+    // Attention and its row statistics stay one forward kernel, dK, dV and dQ one backward kernel.
+    auto attention_stages = [](const Plan& p) {
+      int k = 0;
+      for (const StageCost& c : p.stages) k += c.kind.rfind("attention", 0) == 0;
+      return k;
+    };
+    EXPECT_EQ(attention_stages(b), attention_stages(a)) << preset;
+  }
+}
+
+// Offloading a bf16 copy moves half the bytes.
+TEST(Plan, OffloadedBf16CopiesMoveHalfTheBytes) {
+  const Cluster h200 = Cluster::named("8xH200");
+  Schedule off = Schedule::named("default"), off_bf16 = off;
+  off.values.push_back({"*", "offload", "", ""});
+  off_bf16.values.push_back({"*", "offload", "", "bf16"});
+  const Plan a = plan(llama::llama_builder(), {kTiny, 1, 4096}, off, h200);
+  const Plan b = plan(llama::llama_builder(), {kTiny, 1, 4096}, off_bf16, h200);
+  const double ratio = static_cast<double>(b.train_program.offload_bytes) / static_cast<double>(a.train_program.offload_bytes);
+  std::printf("  offload arena %.1f MiB f32, %.1f MiB bf16 (%.2fx); offload time %.3f -> %.3f ms\n",
+              static_cast<double>(a.train_program.offload_bytes) / (1 << 20),
+              static_cast<double>(b.train_program.offload_bytes) / (1 << 20), ratio, 1e3 * a.offload_s, 1e3 * b.offload_s);
+  EXPECT_LT(ratio, 0.56);
+  EXPECT_GT(ratio, 0.4);
+  EXPECT_LT(b.offload_s, a.offload_s);
+  int copies_away = 0;
+  for (const PlannedBuffer& pb : b.train_program.buffers)
+    if (pb.evict >= 0) copies_away += b.model.graph->node(pb.node).op == Op::StoreBf16;
+  EXPECT_GT(copies_away, 0);
+}
+
+TEST(Plan, StoreRulesAreChecked) {
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"values": [{"match": "*", "store": "fp8"}]})", "s.json"); }),
+              ::testing::AllOf(::testing::HasSubstr("store \"fp8\""), ::testing::HasSubstr("store \"f32\" | \"bf16\"")));
+  const Schedule s = Schedule::parse(R"({"values": [{"match": "op:attention", "store": "bf16"}]})", "s.json");
+  EXPECT_EQ(Schedule::parse(s.to_json(), "again"), s);
+  EXPECT_THAT(error_of([] {
+                plan(llama::llama_builder(), {kMicro, 1, 16},
+                     Schedule::parse(R"({"values": [{"match": "op:attention_lse", "store": "bf16"}]})", "s.json"),
+                     Cluster::named("local-cpu"));
+              }),
+              ::testing::AllOf(::testing::HasSubstr("attention_lse is kept in f32"), ::testing::HasSubstr("legal:")));
+  EXPECT_THAT(error_of([&] { plan(llama::llama_builder(), {kMicro, 1, 16, "bf16-mixed"}, s, Cluster::named("8xH200")); }),
+              ::testing::AllOf(::testing::HasSubstr("counts every value in bf16 already"), ::testing::HasSubstr("fix:")));
+}
+
 TEST(Plan, OffloadedValuesLeaveTheDeviceBetweenForwardAndBackward) {
   const Cluster h200 = Cluster::named("8xH200");
   const Plan kept = plan(llama::llama_builder(), {kTiny, 1, 1024}, Schedule::named("default"), h200);
   Schedule s = Schedule::named("default");
-  s.values.push_back({"*", "offload", ""});
+  s.values.push_back({"*", "offload", "", ""});
   const Plan off = plan(llama::llama_builder(), {kTiny, 1, 1024}, s, h200);
   const Program& prog = off.train_program;
   int offloaded = 0;
