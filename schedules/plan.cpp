@@ -215,6 +215,11 @@ std::vector<double> Plan::attention_flops_per_rank() const {
   return out;
 }
 
+int Plan::stored_bf16() const {
+  const auto& nodes = model.graph->nodes();
+  return static_cast<int>(std::count_if(nodes.begin(), nodes.end(), [](const Node& n) { return n.op == Op::StoreBf16; }));
+}
+
 int64_t Plan::collective_bytes_per_rank() const {
   int64_t b = 0;
   for (const CollectiveCost& c : collectives) b += c.bytes_per_rank;
@@ -227,8 +232,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
                     std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
   if (req.precision != "f32" && req.precision != "bf16-mixed")
     throw UserError("error: plan precision \"" + req.precision + "\".\nlegal: f32, or bf16-mixed (GPU clusters, planned only).");
-  if (req.precision == "bf16-mixed" &&
-      std::any_of(schedule.values.begin(), schedule.values.end(), [](const ValueRule& r) { return r.store == "bf16"; }))
+  if (req.precision == "bf16-mixed" && schedule.stores_bf16())
     throw UserError("error: schedule \"" + schedule.name + "\" stores saved values in bf16 (a rule with \"store\": "
                     "\"bf16\"), and the plan's precision is bf16-mixed, which counts every value in bf16 already.\n"
                     "fix: plan precision f32 with the store rules (what the libraries run), or bf16-mixed without them.");
@@ -256,7 +260,6 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     p.num_params += v.type().numel();
   }
   if (StoredGraph stored = store_saved(*m.graph, schedule); stored.graph) {
-    p.stored_bf16 = stored.stored;
     for (std::vector<int>* ids : {&p.param_ids, &p.grad_ids})
       for (int& x : *ids) x = stored.id_of[static_cast<size_t>(x)];
     m.graph = std::move(stored.graph);

@@ -105,7 +105,6 @@ struct Plan {
   BuiltModel model;       // the scheduled joint graph (forward and backward) and its parameters
   std::vector<int> param_ids, grad_ids;
   int64_t num_params = 0;  // parameter elements
-  int stored_bf16 = 0;     // saved values the backward reads as bf16 copies (schedules/precision.h)
   Partition train, forward;
   Program train_program, forward_program;
 
@@ -117,6 +116,9 @@ struct Plan {
   double step_s = 0;  // predicted: train step plus the optimizer update
 
   double flops() const;
+  // Saved values the backward reads as bf16 copies (schedules/precision.h):
+  // the graph's store_bf16 nodes.
+  int stored_bf16() const;
   // The step's useful work on a rank: the forward program's FLOPs and twice
   // them for the backward (the convention of model-FLOP utilization). Neither
   // recompute nor a backward kernel's second pass over the scores counts.

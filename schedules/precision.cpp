@@ -26,17 +26,16 @@ bool storable(const Node& n, const Schedule& s, bool read_as_tiles) {
 
 StoredGraph store_saved(const Graph& src, const Schedule& s) {
   StoredGraph out;
-  if (std::none_of(s.values.begin(), s.values.end(), [](const ValueRule& r) { return r.store == "bf16"; })) return out;
+  if (!s.stores_bf16()) return out;
   const int n = src.size();
+  const std::vector<int> residual = residuals(src);
   // Values the backward reads in tiles: a forward tile of them, or a tile
   // the backward cuts itself (a recomputed tile's clone).
-  std::vector<bool> read_back(static_cast<size_t>(n), false), tiled(static_cast<size_t>(n), false);
+  std::vector<bool> tiled(static_cast<size_t>(n), false);
+  for (int r : residual)
+    if (src.node(r).op == Op::SliceSeq) tiled[static_cast<size_t>(src.node(r).inputs[0])] = true;
   for (const Node& x : src.nodes())
-    if (x.backward)
-      for (int i : x.inputs) read_back[static_cast<size_t>(i)] = true;
-  for (const Node& x : src.nodes())
-    if (x.op == Op::SliceSeq && (x.backward || read_back[static_cast<size_t>(x.id)]))
-      tiled[static_cast<size_t>(x.inputs[0])] = true;
+    if (x.op == Op::SliceSeq && x.backward) tiled[static_cast<size_t>(x.inputs[0])] = true;
   // A value computed inline is re-derived by each backward reader from the
   // buffers under it: those are what the backward really reads.
   auto inline_value = [&](const Node& v) {
@@ -52,7 +51,7 @@ StoredGraph store_saved(const Graph& src, const Schedule& s) {
     if (!inline_value(v)) return read.push_back(id);
     for (int i : v.inputs) under(i);
   };
-  for (int r : residuals(src)) under(r);
+  for (int r : residual) under(r);
   // The values that get a copy: those the rules store, and the buffer under
   // a tile (the backward then reads a tile of the copy). The rules of the
   // stored value decide (a tile's label may be another module's).
@@ -121,7 +120,6 @@ StoredGraph store_saved(const Graph& src, const Schedule& s) {
     if (copy[static_cast<size_t>(node.id)]) {
       HALYARD_CHECK(!node.backward, "a stored value is a forward value");
       bf16_of[static_cast<size_t>(node.id)] = store_bf16(made).id;
-      ++out.stored;
     }
   }
   g.set_building_backward(false);

@@ -32,7 +32,6 @@ namespace halyard {
 struct StoredGraph {
   std::unique_ptr<Graph> graph;  // null when no saved value is stored in bf16
   std::vector<int> id_of;        // a source node's id in `graph`
-  int stored = 0;                // values given a bf16 copy
 };
 
 // Rebuilds the joint graph `src` with the bf16 copies `s` asks for.

@@ -135,6 +135,10 @@ bool Schedule::offloads() const {
   return std::any_of(values.begin(), values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
 }
 
+bool Schedule::stores_bf16() const {
+  return std::any_of(values.begin(), values.end(), [](const ValueRule& r) { return r.store == "bf16"; });
+}
+
 Compute Schedule::compute(const Node& n) const {
   Compute c = Compute::Root;
   if (op_info(n.op).cls != OpClass::Cheap) return c;

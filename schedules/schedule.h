@@ -136,6 +136,7 @@ struct Schedule {
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;
   bool offloads() const;  // a value rule says keep "offload"
+  bool stores_bf16() const;  // a value rule says store "bf16"
   Compute compute(const Node& n) const;
   bool stores_bf16(const Node& n) const;  // the backward's copy of n is bf16 (by the rules; f32 unless one says so)
   // The strategy of an attention node ("" when the sequence is not split),

@@ -104,7 +104,7 @@ void check_bf16_saved(const runtime::ModelSpec& spec, const std::string& schedul
 
   const std::string config = std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/llama_micro.json";
   const Plan p = plan(llama::llama_builder(), {config, 2, 24}, Schedule::named(schedule_file), Cluster::named("local-cpu"));
-  ASSERT_GT(p.stored_bf16, 0);
+  ASSERT_GT(p.stored_bf16(), 0);
   Interpreter<float> in(*p.model.graph);
   for (const char* name : {"input_ids", "labels", "position_ids"}) in.set_int(name, f.st.to_i32(name));
   for (const Value& v : p.model.params) in.set(v.node().name, f.st.to_f32(v.node().name));
@@ -134,7 +134,7 @@ void check_bf16_saved(const runtime::ModelSpec& spec, const std::string& schedul
   EXPECT_LT(m.arena_bytes(), f32_arena);
   std::printf("  %s: %d values stored in bf16; loss %.9f vs torch %.9f; worst gradient rel err vs the interpreter on "
               "the stored graph %.2e, vs torch (f32) %.2e; arena %lld bytes (%lld storing f32)\n",
-              spec.schedule, p.stored_bf16, loss, want, worst_interp, worst_torch, static_cast<long long>(m.arena_bytes()),
+              spec.schedule, p.stored_bf16(), loss, want, worst_interp, worst_torch, static_cast<long long>(m.arena_bytes()),
               static_cast<long long>(f32_arena));
 }
 

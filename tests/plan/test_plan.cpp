@@ -295,8 +295,8 @@ TEST(Plan, SavedValuesStoredInBf16) {
     bf16.values.push_back({"*", "", "", "bf16"});
     const Plan a = plan(llama::llama_builder(), {kTiny, 1, 4096}, f32, Cluster::named("local-cpu"));
     const Plan b = plan(llama::llama_builder(), {kTiny, 1, 4096}, bf16, Cluster::named("local-cpu"));
-    EXPECT_EQ(a.stored_bf16, 0);
-    EXPECT_GT(b.stored_bf16, 0) << preset;
+    EXPECT_EQ(a.stored_bf16(), 0);
+    EXPECT_GT(b.stored_bf16(), 0) << preset;
     const Graph& g = *b.model.graph;
     int64_t saved_a = 0, saved_b = 0;  // forward buffers the backward reads
     auto saved = [](const Plan& p, int64_t& bytes) {
@@ -315,24 +315,26 @@ TEST(Plan, SavedValuesStoredInBf16) {
     saved(a, saved_a);
     for (int id : saved(b, saved_b)) {
       const Node& x = g.node(id);
-      if (x.type.dtype == DType::f32)
+      if (x.type.dtype == DType::f32) {
         EXPECT_TRUE(op_info(x.op).store_f32 || !x.type.has("seq")) << preset << ": " << describe(g, id) << " read in f32";
-      else if (x.type.dtype == DType::bf16)
+      } else if (x.type.dtype == DType::bf16) {
         EXPECT_EQ(x.op, Op::StoreBf16) << preset << ": " << describe(g, id);
+      }
     }
     // The backward reads no f32 value that has a copy; it decodes inside its kernels.
     for (const Stage& st : b.train.stages) {
       EXPECT_NE(g.node(st.root).op, Op::LoadBf16) << preset;
-      for (int in : st.inputs)
-        if (g.node(st.root).backward && !g.node(in).backward)
-          for (const Node& n : g.nodes())
-            EXPECT_FALSE(n.op == Op::StoreBf16 && n.inputs[0] == in) << preset << ": " << describe(g, in);
+      for (int in : st.inputs) {
+        if (!g.node(st.root).backward || g.node(in).backward) continue;
+        for (const Node& n : g.nodes())
+          EXPECT_FALSE(n.op == Op::StoreBf16 && n.inputs[0] == in) << preset << ": " << describe(g, in);
+      }
     }
     const double ratio = static_cast<double>(saved_b) / static_cast<double>(saved_a);
     std::printf("  %-18s saved for the backward %7.1f MiB f32, %7.1f MiB bf16 (%.2fx); activations %7.1f -> %7.1f MiB; "
                 "%d values stored\n", preset, static_cast<double>(saved_a) / (1 << 20), static_cast<double>(saved_b) / (1 << 20),
                 ratio, static_cast<double>(a.memory.activations) / (1 << 20),
-                static_cast<double>(b.memory.activations) / (1 << 20), b.stored_bf16);
+                static_cast<double>(b.memory.activations) / (1 << 20), b.stored_bf16());
     EXPECT_LT(ratio, 0.56) << preset;  // half, but for the f32 statistics
     EXPECT_LT(b.memory.activations, a.memory.activations) << preset;
     // Attention and its row statistics stay one forward kernel, dK, dV and dQ one backward kernel.
