@@ -745,49 +745,48 @@ ExternFuncArgument Ctx::buffer(int id, const std::string& name) {
   return f;
 }
 
-// Attention through the library kernels (runtime/attention_cpu.h), one
-// extern call per stage: the forward writes [head_dim + 1] floats per query
-// and head (the output, then the log-sum-exp); the backward, per kv head,
-// dQ of each of the group's heads, then dK, then dV. The stage's outputs
-// are copies of those.
+// Attention through the library kernels (runtime/attention_cpu.h): the
+// stage's output is the extern call, which writes the stage's other outputs
+// (the forward's log-sum-exp; the backward's dV and dQ beside dK) through
+// their buffers, so nothing of O(S) is copied after it. Those outputs are
+// extern stages that do nothing; nothing reads them inside the stage, so
+// Halide may run them before or after the call.
 void Ctx::library_attention(int id, Func out) {
   const Node& n = g.node(id);
   const TensorType& qt = type(n.inputs[0]);
   const TensorType& kt = type(n.inputs[1]);
   const int H = static_cast<int>(qt.size("heads")), KV = static_cast<int>(kt.size("kv_heads")),
-            D = static_cast<int>(qt.size("head_dim")), grp = H / KV;
-  const std::vector<Var> vs = vars(n.type.axis_names());  // (head_dim, heads | kv_heads, seq, batch)
-  const Var d = vs[0], hh = vs[1], t = vs[2], b = vs[3];
+            D = static_cast<int>(qt.size("head_dim"));
   std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"),
                                           buffer(n.inputs[2], "v_s"), buffer(n.inputs[3], "pos_s")};
-  Func call("attention_library");
-  Var x("x"), i("i"), w("w"), task("task");
+  auto written_beside = [&](int e, const std::string& name) {
+    Func f(name);
+    f.define_extern("halyard_written_beside", {}, Float(32), vars(type(e).axis_names()), NameMangling::C);
+    ls.funcs.extra_outs.push_back(f);
+    return f.output_buffer();
+  };
   if (n.op == Op::Attention) {
-    args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
-    call.define_extern("halyard_attention_forward", args, Float(32), {x, i, task, b}, NameMangling::C);
-    out(vs) = call(d, t, hh, b);
+    HALYARD_CHECK(st.extra_outputs.size() <= 1, "the library forward writes the log-sum-exp only");
     for (int e : st.extra_outputs) {
       HALYARD_CHECK(g.node(e).op == Op::AttentionLse, "the library forward writes the log-sum-exp only");
-      Func lse("lse_out");
-      lse(hh, t, b) = call(D, t, hh, b);
-      ls.funcs.extra_outs.push_back(lse);
+      args.push_back(written_beside(e, "lse_out"));
     }
+    args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
+    out.define_extern(st.extra_outputs.empty() ? "halyard_attention_forward" : "halyard_attention_forward_lse", args,
+                      Float(32), vars(n.type.axis_names()), NameMangling::C);
   } else {
     HALYARD_CHECK(n.op == Op::AttentionGradK && st.extra_outputs.size() == 2, "the library backward writes dK, dV, dQ");
     for (int k = 4; k <= 6; ++k) args.push_back(buffer(n.inputs[static_cast<size_t>(k)], "attention_operand" + std::to_string(k)));
+    args.push_back(written_beside(st.extra_outputs[0], "dv_out"));
+    args.push_back(written_beside(st.extra_outputs[1], "dq_out"));
     args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
-    call.define_extern("halyard_attention_backward", args, Float(32), {x, i, w, task, b}, NameMangling::C);
-    out(vs) = call(d, t, grp, hh, b);  // dK
-    Func dv("dv_out"), dq("dq_out");
-    dv(vs) = call(d, t, grp + 1, hh, b);
-    dq(vs) = call(d, t, hh % grp, hh / grp, b);  // (its heads axis is the query heads)
-    ls.funcs.extra_outs = {dv, dq};
+    out.define_extern("halyard_attention_backward", args, Float(32), vars(n.type.axis_names()), NameMangling::C);
   }
-  ls.funcs.library = call;
+  ls.funcs.library = true;
 }
 
-// A weight gradient through the library GEMM (runtime/gemm_cpu.h): one
-// extern call writing the whole gradient; the stage's output is a copy.
+// A weight gradient through the library GEMM (runtime/gemm_cpu.h): the
+// stage's output is the extern call, writing the whole gradient.
 void Ctx::library_weight_grad(int id, Func out) {
   const Node& n = g.node(id);
   WeightGradForm form;
@@ -796,11 +795,8 @@ void Ctx::library_weight_grad(int id, Func out) {
                                           buffer(n.inputs[static_cast<size_t>(form.b)], "wg_b"), Expr(form.a_dims),
                                           Expr(form.b_dims)};
   for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.tokens.size() ? form.tokens[k] : 1)));
-  const std::vector<Var> vs = vars(n.type.axis_names());
-  Func call("weight_grad_library");
-  call.define_extern("halyard_weight_grad", args, Float(32), vs, NameMangling::C);
-  out(vs) = call(vs);
-  ls.funcs.library = call;
+  out.define_extern("halyard_weight_grad", args, Float(32), vars(n.type.axis_names()), NameMangling::C);
+  ls.funcs.library = true;
 }
 
 // A contraction through the runtime's GEMM (runtime/gemm.h): the stage's
@@ -819,7 +815,7 @@ void Ctx::device_gemm(int id, Func out) {
                                           Expr(static_cast<int>(form.a_k_inner)), Expr(static_cast<int>(form.b_k_inner))};
   for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.k.size() ? form.k[k] : 1)));
   out.define_extern("halyard_gemm", args, Float(32), vars(n.type.axis_names()), NameMangling::C, gemm_device);
-  ls.funcs.library = out;
+  ls.funcs.library = true;
 }
 
 }  // namespace
@@ -850,7 +846,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   std::vector<Func> outs = {ls.funcs.out};
   outs.insert(outs.end(), ls.funcs.extra_outs.begin(), ls.funcs.extra_outs.end());
   ls.pipeline = Pipeline(outs);
-  if (ls.funcs.library.defined() && !library_jit_externs().empty()) ls.pipeline.set_jit_externs(library_jit_externs());
+  if (ls.funcs.library && !library_jit_externs().empty()) ls.pipeline.set_jit_externs(library_jit_externs());
   return ls;
 }
 

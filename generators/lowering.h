@@ -51,9 +51,8 @@ struct StageFuncs {
   std::vector<Halide::Func> staged;         // operands a heavy op reads many times
   std::vector<Halide::Func> root_copies;    // transposed copies computed once per call
   AttentionFuncs attn;                      // attention kernels only (attn.kind >= 0)
-  Halide::Func library;                     // a library kernel's extern call (Stage::library), or
-                                            // `out` itself (Stage::gemm: the runtime's GEMM)
-  bool library_is_out() const { return library.defined() && library.function().same_as(out.function()); }
+  bool library = false;                     // `out` is an extern call writing the outputs: a library kernel
+                                            // (Stage::library) or the runtime's GEMM (Stage::gemm)
   bool is_contract = false;
   Halide::RDom contract_rdom;
   Halide::Func contract_acc;                // the reduction; `out` copies it

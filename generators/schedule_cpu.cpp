@@ -383,14 +383,10 @@ void schedule_cpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
     f.compute_root();
     pointwise(f, vec);
   }
-  if (F.library_is_out()) {
-    // The runtime's GEMM writes the output (on the host: its reference, which the tests run)
-  } else if (F.library.defined()) {
-    // One library call (it runs its tasks on Halide's thread pool); the
-    // stage's outputs are vectorized copies of what it wrote.
-    F.library.compute_root();
-    pointwise(F.out, vec);
-    for (Func f : F.extra_outs) pointwise(f, vec);
+  if (F.library) {
+    // A library kernel (runtime/attention_cpu.h, gemm_cpu.h; or the runtime's
+    // GEMM, on the host its reference) writes the outputs; its tasks run on
+    // Halide's thread pool.
   } else if (F.is_contract) {
     schedule_contract(ls, g, st, vec, build_host_caches());
   } else if (g.node(st.root).op == Op::BiasAddGrad) {

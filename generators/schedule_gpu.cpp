@@ -103,7 +103,7 @@ void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
     for (Func f : F.extra_outs) on_gpu(f);
     return;
   }
-  if (F.library_is_out()) return;  // the runtime's GEMM, an extern stage on the device writing the output
+  if (F.library) return;  // the runtime's GEMM, an extern stage on the device writing the output
   on_gpu(F.out);
   for (Func f : F.extra_outs) on_gpu(f);
 }

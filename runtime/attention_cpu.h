@@ -5,17 +5,18 @@
 // forward writes the output and each row's log-sum-exp; one backward pass
 // writes dQ, dK and dV (attention_cpu_impl.h).
 //
-// Halide calls each entry point once per stage, with the whole output; the
-// tasks run in parallel on Halide's thread pool: the forward one per
-// (batch, query head), the backward one per (batch, kv head). In a bounds
-// query they ask for their inputs whole.
-// Buffers are Halide's, innermost first:
+// Halide calls each entry point once per stage, with the stage's own output
+// buffers (nothing is copied after the call); the tasks run in parallel on
+// Halide's thread pool: the forward one per (batch, query head), the
+// backward one per (batch, kv head). In a bounds query they ask for their
+// inputs whole. Buffers are Halide's, innermost first:
 //   q, o, dO  [head_dim, heads, seq, batch]   k, v  [head_dim, kv_heads, seq, batch]
 //   pos       [seq, batch] (int32)            lse   [heads, seq, batch]
-//   forward out  [head_dim + 1, seq, heads, batch]: the output, then the lse
-//                (or [head_dim, ...] where the stage does not write the lse)
-//   backward out [head_dim, seq, heads/kv_heads + 2, kv_heads, batch]:
-//                dQ of each head of the group, then dK, then dV
+//   forward:  out is the output o; _lse also writes the log-sum-exp into lse
+//   backward: out is dK, and the call writes dV and dQ [head_dim, heads,
+//             seq, batch] beside it, the stage's other two outputs
+// An output that another call writes is Halide's extern stage
+// halyard_written_beside, which does nothing.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +27,14 @@ extern "C" {
 int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               int heads, int kv_heads, int head_dim, int query_block, int key_block,
                               halide_buffer_t* out);
+int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                                  halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block,
+                                  int key_block, halide_buffer_t* out);
 int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, int heads, int kv_heads,
-                               int query_block, int key_block, halide_buffer_t* out);
+                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
+                               halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
+                               halide_buffer_t* out);
+int halyard_written_beside(halide_buffer_t* out);
 }
 
 namespace halyard::runtime::attention_cpu {

@@ -366,11 +366,27 @@ extern "C" int halyard_weight_grad(halide_buffer_t* a, halide_buffer_t* b, int a
   return 0;
 }
 
-extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                                         int heads, int kv_heads, int head_dim, int query_block, int key_block,
-                                         halide_buffer_t* out) {
-  const int D = head_dim, S = out->dim[1].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  const bool lse = out->dim[0].extent > D;  // asked for only where the stage writes it
+namespace {
+
+// Whether buffer x holds every element of `want` ({min, extent} per
+// dimension): what an output written beside the call's own must cover.
+bool covers(const halide_buffer_t* x, std::initializer_list<std::pair<int, int>> want) {
+  if (x->dimensions != static_cast<int>(want.size())) return false;
+  int d = 0;
+  for (auto [min, extent] : want) {
+    if (x->dim[d].min > min || x->dim[d].min + x->dim[d].extent < min + extent) return false;
+    ++d;
+  }
+  return true;
+}
+
+// The forward over the output's heads and rows: out is the output
+// [head_dim, heads, seq, batch], lse (where the stage writes it) the
+// log-sum-exp [heads, seq, batch], both the stage's own buffers.
+int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                      halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                      halide_buffer_t* out) {
+  const int D = head_dim, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (out->is_bounds_query()) {
     // The output's rows are whole; q, k, v and pos are asked for whole rows too.
     whole(q, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
@@ -379,11 +395,13 @@ extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k,
     whole(pos, {{0, S}, {b0, nb}});
     return 0;
   }
-  if (out->dim[0].min != 0 || out->dim[1].min != 0 || q->dim[0].stride != 1 || k->dim[0].stride != 1 ||
-      v->dim[0].stride != 1 || out->dim[0].stride != 1)
+  const int h0 = out->dim[1].min, nh = out->dim[1].extent;
+  if (out->dim[0].min != 0 || out->dim[0].extent != D || out->dim[2].min != 0 || q->dim[0].stride != 1 ||
+      k->dim[0].stride != 1 || v->dim[0].stride != 1 || out->dim[0].stride != 1)
     return fail("halyard_attention_forward: rows must be whole and head_dim dense");
+  if (lse && !covers(lse, {{h0, nh}, {0, S}, {b0, nb}}))
+    return fail("halyard_attention_forward: the log-sum-exp must cover the output's heads and rows");
   if (kv_heads < 1 || heads % kv_heads) return fail("halyard_attention_forward: kv_heads must divide heads");
-  const int h0 = out->dim[2].min, nh = out->dim[2].extent;
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
@@ -391,18 +409,31 @@ extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k,
       a.q = at<const float>(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
       std::vector<float> unused(lse ? 0 : static_cast<size_t>(S));
-      kernels().forward(a, at<float>(out, {0, 0, h, b}), out->dim[1].stride,
-                        lse ? at<float>(out, {D, 0, h, b}) : unused.data(), lse ? out->dim[1].stride : 1);
+      kernels().forward(a, at<float>(out, {0, h, 0, b}), out->dim[2].stride,
+                        lse ? at<float>(lse, {h, 0, b}) : unused.data(), lse ? lse->dim[1].stride : 1);
   });
   return 0;
 }
 
+}  // namespace
+
+extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                                         int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                                         halide_buffer_t* out) {
+  return attention_forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, query_block, key_block, out);
+}
+
+extern "C" int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                             halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
+                                             int head_dim, int query_block, int key_block, halide_buffer_t* out) {
+  return attention_forward(q, k, v, pos, lse, heads, kv_heads, head_dim, query_block, key_block, out);
+}
+
 extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                           halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
-                                          halide_buffer_t* lse, int heads, int kv_heads, int query_block,
-                                          int key_block, halide_buffer_t* out) {
-  const int D = out->dim[0].extent, S = out->dim[1].extent, grp = out->dim[2].extent - 2, b0 = out->dim[4].min,
-            nb = out->dim[4].extent;
+                                          halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
+                                          int kv_heads, int query_block, int key_block, halide_buffer_t* out) {
+  const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (out->is_bounds_query()) {
     for (halide_buffer_t* x : {q, o, dO}) whole(x, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
     for (halide_buffer_t* x : {k, v}) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
@@ -410,32 +441,39 @@ extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k
     whole(pos, {{0, S}, {b0, nb}});
     return 0;
   }
-  if (out->dim[0].min != 0 || out->dim[1].min != 0 || out->dim[2].min != 0 || grp < 1 || grp > Group::kMaxHeads ||
-      out->dim[0].stride != 1 || kv_heads < 1 || heads != grp * kv_heads)
+  const int grp = kv_heads < 1 ? 0 : heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
+  if (out->dim[0].min != 0 || out->dim[2].min != 0 || grp < 1 || grp > Group::kMaxHeads || heads != grp * kv_heads ||
+      out->dim[0].stride != 1)
     return fail("halyard_attention_backward: rows and groups must be whole and head_dim dense");
-  for (const halide_buffer_t* x : {q, k, v, o, dO})
+  for (const halide_buffer_t* x : {q, k, v, o, dO, dv, dq})
     if (x->dim[0].stride != 1) return fail("halyard_attention_backward: head_dim must be dense");
-  const int g0 = out->dim[3].min, ng = out->dim[3].extent;
+  if (!covers(dv, {{0, D}, {g0, ng}, {0, S}, {b0, nb}}) || !covers(dq, {{0, D}, {g0 * grp, ng * grp}, {0, S}, {b0, nb}}))
+    return fail("halyard_attention_backward: dV and dQ must cover dK's groups and rows");
   par_for(nb * ng, [&](int task) {
       const int b = b0 + task / ng, g = g0 + task % ng;
       Group a;
       static_cast<KeyRows&>(a) = key_rows(k, v, pos, g, b, S, D, query_block, key_block);
       a.heads = grp;
-      float* dq[Group::kMaxHeads];
+      float* dqs[Group::kMaxHeads];
       for (int w = 0; w < grp; ++w) {
         const int h = g * grp + w;
         a.q[w] = at<const float>(q, {0, h, 0, b});
         a.o[w] = at<const float>(o, {0, h, 0, b});
         a.dO[w] = at<const float>(dO, {0, h, 0, b});
         a.lse[w] = at<const float>(lse, {h, 0, b});
-        dq[w] = at<float>(out, {0, 0, w, g, b});
+        dqs[w] = at<float>(dq, {0, h, 0, b});
       }
       a.q_ld = q->dim[2].stride;
       a.o_ld = o->dim[2].stride;
       a.dO_ld = dO->dim[2].stride;
       a.lse_ld = lse->dim[1].stride;
-      kernels().backward(a, dq, out->dim[1].stride, at<float>(out, {0, 0, grp, g, b}), out->dim[1].stride,
-                         at<float>(out, {0, 0, grp + 1, g, b}), out->dim[1].stride);
+      kernels().backward(a, dqs, dq->dim[2].stride, at<float>(out, {0, g, 0, b}), out->dim[2].stride,
+                         at<float>(dv, {0, g, 0, b}), dv->dim[2].stride);
   });
   return 0;
 }
+
+// The extern stage of an output that another extern call of the same
+// stage writes (the log-sum-exp, dV and dQ beside attention's): it runs
+// nothing, and asks for nothing.
+extern "C" int halyard_written_beside(halide_buffer_t*) { return 0; }

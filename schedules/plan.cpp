@@ -58,12 +58,11 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
-  if (st.library && n.op == Op::Contract) {  // runtime/gemm_cpu_impl.h and the copies around it
+  if (st.library && n.op == Op::Contract) {  // runtime/gemm_cpu_impl.h and the copies of its operands
     WeightGradForm form;
     weight_grad_form(g, n, &form);
     copy_unless_buffer(static_cast<size_t>(form.a));
     copy_unless_buffer(static_cast<size_t>(form.b));
-    s.add(value_bytes(n.type));  // what the call wrote, copied into the output
     // B's packed block on each thread: 256 tokens x its columns, at most 1 MiB
     // (half of a 2 MiB L2; gemm_cpu::weight_grad sizes it from the host's L2)
     const TensorType& b = g.node(n.inputs[static_cast<size_t>(form.b)]).type;
@@ -81,14 +80,13 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
     copy_unless_buffer(static_cast<size_t>(form.b));
     return s;
   }
-  if (st.library) {  // runtime/attention_cpu_impl.h and the copies around it (generators/lower.cpp)
+  if (st.library) {  // runtime/attention_cpu_impl.h and the copies of its operands (generators/lower.cpp)
     const TensorType& q = g.node(n.inputs[0]).type;
     const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");
     const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
     const bool fwd = n.op == Op::Attention;
     for (size_t k = 0; k < (fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
-    const int64_t tasks = rows * (fwd ? H : KV), per_task = fwd ? (D + 1) * S : D * S * (H / KV + 2);
-    s.add(tasks * per_task * 4);  // what the call wrote, copied into the outputs
+    const int64_t tasks = rows * (fwd ? H : KV);
     for (int64_t t2 = 0; t2 < std::min<int64_t>(threads, tasks); ++t2) {
       // k and v packed (twice, and k once more, in the backward); dK, dV padded where D is not a whole vector
       for (int c = 0; c < (fwd ? 2 : D == Dp ? 3 : 5); ++c) s.add(S * Dp * 4);

@@ -330,9 +330,10 @@ TEST(Kernels, GpuAttentionMatchesTheInterpreterAtEveryLength) {
 }
 
 // What a lowered stage allocates, with its buffers' sizes fixed: bytes in
-// device memory (Halide's buffers, outside kernels), and bytes its kernels
-// declare per thread, summed over its kernels (registers or local memory:
-// arrays in the OpenCL C source, the local depots of the PTX).
+// device memory (Halide's buffers, outside kernels; on a CPU target, its
+// heap), and bytes its kernels declare per thread, summed over its kernels
+// (registers or local memory: arrays in the OpenCL C source, the local
+// depots of the PTX).
 struct Allocated {
   int64_t memory = 0, per_thread = 0;
   std::vector<std::string> unsized;
@@ -340,7 +341,8 @@ struct Allocated {
 
 Allocated allocations_of(const Graph& g, const Stage& st, const Halide::Target& t) {
   LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::Host, t.has_gpu_feature());
-  schedule_gpu(ls, g, st, t);
+  if (t.has_gpu_feature()) schedule_gpu(ls, g, st, t);
+  else schedule_cpu(ls, g, st, t);
   auto fix = [](Halide::OutputImageParam b, const TensorType& type) {
     for (int d = 0; d < type.rank(); ++d) b.dim(d).set_bounds(0, static_cast<int>(type.axes[static_cast<size_t>(type.rank() - 1 - d)].size));
   };
@@ -422,6 +424,39 @@ TEST(Kernels, LibraryAttentionMatchesTheInterpreterAtEveryLength) {
   run_attention_cases({{37, false, "library"}, {300, false, "library"}, {520, false, "library"},
                        {100, true, "library"}, {300, true, "library"}, {130, false, "library", 20, 2},
                        {200, true, "library", 24, 1}, {64, false, "library", 32, 1}});
+}
+
+// The library kernels write the stage's outputs themselves (the forward its
+// output and log-sum-exp, the backward dK, and dV and dQ through their
+// buffers), so a stage whose operands are buffers allocates nothing: a
+// copy of [head_dim + 1, seq, heads] and one of [head_dim, seq, group + 2,
+// kv_heads] floats before. The weight-gradient GEMM likewise.
+TEST(Kernels, LibraryStagesWriteTheirOutputsInPlace) {
+  Graph g;
+  const Partition p = attention_partition(g, {4096, false, "library", 64, 1});
+  std::vector<std::string> library;
+  for (const Stage& st : p.stages) {
+    if (!st.library) continue;
+    const std::string kind = op_name(g.node(st.root).op);
+    library.push_back(kind);
+    const Allocated a = allocations_of(g, st, Halide::get_host_target());
+    EXPECT_TRUE(a.memory == 0 && a.unsized.empty())
+        << kind << " allocates " << a.memory << " bytes and " << a.unsized.size() << " buffers sized at run time";
+  }
+  EXPECT_EQ(library, (std::vector<std::string>{"attention", "attention_grad_k"}));
+
+  Graph wg;
+  const Axis S{"seq", 1000}, M{"model", 64}, F{"ffn", 96};
+  Value x = input(wg, "x", DType::f32, {S, M});
+  Value dy = input(wg, "dy", DType::f32, {S, F});
+  Value dw = contract_to(dy, x, {"ffn", "model"});
+  Schedule sched;
+  const Partition wp = partition(wg, {dw.id}, sched);
+  ASSERT_EQ(wp.stages.size(), 1u);
+  ASSERT_TRUE(wp.stages[0].library) << "a sum over the tokens goes to the library GEMM";
+  const Allocated a = allocations_of(wg, wp.stages[0], Halide::get_host_target());
+  EXPECT_TRUE(a.memory == 0 && a.unsized.empty()) << "the weight gradient allocates " << a.memory << " bytes and "
+                                                  << a.unsized.size() << " buffers sized at run time";
 }
 
 TEST(Kernels, LibraryAttentionMatchesTheInterpreterInEveryIsa) {
