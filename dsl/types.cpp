@@ -120,17 +120,24 @@ std::vector<int64_t> TensorType::shape() const {
   return s;
 }
 
+// (No stream: the partition keys every stage by these strings, and AutoSP
+// partitions thousands of plans.)
 std::string TensorType::str() const {
-  std::ostringstream os;
-  os << dtype_name(dtype) << "[";
-  for (size_t i = 0; i < axes.size(); ++i)
-  {
+  std::string s(dtype_name(dtype));
+  s += '[';
+  for (size_t i = 0; i < axes.size(); ++i) {
     const Axis& a = axes[i];
-    os << (i ? ", " : "") << a.name << "=" << (a.sharded() ? a.global : a.size);
-    if (a.sharded()) os << "@" << a.shard;
+    if (i) s += ", ";
+    s += a.name;
+    s += '=';
+    s += std::to_string(a.sharded() ? a.global : a.size);
+    if (a.sharded()) {
+      s += '@';
+      s += a.shard;
+    }
   }
-  os << "]";
-  return os.str();
+  s += ']';
+  return s;
 }
 
 std::string join(const std::vector<std::string>& parts, std::string_view sep) {

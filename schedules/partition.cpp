@@ -20,6 +20,18 @@ bool is_heavy(Op op) {
 namespace {
 
 std::string attrs_key(const Node& n) {
+  switch (n.op) {  // (most ops have none: no stream for them, see TensorType::str)
+    case Op::Fill:
+    case Op::RmsNorm:
+    case Op::RmsNormGradX:
+    case Op::RmsNormGradW:
+    case Op::Rope:
+    case Op::TokenCount:
+    case Op::CrossEntropy:
+    case Op::CrossEntropyGrad:
+    case Op::EmbeddingGrad: break;
+    default: return {};
+  }
   std::ostringstream os;
   os.precision(17);
   const Attrs& a = n.attrs;

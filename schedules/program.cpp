@@ -3,6 +3,7 @@
 #include "schedules/sharding.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <map>
 
@@ -38,14 +39,21 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
         if (a0 <= b1 && b0 <= a1) return true;
     return false;
   };
+  // Each buffer's first and last call: most pairs are apart by those alone.
+  std::vector<std::pair<int, int>> span(ranges.size(), {INT32_MAX, INT32_MIN});
+  for (size_t i = 0; i < ranges.size(); ++i)
+    for (auto [a0, a1] : ranges[i]) span[i] = {std::min(span[i].first, a0), std::max(span[i].second, a1)};
   int64_t size_of_arena = 0;
   std::vector<int> placed;
+  std::vector<std::pair<int64_t, int64_t>> busy;
   for (int i : order) {
     PlannedBuffer& b = buffers[static_cast<size_t>(i)];
     const int64_t size = aligned(b.bytes);
-    std::vector<std::pair<int64_t, int64_t>> busy;
+    const auto [first, last] = span[static_cast<size_t>(i)];
+    busy.clear();
     for (int j : placed) {
       const PlannedBuffer& o = buffers[static_cast<size_t>(j)];
+      if (span[static_cast<size_t>(j)].first > last || span[static_cast<size_t>(j)].second < first) continue;
       if (meet(ranges[static_cast<size_t>(i)], ranges[static_cast<size_t>(j)]))
         busy.push_back({o.*offset, o.*offset + aligned(o.bytes)});
     }

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dsl/graph.h"
@@ -171,6 +172,6 @@ std::vector<ValueRule> checkpoint_rules();        // recompute all but what the 
 ValueRule recompute_seq_tiles_rule();             // tiles recomputed per tile in the backward
 
 // '*' matches any run of characters.
-bool glob_match(const std::string& pattern, const std::string& text);
+bool glob_match(std::string_view pattern, std::string_view text);
 
 }  // namespace halyard
