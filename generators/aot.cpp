@@ -261,17 +261,20 @@ int run(const Options& o, const ModelBuilder& build) {
     throw UserError("error: --sp " + std::to_string(o.sp) + " but schedule \"" + sched.name + "\" says mesh sp=" +
                     std::to_string(sched.mesh.sp) + ".\nfix: drop SP from halyard_add_model, or make them agree.");
   if (o.sp > 0) sched.mesh.sp = o.sp;
-  // The library kernels are CPU code; the runtime's GEMM is cuBLAS.
   const bool gpu = parse_target(o.target).has_gpu_feature(), cuda = parse_target(o.target).has_feature(Halide::Target::CUDA);
-  if (gpu) sched.attention_kernel = sched.weight_grad_kernel = "halide";
+  if (!gpu && cluster.gpu())
+    throw UserError("error: target \"" + o.target + "\" is a CPU, but cluster \"" + cluster.name +
+                    "\" is one of GPUs (device \"" + cluster.device + "\"): the plan would count GPU kernels and GPU memory that "
+                    "this library does not have.\nfix: build for a GPU target (host-cuda-cuda_capability_80, "
+                    "host-opencl), or plan on CPU ranks (local-cpu, or a profile written by halyard-calibrate).");
+  if (!cuda && sched.contract_kernel == "cublas")
+    throw UserError("error: schedule \"" + sched.name + "\" says contract_kernel \"cublas\", but target \"" + o.target +
+                    "\" has no CUDA.\nlegal: \"auto\" or \"halide\" here (\"cublas\" needs a CUDA target).");
+  if (gpu) sched = sched.on_gpu(cuda);
   if (!gpu && sched.offloads())
     throw UserError("error: schedule \"" + sched.name + "\" offloads values to host memory (keep \"offload\"), but target \"" +
                     o.target + "\" is a CPU: its memory is host memory already.\nfix: keep \"save\" or \"recompute\" "
                     "for CPU targets; offloading needs a GPU target (host-cuda, host-opencl).");
-  if (!cuda && sched.contract_kernel == "cublas")
-    throw UserError("error: schedule \"" + sched.name + "\" says contract_kernel \"cublas\", but target \"" + o.target +
-                    "\" has no CUDA.\nlegal: \"auto\" or \"halide\" here (\"cublas\" needs a CUDA target).");
-  if (cuda && sched.contract_kernel == "auto") sched.contract_kernel = "cublas";
   Plan p = plan(build, {o.config, o.batch, o.seq}, sched, cluster);
   if (!o.schedule_out.empty()) {  // the schedule built, as a file a user can pin and edit
     std::ofstream out(o.schedule_out);

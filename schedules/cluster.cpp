@@ -19,13 +19,14 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // collectives within a node run over NVLink at `nvlink` bytes/s per GPU and
 // direction, across nodes over `ib` bytes/s per GPU; copies to and from the
 // host over `pcie` bytes/s each way (PCIe 4.0 x16 on A100, 5.0 on H100/H200).
-Cluster gpu(const std::string& name, int64_t ranks, double mem_gib, double bf16, double f32, double hbm, double nvlink,
+Cluster gpu_preset(const std::string& name, int64_t ranks, double mem_gib, double bf16, double f32, double hbm, double nvlink,
             double ib, double pcie) {
   Cluster c;
   c.name = name;
   c.source = "datasheet preset: bf16 matmuls at 60% and attention at 40% of peak, other kernels at 80% of HBM "
              "bandwidth, NVLink within a node, 400 Gb/s InfiniBand per GPU across nodes, PCIe to the host at 80% "
              "of its rate; CUDA context and NCCL buffers 1 GiB per rank";
+  c.device = "cuda";
   c.ranks = ranks;
   c.ranks_per_node = std::min<int64_t>(ranks, 8);
   c.memory_per_rank_bytes = static_cast<int64_t>(mem_gib * kGiB);
@@ -108,6 +109,7 @@ std::string Cluster::to_json() const {
     j["kernels"][k] = {{"s_per_flop", v.s_per_flop}, {"s_per_byte", v.s_per_byte}, {"s_per_call", v.s_per_call}};
   for (const auto& [k, v] : collectives) j["collectives"][k] = {{"alpha_s", v.alpha_s}, {"beta_s_per_byte", v.beta_s_per_byte}};
   j["inter_node"] = {{"alpha_s", inter_node.alpha_s}, {"beta_s_per_byte", inter_node.beta_s_per_byte}};
+  if (gpu()) j["device"] = device;
   if (has_host_link())
     j["host_link"] = {{"alpha_s", host_link.alpha_s}, {"beta_s_per_byte", host_link.beta_s_per_byte}};
   return j.dump(2);
@@ -143,10 +145,17 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
       for (auto it = j["collectives"].begin(); it != j["collectives"].end(); ++it) c.collectives[it.key()] = link_from(*it);
     if (j.contains("inter_node")) c.inter_node = link_from(j["inter_node"]);
     if (j.contains("host_link")) c.host_link = link_from(j["host_link"]);
+    // Files from before "device" existed: a host link was a GPU's.
+    c.device = j.value("device", j.contains("host_link") ? "cuda" : "cpu");
   } catch (const nlohmann::json::exception& e) {
     throw UserError("error: cluster \"" + what + "\" has an ill-typed field: " + e.what() +
                     "\nlegal: numbers for ranks, bandwidths and coefficients (see schedules/cluster.h).");
   }
+  if (c.device != "cpu" && c.device != "cuda")
+    throw UserError("error: cluster \"" + what + "\": device \"" + c.device + "\".\nlegal: \"cpu\" or \"cuda\".");
+  if (!c.gpu() && c.has_host_link())
+    throw UserError("error: cluster \"" + what + "\" has device \"cpu\" and a host_link: a CPU rank's memory is host "
+                    "memory already, there is no link to offload over.\nfix: drop \"host_link\", or say \"device\": \"cuda\".");
   if (c.ranks < 1 || c.ranks_per_node < 1)
     throw UserError("error: cluster \"" + what + "\": ranks " + std::to_string(c.ranks) + ", ranks_per_node " +
                     std::to_string(c.ranks_per_node) + ".\nlegal: both >= 1.");
@@ -160,10 +169,10 @@ const std::vector<std::string>& Cluster::presets() {
 
 Cluster Cluster::named(const std::string& n) {
   if (n == "local-cpu") return local_cpu();
-  if (n == "8xA100-80GB") return gpu(n, 8, 80, 312e12, 19.5e12, 2.039e12, 300e9, 50e9, 32e9);
-  if (n == "8xH100-80GB") return gpu(n, 8, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9, 64e9);
-  if (n == "8xH200") return gpu(n, 8, 141, 989e12, 67e12, 4.8e12, 450e9, 50e9, 64e9);
-  if (n == "64xH100-80GB") return gpu(n, 64, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9, 64e9);
+  if (n == "8xA100-80GB") return gpu_preset(n, 8, 80, 312e12, 19.5e12, 2.039e12, 300e9, 50e9, 32e9);
+  if (n == "8xH100-80GB") return gpu_preset(n, 8, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9, 64e9);
+  if (n == "8xH200") return gpu_preset(n, 8, 141, 989e12, 67e12, 4.8e12, 450e9, 50e9, 64e9);
+  if (n == "64xH100-80GB") return gpu_preset(n, 64, 80, 989e12, 67e12, 3.35e12, 450e9, 50e9, 64e9);
   std::ifstream in(n);
   if (!in)
     throw UserError("error: cluster \"" + n + "\" is neither a preset nor a readable file.\nlegal: " + join(presets()) +

@@ -33,6 +33,10 @@ struct Cluster {
   std::string name;
   std::string source;  // where the numbers come from (calibration run, datasheet)
   int64_t ranks = 1, ranks_per_node = 1;
+  // What a rank is: "cpu" (a process on CPU cores) or "cuda" (an NVIDIA
+  // GPU). It decides the kernels a plan counts (Schedule::on_gpu).
+  std::string device = "cpu";
+  bool gpu() const { return device != "cpu"; }
   int64_t memory_per_rank_bytes = 0;  // 0: unknown
   std::map<std::string, double> peak_flops;  // per dtype ("f32", "bf16"), per rank
   double memory_bandwidth_bytes_per_s = 0;   // per rank

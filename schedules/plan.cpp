@@ -51,13 +51,31 @@ struct Scratch {
 // thread; all alive at once. (RoPE's tables are freed before the copies
 // they feed are made.) It mirrors the lowering's choices; halyard-calibrate
 // prints it next to what each kernel held (HALYARD_CALIBRATE_VERBOSE=1).
-Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_tile) {
+Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_tile, bool gpu) {
   const Node& n = g.node(st.root);
   auto bytes_of = [&](size_t k) { return value_bytes(g.node(n.inputs[k]).type); };
   Scratch s;
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
+  if (gpu && (n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
+              n.op == Op::AttentionGradK || n.op == Op::AttentionGradV)) {
+    // generators/schedule_gpu.cpp keeps at root the operands computed inline,
+    // k (and for dP, v) transposed, and per query row and head the max and
+    // sum (forward) or rowsum(dO * O) (backward); nothing per key. Device
+    // temporaries come from Halide's reuse pool, which keeps what is freed:
+    // the heap's rule.
+    const TensorType& q = g.node(n.inputs[0]).type;
+    const int64_t row_stat = 4 * q.size("seq") * q.size("heads") * q.size("batch");
+    const bool fwd = n.op == Op::Attention || n.op == Op::AttentionLse;
+    for (size_t k : n.op == Op::AttentionLse ? std::vector<size_t>{0, 1}
+                    : fwd                    ? std::vector<size_t>{0, 1, 2}
+                                             : std::vector<size_t>{0, 1, 2, 4, 5})
+      if (!is_buffer(st, n.inputs[k])) s.heap += bytes_of(k);
+    s.heap += bytes_of(1) + (n.op == Op::AttentionGradQ || n.op == Op::AttentionGradK ? bytes_of(2) : 0);
+    s.heap += (fwd ? 2 : 1) * row_stat;
+    return s;
+  }
   if (st.library && n.op == Op::Contract) {  // runtime/gemm_cpu_impl.h and the copies of its operands
     WeightGradForm form;
     weight_grad_form(g, n, &form);
@@ -224,7 +242,9 @@ int64_t Plan::collective_bytes_per_rank() const {
   return b;
 }
 
-Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& schedule, const Cluster& cluster) {
+Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& given, const Cluster& cluster) {
+  const bool gpu = cluster.gpu();
+  const Schedule schedule = gpu ? given.on_gpu(cluster.device == "cuda") : given;
   if (req.seq <= 0 || req.batch <= 0)
     throw UserError("error: plan of \"" + req.config + "\" with batch " + std::to_string(req.batch) + ", seq " +
                     std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
@@ -336,7 +356,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& sc
     sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
     const Scratch k =
-        kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16);
+        kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16, gpu);
     sc.scratch_estimate = k.heap + k.mapped;
     heap_scratch = std::max(heap_scratch, k.heap);
     mapped_scratch = std::max(mapped_scratch, k.mapped);

@@ -68,7 +68,7 @@ struct StageCost {
   bool backward = false;
   double flops = 0;
   int64_t bytes = 0;  // read + written
-  int64_t scratch_estimate = 0;  // temporaries the CPU lowering allocates (kernel_scratch's estimate)
+  int64_t scratch_estimate = 0;  // temporaries the lowering allocates for the cluster's device (kernel_scratch's estimate)
   double time_s = 0;
 };
 

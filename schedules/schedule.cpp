@@ -155,6 +155,13 @@ Keep Schedule::keep(const Node& n) const {
   return k;
 }
 
+Schedule Schedule::on_gpu(bool cuda) const {
+  Schedule s = *this;
+  s.attention_kernel = s.weight_grad_kernel = "halide";
+  if (s.contract_kernel == "auto") s.contract_kernel = cuda ? "cublas" : "halide";
+  return s;
+}
+
 bool Schedule::offloads() const {
   return std::any_of(values.begin(), values.end(), [](const ValueRule& r) { return r.keep == "offload"; });
 }

@@ -133,6 +133,12 @@ struct Schedule {
   // makes it "cublas" for a CUDA target before it plans).
   std::string contract_kernel = "auto";
   static const std::vector<std::string>& contract_kernels();
+  // The kernels a GPU runs, "auto" decided: the library kernels are CPU
+  // code, so attention and weight gradients are Halide's; GEMM-form
+  // contractions are cuBLAS's on CUDA and Halide's on other devices (an
+  // explicit "halide" stays). halyard_aot applies it for a GPU target, and
+  // plan() for a GPU cluster, so that a plan counts the kernels its library runs.
+  Schedule on_gpu(bool cuda) const;
 
   // Decisions for one value (inputs and parameters are always buffers).
   Keep keep(const Node& n) const;

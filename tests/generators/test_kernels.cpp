@@ -30,9 +30,11 @@
 #include "dsl/autodiff.h"
 #include "dsl/interpreter.h"
 #include "dsl/ops.h"
+#include "examples/llama/llama_builder.h"
 #include "generators/jit_library.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
+#include "schedules/plan.h"
 
 namespace halyard {
 namespace {
@@ -415,6 +417,34 @@ TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
       EXPECT_LT(b.memory, int64_t{4096} * 4096) << kind << ": as much as one head's scores";
     }
   }
+}
+
+// A plan on a GPU cluster counts the kernels a GPU library runs (Halide's
+// attention, contractions through cuBLAS; no CPU library kernel), and for
+// each attention stage what generators/schedule_gpu.cpp allocates on the
+// device: the tiny Llama's q and k after RoPE computed once, k (and v)
+// transposed, the row statistics. Before, such a plan counted the CPU
+// library's stages and scratch.
+TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
+  const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024},
+                      Schedule::named("default"), Cluster::named("8xH200"));
+  EXPECT_EQ(p.schedule.attention_kernel, "halide");
+  EXPECT_EQ(p.schedule.contract_kernel, "cublas");
+  const Graph& g = *p.model.graph;
+  const Halide::Target cuda("host-cuda-cuda_capability_80");
+  std::vector<std::string> checked;
+  for (const StageCost& c : p.stages) {
+    const Stage& st = p.train.stages[static_cast<size_t>(c.stage)];
+    EXPECT_FALSE(st.library) << c.label;
+    if (c.kind.rfind("attention", 0) != 0 || c.layer != "model.layers.0") continue;
+    const Allocated a = allocations_of(g, st, cuda);
+    std::printf("  %-44s lowered for CUDA: %9lld bytes; plan: %9lld\n", c.label.c_str(), static_cast<long long>(a.memory),
+                static_cast<long long>(c.scratch_estimate));
+    EXPECT_EQ(a.memory, c.scratch_estimate) << c.label;
+    EXPECT_TRUE(a.unsized.empty()) << c.label;
+    checked.push_back(c.kind);
+  }
+  EXPECT_EQ(checked.size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
 }
 
 // The library kernels (runtime/attention_cpu.h) on lengths that are not

@@ -347,6 +347,46 @@ TEST(Plan, SavedValuesStoredInBf16) {
   }
 }
 
+// A cluster says what its ranks are; a plan on GPUs counts the kernels a GPU
+// library runs (Halide's attention and weight gradients, contractions
+// through cuBLAS), as halyard_aot builds them for a GPU target, whether or
+// not the cluster has a host link. Before, it counted the CPU library's.
+TEST(Plan, AGpuClusterPlansTheKernelsOfAGpu) {
+  const Cluster h200 = Cluster::named("8xH200");
+  EXPECT_EQ(h200.device, "cuda");
+  EXPECT_EQ(Cluster::named("local-cpu").device, "cpu");
+  EXPECT_EQ(Cluster::parse(h200.to_json(), "again").device, "cuda");
+  EXPECT_EQ(Cluster::parse(R"({"host_link": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-10}})", "old.json").device, "cuda");
+  EXPECT_THAT(error_of([] { Cluster::parse(R"({"device": "tpu"})", "c.json"); }),
+              ::testing::AllOf(::testing::HasSubstr("device \"tpu\""), ::testing::HasSubstr("legal: \"cpu\" or \"cuda\"")));
+  EXPECT_THAT(error_of([] { Cluster::parse(R"({"device": "cpu", "host_link": {"beta_s_per_byte": 1e-10}})", "c.json"); }),
+              ::testing::AllOf(::testing::HasSubstr("device \"cpu\" and a host_link"), ::testing::HasSubstr("fix:")));
+  Cluster no_link = h200;
+  no_link.host_link = {};
+  const Schedule s = Schedule::named("default");
+  for (const Cluster& c : {h200, no_link}) {
+    const Plan p = plan(llama::llama_builder(), {kTiny, 1, 1024}, s, c);
+    EXPECT_EQ(p.schedule.attention_kernel, "halide");
+    EXPECT_EQ(p.schedule.weight_grad_kernel, "halide");
+    EXPECT_EQ(p.schedule.contract_kernel, "cublas");
+    int gemms = 0;
+    for (const Stage& st : p.train.stages) {
+      EXPECT_FALSE(st.library) << describe(*p.model.graph, st.root);
+      gemms += st.gemm;
+    }
+    EXPECT_GT(gemms, 0);
+    // What halyard_aot plans for a CUDA target is the same plan.
+    const Plan aot = plan(llama::llama_builder(), {kTiny, 1, 1024}, s.on_gpu(true), c);
+    EXPECT_EQ(aot.memory.total(), p.memory.total());
+    EXPECT_DOUBLE_EQ(aot.step_s, p.step_s);
+  }
+  const Plan cpu = plan(llama::llama_builder(), {kTiny, 1, 1024}, s, Cluster::named("local-cpu"));
+  EXPECT_EQ(cpu.schedule.attention_kernel, "library");
+  int library = 0;
+  for (const Stage& st : cpu.train.stages) library += st.library;
+  EXPECT_GT(library, 0);
+}
+
 // Offloading a bf16 copy moves half the bytes.
 TEST(Plan, OffloadedBf16CopiesMoveHalfTheBytes) {
   const Cluster h200 = Cluster::named("8xH200");
