@@ -248,25 +248,38 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     Stage st;
     st.root = id;
     // Walk the inlined producers; buffers become inputs in first-use order.
-    std::map<int, std::string> memo;
-    std::function<std::string(int)> sig = [&](int v) -> std::string {
-      if (auto it = memo.find(v); it != memo.end()) return it->second;
+    // The key is written into one string: a value met again repeats the
+    // span it wrote the first time (no string per value: the search
+    // partitions thousands of plans).
+    std::string& key = st.signature;
+    std::map<int, std::pair<size_t, size_t>> span_of;
+    std::function<void(int)> sig = [&](int v) {
+      if (auto it = span_of.find(v); it != span_of.end()) {
+        key += std::string(key, it->second.first, it->second.second);
+        return;
+      }
+      const size_t start = key.size();
       const Node& x = g.node(v);
-      std::string out;
       if (v != id && p.materialized[static_cast<size_t>(v)]) {
         auto it = std::find(st.inputs.begin(), st.inputs.end(), v);
         size_t k = static_cast<size_t>(it - st.inputs.begin());
         if (it == st.inputs.end()) st.inputs.push_back(v);
-        out = "in" + std::to_string(k) + ":" + x.type.str();
+        key += "in" + std::to_string(k) + ":";
+        key += x.type.str();
       } else {
-        out = std::string(op_name(x.op)) + "[" + attrs_key(x) + "](";
-        for (size_t k = 0; k < x.inputs.size(); ++k) out += (k ? "," : "") + sig(x.inputs[k]);
-        out += ")->" + x.type.str();
+        key += op_name(x.op);
+        key += "[" + attrs_key(x) + "](";
+        for (size_t k = 0; k < x.inputs.size(); ++k) {
+          if (k) key += ",";
+          sig(x.inputs[k]);
+        }
+        key += ")->";
+        key += x.type.str();
         if (v != id) st.inlined.push_back(v);
       }
-      return memo[v] = out;
+      span_of[v] = {start, key.size() - start};
     };
-    st.signature = sig(id);
+    sig(id);
     if (auto it = dv_of.find(id); it != dv_of.end()) {
       st.extra_outputs.push_back(it->second);
       st.signature += "+dv:" + g.node(it->second).type.str();

@@ -316,9 +316,14 @@ void run_attention_cases(const std::vector<AttentionCase>& cases, const Halide::
   }
 }
 
-TEST(Kernels, AttentionMatchesTheInterpreterAtEveryLength) {
-  run_attention_cases({{37, false, "halide"}, {300, false, "halide"}, {520, false, "halide"}, {100, true, "halide"},
-                       {300, true, "halide"}});
+TEST(Kernels, AttentionMatchesTheInterpreterAtShortLengths) {
+  run_attention_cases({{37, false, "halide"}, {100, true, "halide"}});
+}
+
+// (Apart from the short ones so that the sanitizer run, which they would
+// hold for minutes compiling in Halide, can leave them out.)
+TEST(Kernels, AttentionMatchesTheInterpreterAtLongerLengths) {
+  run_attention_cases({{300, false, "halide"}, {520, false, "halide"}, {300, true, "halide"}});
 }
 
 // The GPU schedule (schedule_gpu.cpp: one thread per row, O(S) memory),
