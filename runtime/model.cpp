@@ -603,7 +603,7 @@ double Model::adamw_step(int64_t t, double lr, double max_norm) {
       sizes.push_back(spec_.params[i].numel);
     }
     norm = global_grad_norm(g.data(), sizes);
-    host_adamw_->step(t, lr, w.data(), g.data(), clip_scale(norm, max_norm));
+    if (std::isfinite(norm)) host_adamw_->step(t, lr, w.data(), g.data(), clip_scale(norm, max_norm));
   } else {
     DeviceAdamW& d = device_adamw();
     upload_if_host_newer(0, params_at_, update_times_.host_to_device_copies);
@@ -627,6 +627,10 @@ double Model::adamw_step(int64_t t, double lr, double max_norm) {
       for (int64_t j = 0; j < d.part[static_cast<size_t>(i)].dim[0].extent; ++j)
         ss += d.partials_home[static_cast<size_t>(d.part_at[static_cast<size_t>(i)] + j)];
     norm = std::sqrt(ss);
+    if (!std::isfinite(norm)) {
+      update_times_.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return norm;
+    }
     AdamWStepConstants k = adamw_step_constants(adamw_cfg_, t, lr, clip_scale(norm, max_norm));
     for (int i = 0; i < n; ++i) {
       const size_t j = static_cast<size_t>(i);

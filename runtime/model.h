@@ -135,6 +135,8 @@ class Model {
   // same bits as calling it directly. Every rank of a mesh applies the whole
   // update (ZeRO-1, the moments sharded, is runtime::ZeroAdamW). Returns the
   // gradients' global L2 norm before clipping by clip_scale(norm, max_norm).
+  // A non-finite norm (a NaN or inf gradient) applies nothing: the parameters
+  // and moments stay as they were, and the caller, seeing it, decides.
   void use_adamw(std::vector<bool> decay, AdamWConfig cfg = {});
   double adamw_step(int64_t step, double lr, double max_norm);
   bool adamw_on_device() const;

@@ -383,10 +383,16 @@ std::string first_non_finite(runtime::Model& m, bool params) {
 // A non-finite loss or gradient stops the run before the optimizer applies it,
 // so the parameters and every checkpoint stay finite. Every rank checks (the
 // loss is global; ZeRO's gradients are each rank's own) and they stop together.
-void check_finite(runtime::Communicator* comm, int rank, int step, double loss, runtime::Model& m, double lr) {
+// Gradients on a device (the update runs there) are not read unless one is
+// bad: a pass over them would bring them all home every step. Their norm
+// tells instead, which Model::adamw_step computes first and applies nothing
+// when it is not finite.
+void check_finite(runtime::Communicator* comm, int rank, int step, double loss, runtime::Model& m, double lr,
+                  const double* grad_norm = nullptr) {
   std::string bad = std::isfinite(loss) ? "" : "the loss is " + number_text(loss);
-  std::string where = first_non_finite(m, false);  // every step: one pass over the gradients
-  if (bad.empty() && where.empty()) return agree(comm, "");
+  const bool grads_finite = grad_norm ? std::isfinite(*grad_norm) : first_non_finite(m, false).empty();
+  if (bad.empty() && grads_finite) return agree(comm, "");
+  std::string where = first_non_finite(m, false);
   // Something is off: a non-finite parameter, when there is one, is the cause.
   if (std::string param = first_non_finite(m, true); !param.empty()) where = param;
   if (bad.empty()) bad = "a gradient is not finite";
@@ -497,48 +503,51 @@ int train(const Options& o) {
 
     std::vector<int64_t> sizes, offsets;
     const std::vector<bool> decay = m.decay_flags();
-    std::vector<float*> params;
-    std::vector<const float*> grads;
     for (int i = 0; i < m.num_params(); ++i) {
       sizes.push_back(m.param_spec(i).numel);
       offsets.push_back(m.flat_offset(i));
-      params.push_back(m.param(i));
-      grads.push_back(m.grad(i));
     }
     // Plain AdamW keeps the whole state on every rank (the summed gradients
-    // are the same everywhere, so every rank takes the same step); ZeRO-1
-    // keeps 1/ranks of it.
-    runtime::AdamW opt(run.zero ? std::vector<int64_t>(sizes.size(), 0) : sizes, decay);
+    // are the same everywhere, so every rank takes the same step): the
+    // model's own update, which for a GPU library runs on the device and keeps
+    // parameters, gradients and moments there. ZeRO-1 keeps 1/ranks of the
+    // state, on the host (runtime::ZeroAdamW).
     std::unique_ptr<runtime::ZeroAdamW> zero;
     if (run.zero) {
       if (!comm) throw runtime::Error("error: --zero 1 shards the optimizer state over ranks, but this is one rank.\n"
                                       "fix: launch with mpirun -np 2 or 4, or pass --zero 0.");
       zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
       m.set_reduce_grads(false);  // ZeRO reduce-scatters them itself
+    } else {
+      m.use_adamw(decay);
     }
-    // Checkpoints hold the whole optimizer state: ZeRO gathers it for them.
+    const bool device_update = !zero && m.adamw_on_device();
+    // Checkpoints hold the whole optimizer state: ZeRO gathers it for them
+    // (a collective), a device update brings its moments home.
     auto full_state = [&]() {
       runtime::AdamW full(sizes, decay);
-      for (size_t i = 0; i < sizes.size(); ++i) zero->gather_moments(i, full.m(i), full.v(i));
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        if (zero) zero->gather_moments(i, full.m(i), full.v(i));
+        else m.adamw_moments(static_cast<int>(i), full.m(i), full.v(i));
+      }
       return full;
     };
     if (lead)
       std::printf("%s: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
-                  "%d kernels, activation arena %.1f MiB per rank%s\n",
+                  "%d kernels, activation arena %.1f MiB per rank%s%s\n",
                   spec.name, spec.target, plan.is_null() ? spec.schedule : plan.value("schedule", "").c_str(), ranks, dp, spec.sp,
                   comm ? (std::string(", ") + comm->backend()).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
-                  run.zero ? ", ZeRO-1 optimizer state" : "");
+                  run.zero ? ", ZeRO-1 optimizer state" : "",
+                  device_update ? ", AdamW on the device" : "");
     int first = 1;
     if (!o.resume_dir.empty()) {
-      int64_t loaded;
-      if (zero) {
-        runtime::AdamW full(sizes, decay);
-        loaded = runtime::load_checkpoint(o.resume_dir, m, &full);
-        for (size_t i = 0; i < sizes.size(); ++i) zero->set_moments(i, full.m(i), full.v(i));
-      } else {
-        loaded = runtime::load_checkpoint(o.resume_dir, m, &opt);
+      runtime::AdamW full(sizes, decay);
+      const int64_t loaded = runtime::load_checkpoint(o.resume_dir, m, &full);
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        if (zero) zero->set_moments(i, full.m(i), full.v(i));
+        else m.set_adamw_moments(static_cast<int>(i), full.m(i), full.v(i));
       }
       first = static_cast<int>(loaded) + 1;
       if (lead)
@@ -587,13 +596,15 @@ int train(const Options& o) {
       if (lead && std::getenv("HALYARD_PROFILE"))  // every call's time and scratch memory (runtime/model.h)
         std::fprintf(stderr, "profile of step %d:\n%s", step, m.profile().c_str());
       const double frac = runtime::warmup_cosine_lr(step, o.steps, o.warmup, 1.0);  // times --lr
-      check_finite(comm.get(), rank, step, loss, m, o.lr * frac);
       double norm;
-      if (zero) {
-        norm = zero->step(step, o.lr * frac, m.params_flat(), m.grads_flat(), o.clip);
+      if (device_update) {
+        // The loss is the same on every rank, so all skip the update alike.
+        norm = std::isfinite(loss) ? m.adamw_step(step, o.lr * frac, o.clip) : std::numeric_limits<double>::quiet_NaN();
+        check_finite(comm.get(), rank, step, loss, m, o.lr * frac, &norm);
       } else {
-        norm = runtime::global_grad_norm(grads.data(), sizes);
-        opt.step(step, o.lr * frac, params.data(), grads.data(), runtime::clip_scale(norm, o.clip));
+        check_finite(comm.get(), rank, step, loss, m, o.lr * frac);
+        norm = zero ? zero->step(step, o.lr * frac, m.params_flat(), m.grads_flat(), o.clip)
+                    : m.adamw_step(step, o.lr * frac, o.clip);
       }
       const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_t0).count();
       const int done = step - first + 1;
@@ -626,11 +637,9 @@ int train(const Options& o) {
         // once, and the previous checkpoint stays the one `latest` names.
         std::string save_error;
         try {
-          if (zero) {
-            const runtime::AdamW full = full_state();  // collective
+          if (zero || lead) {  // ZeRO's gathering is a collective
+            const runtime::AdamW full = full_state();
             if (lead) runtime::save_checkpoint(o.save_dir, m, full, step, o.save_shard_bytes);
-          } else if (lead) {
-            runtime::save_checkpoint(o.save_dir, m, opt, step, o.save_shard_bytes);
           }
         } catch (const runtime::Error& e) {
           save_error = e.what();
@@ -654,6 +663,12 @@ int train(const Options& o) {
         char tail[128];
         std::snprintf(tail, sizeof tail, ", predicted %.1f MiB (highest rank at %.0f%% of the prediction)",
                       predicted / (1 << 20), 100 * most / predicted);
+        line += tail;
+      }
+      if (m.device_bytes() > 0) {  // a GPU library's: what rank 0's blocks on the device hold
+        char tail[64];
+        std::snprintf(tail, sizeof tail, "; device memory %.1f MiB on rank 0",
+                      static_cast<double>(m.device_bytes()) / (1 << 20));
         line += tail;
       }
       std::printf("%s\n", line.c_str());

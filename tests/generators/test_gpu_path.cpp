@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -470,6 +471,43 @@ TEST(GpuPath, AdamWOfACpuLibraryIsTheHostsAndMisuseIsNamed) {
   m.adamw_moments(0, mm, vv);
   EXPECT_EQ(mm, opt.m(0));
   EXPECT_NE(message([&] { m.set_adamw_moments(0, {1.f}, {1.f}); }).find("elements"), std::string::npos);
+}
+
+// A NaN gradient makes the norm NaN, and the update applies nothing, on the
+// device and on the host alike: the parameters and moments stay as they
+// were (a trainer then stops without reading the device's gradients every
+// step), and the next finite step updates again.
+TEST(GpuPath, AnUpdateWithANonFiniteGradientAppliesNothing) {
+  auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
+  auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  for (const runtime::ModelSpec* spec : {&halyard_models::llama_micro_opencl(), &halyard_models::llama_micro_bf16_saved()}) {
+    SCOPED_TRACE(spec->name);
+    runtime::Model m(*spec);
+    testing::load_params(m, st);
+    m.use_adamw(m.decay_flags());
+    EXPECT_EQ(m.adamw_on_device(), spec->adamw != nullptr);
+    m.train_step(ids.data(), labels.data(), pos.data());
+    ASSERT_TRUE(std::isfinite(m.adamw_step(1, 1e-2, 1.0)));
+    auto state = [&] {
+      std::vector<std::vector<float>> all;
+      for (int i = 0; i < m.num_params(); ++i) {
+        std::vector<float> mm, vv;
+        m.adamw_moments(i, mm, vv);
+        all.emplace_back(m.param(i), m.param(i) + m.param_spec(i).numel);
+        all.push_back(mm);
+        all.push_back(vv);
+      }
+      return all;
+    };
+    m.train_step(ids.data(), labels.data(), pos.data());
+    const auto before = state();
+    m.grads_flat()[m.flat_size() / 2] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_TRUE(std::isnan(m.adamw_step(2, 1e-2, 1.0)));
+    EXPECT_TRUE(state() == before);  // bitwise (no NaN among them)
+    m.train_step(ids.data(), labels.data(), pos.data());
+    EXPECT_TRUE(std::isfinite(m.adamw_step(2, 1e-2, 1.0)));
+    EXPECT_FALSE(state() == before);
+  }
 }
 
 // Two sequence ranks, each updating on its device: the gradients are summed
