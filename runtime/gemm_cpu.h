@@ -5,7 +5,7 @@
 // a packed, register-tiled GEMM (gemm_cpu_impl.h), one build per vector ISA.
 //
 // Halide calls the entry point once per stage with the whole output; its
-// tasks (blocks of rows) run in parallel on Halide's thread pool. In a
+// tasks (blocks of rows, or of columns when there are more) run in parallel on Halide's thread pool. In a
 // bounds query it asks for its operands whole. Buffers are Halide's,
 // innermost first: a = (rows..., tokens...), b = (cols..., tokens...), out =
 // (cols..., rows...); the first a_dims (b_dims) dimensions of a (b) are the
@@ -46,7 +46,7 @@ struct Tile {
 };
 
 // The whole product on the calling thread and Halide's pool: one task per
-// thread, each a block of rows (for benchmarks and tests; the extern stage
+// thread, each a block of rows or columns (for benchmarks and tests; the extern stage
 // calls it too).
 void weight_grad(const Operands& o, float* c);
 
