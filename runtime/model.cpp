@@ -758,6 +758,13 @@ Model::Bound& Model::bind(const ProgramSpec& p, const int32_t* const inputs[4]) 
   // first kernel runs, cuda_context.h), and every buffer an alias into them.
   b.aliased.assign(bufs.size(), false);
   if (gpu_ && device_blocks_.empty()) {
+    // Without a device Halide's CUDA runtime would report it from inside a
+    // kernel call, and its default handler aborts.
+    if (cuda_ && !runtime_cuda_context().context)
+      throw Error("error: model \"" + std::string(spec_.name) + "\" is a CUDA library (" + spec_.target +
+                  "), and this process has no CUDA device: " + runtime_cuda_context().error +
+                  ".\nfix: run it where an NVIDIA GPU and its driver are (nvidia-smi lists it), or build the "
+                  "model for the CPU (halyard_add_model without TARGET).");
     if (const halide_device_interface_t* device = device_interface_of(spec_.target)) {
       // Halide's own temporaries come from its pool, not a cudaMalloc per step.
       halide_reuse_device_allocations(nullptr, true);

@@ -12,8 +12,9 @@
 #   bash DIR/gpu_check.sh run DIR RESULTS
 #       on the GPU node, with only DIR and what the node has (driver, CUDA
 #       runtime, a Python whose PyTorch wheels carry NCCL): the device tests
-#       (label gpu), NCCL on one rank, and the tiny Llama's step against
-#       PyTorch on the same GPU at 8k-32k tokens. Everything goes to RESULTS
+#       (label gpu), NCCL on one rank, llama_train on the tiny Llama's CUDA
+#       library against its CPU library (losses, a resumed checkpoint), and
+#       the tiny Llama's step against PyTorch on the same GPU at 8k-32k tokens. Everything goes to RESULTS
 #       (logs, test XML, bench.jsonl, summary.md); under 8 minutes in all.
 #       Exits 1 if a test failed; a benchmark that fails (out of memory, say)
 #       is a result, written down, not a failure. Without a GPU every device
@@ -24,7 +25,8 @@ die() { echo "gpu_check: error: $*" >&2; exit 2; }
 usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 readonly max_bytes=$((60 * 1024 * 1024))
-readonly programs=(test_cuda test_nccl_single_rank gpu_step_bench)
+readonly programs=(test_cuda test_nccl_single_rank gpu_step_bench llama_train_cuda llama_train_cpu_s256)
+readonly train_steps=20
 readonly bench_seqs=(8192 16384 32768)
 # What a GPU node provides: the C library and libgcc_s, and NCCL (through its
 # PyTorch's nvidia-nccl wheel). libcuda is opened at run time, never linked.
@@ -187,7 +189,18 @@ EOF
     fi
   done
 
-  # 2. The step against PyTorch on the same GPU: Halyard's f32 CUDA library,
+  # 2. llama_train, as a user runs it: the tiny Llama (256 tokens) trained
+  # with its step and AdamW on the device, against the same model's CPU
+  # library on this node's cores (both f32, the same data and seed); then
+  # stopped at half way and resumed from its checkpoint.
+  if ((gpu == 0)); then
+    echo "[SKIP] llama_train: $why"
+  else
+    echo "== llama_train"
+    train "$dir" "$results/train" || failed=1
+  fi
+
+  # 3. The step against PyTorch on the same GPU: Halyard's f32 CUDA library,
   # PyTorch eager in bf16 (the target's peer) and in f32 (same precision).
   : >"$results/bench.jsonl"
   if ((gpu == 0)); then
@@ -220,6 +233,44 @@ EOF
   summarize "$results" "$dir"
   echo "gpu_check: results in $results ($((SECONDS - start_s)) s)"
   return $failed
+}
+
+# train DIR OUT: llama_train_cuda against llama_train_cpu_s256; fails when a
+# run fails, when one of the first 5 losses differs from the CPU's by more
+# than 1e-4 (the device tests' tolerance for one step), one of the rest by
+# more than 1e-2 (f32 steps apart in their last bits drift under AdamW), or
+# when the resumed run's losses differ from the uninterrupted run's.
+train() {
+  local dir=$1 out=$2 half=$((train_steps / 2)) rc=0
+  mkdir -p "$out"
+  local common=(--steps "$train_steps" --data "$dir/data/corpus.txt" --seed 1)
+  timeout "$(left)" "$dir/bin/llama_train_cuda" "${common[@]}" --metrics "$out/cuda.jsonl" --save "$out/ck" \
+    --save-every "$half" >"$out/cuda.log" 2>&1 || rc=$?
+  grep -E '^tiny_llama_cuda|^step +[0-9]+/|^done' "$out/cuda.log" | sed -n '1p;2p;$p'
+  ((rc == 0)) || { echo "llama_train_cuda: FAILED (exit $rc; log: $out/cuda.log)"; tail -5 "$out/cuda.log"; return 1; }
+  timeout "$(left)" "$dir/bin/llama_train_cpu_s256" "${common[@]}" --metrics "$out/cpu.jsonl" >"$out/cpu.log" 2>&1 || rc=$?
+  grep -E '^step +[0-9]+/|^done' "$out/cpu.log" | sed -n '1p;$p'
+  ((rc == 0)) || { echo "llama_train_cpu_s256: FAILED (exit $rc; log: $out/cpu.log)"; return 1; }
+  timeout "$(left)" "$dir/bin/llama_train_cuda" "${common[@]}" --resume "$out/ck/step-$(printf %08d "$half")" \
+    --metrics "$out/resumed.jsonl" >"$out/resumed.log" 2>&1 || rc=$?
+  ((rc == 0)) || { echo "llama_train_cuda --resume: FAILED (exit $rc; log: $out/resumed.log)"; return 1; }
+  python3 - "$out" "$half" <<'EOF' | tee "$out/train.md"
+import json, sys
+out, half = sys.argv[1], int(sys.argv[2])
+def losses(name):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(f"{out}/{name}.jsonl")) if "step" in r}
+cuda, cpu, resumed = losses("cuda"), losses("cpu"), losses("resumed")
+worst_first = max(abs(cuda[s] - cpu[s]) / abs(cpu[s]) for s in cpu if s <= 5)
+worst = max(abs(cuda[s] - cpu[s]) / abs(cpu[s]) for s in cpu)
+same = all(resumed.get(s) == cuda[s] for s in cuda if s > half) and len(resumed) == len(cuda) - half
+print("## llama_train: tiny Llama, 256 tokens, step and AdamW on the device vs its CPU library\n")
+print("| step | CUDA loss | CPU loss |\n|---|---|---|")
+for s in sorted(cpu):
+    print(f"| {s} | {cuda[s]} | {cpu[s]} |")
+print(f"\nworst relative difference: {worst_first:.2e} over steps 1-5 (limit 1e-4), {worst:.2e} over all (limit 1e-2);"
+      f" resumed at step {half}: {'the same losses' if same else 'DIFFERENT losses'} as the uninterrupted run")
+sys.exit(0 if worst_first <= 1e-4 and worst <= 1e-2 and same else 1)
+EOF
 }
 
 summarize() {
@@ -291,6 +342,8 @@ for seq in sorted(rows):
         p, p_text = ms_of(rows[seq].get("attention_torch_" + dtype), lambda r: r["s_median"])
         cells += [p_text, "%.2fx" % (p / h) if h and p is not None else "-"]  # the peer's time over ours
     print("| " + " | ".join(cells) + " |")
+if os.path.exists(os.path.join(results, "train", "train.md")):
+    print("\n" + open(os.path.join(results, "train", "train.md")).read().strip())
 print("\nHalyard's is the device time of its step's attention kernels (set_kernel_times_on_device: one step"
       " waiting for the device around each kernel) divided by its %d layers; a ratio is PyTorch's time over"
       " Halyard's (the issue's target: >= 0.8 against SDPA)." % layers)

@@ -70,6 +70,24 @@ TEST(Cuda, ContractionsCallCublas) {
     EXPECT_NE(std::string(spec->schedule).find("cublas contractions"), std::string::npos) << spec->schedule;
 }
 
+// Without a device, a step is an error that says so and what to do, not
+// Halide's abort from inside the first kernel.
+TEST(Cuda, NoDeviceIsAClearError) {
+  if (gpu().present()) GTEST_SKIP() << "this machine has a CUDA device";
+  runtime::Model m(halyard_models::llama_micro_cuda());
+  Batch b(m.tokens());
+  try {
+    m.train_step(b.ids.data(), b.labels.data(), b.pos.data());
+    ADD_FAILURE() << "a step without a device ran";
+  } catch (const runtime::Error& e) {
+    std::printf("got, as users will:\n%s\n", e.what());
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("error: model \"llama_micro_cuda\" is a CUDA library (", 0), 0u) << what;
+    EXPECT_NE(what.find("this process has no CUDA device: "), std::string::npos) << what;
+    EXPECT_NE(what.find("fix: run it where an NVIDIA GPU"), std::string::npos) << what;
+  }
+}
+
 TEST(Cuda, MicroLlamaTrainStepMatchesTorchOnDevice) {
   HALYARD_NEED_GPU();
   auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));

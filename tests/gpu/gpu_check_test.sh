@@ -25,6 +25,8 @@ for f in run.log device.txt summary.md test_cuda.xml test_nccl_single_rank.xml t
 done
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   grep -q '^\[SKIP\] bench: no CUDA device' "$work/out.txt" || { echo "FAIL: the bench did not say why it skipped"; exit 1; }
+  grep -q '^\[SKIP\] llama_train: no CUDA device' "$work/out.txt" || { echo "FAIL: llama_train did not say why it skipped"; exit 1; }
+  grep -q 'NoDeviceIsAClearError' "$work/results/test_cuda.log" || { echo "FAIL: a CUDA step's no-device error was not checked"; exit 1; }
   grep -q "\[SKIP\] no CUDA" "$work/results/test_cuda.log" || { echo "FAIL: test_cuda did not say why it skipped"; exit 1; }
   grep -q 'NoDeviceThrowsAClearError' "$work/results/test_nccl_single_rank.log" || { echo "FAIL: NCCL's no-device error was not checked"; exit 1; }
 fi
