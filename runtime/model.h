@@ -143,6 +143,9 @@ class Model {
   // The moments of parameter i (numel floats each), for checkpoints.
   void adamw_moments(int i, std::vector<float>& m, std::vector<float>& v) const;
   void set_adamw_moments(int i, const std::vector<float>& m, const std::vector<float>& v);
+  // A CPU library's update state itself, for checkpoints without a copy of
+  // the moments; nullptr before use_adamw and when the update is on a device.
+  AdamW* host_adamw() { return host_adamw_.get(); }
   // The last adamw_step's device traffic: copies home (the norm's partial
   // sums), and uploads (parameters or gradients the host wrote since).
   struct UpdateTimes {

@@ -523,7 +523,8 @@ int train(const Options& o) {
     }
     const bool device_update = !zero && m.adamw_on_device();
     // Checkpoints hold the whole optimizer state: ZeRO gathers it for them
-    // (a collective), a device update brings its moments home.
+    // (a collective), a device update brings its moments home; the host's
+    // update state is written and read in place (m.host_adamw()).
     auto full_state = [&]() {
       runtime::AdamW full(sizes, decay);
       for (size_t i = 0; i < sizes.size(); ++i) {
@@ -543,11 +544,16 @@ int train(const Options& o) {
                   device_update ? ", AdamW on the device" : "");
     int first = 1;
     if (!o.resume_dir.empty()) {
-      runtime::AdamW full(sizes, decay);
-      const int64_t loaded = runtime::load_checkpoint(o.resume_dir, m, &full);
-      for (size_t i = 0; i < sizes.size(); ++i) {
-        if (zero) zero->set_moments(i, full.m(i), full.v(i));
-        else m.set_adamw_moments(static_cast<int>(i), full.m(i), full.v(i));
+      int64_t loaded;
+      if (runtime::AdamW* host = m.host_adamw()) {
+        loaded = runtime::load_checkpoint(o.resume_dir, m, host);
+      } else {
+        runtime::AdamW full(sizes, decay);
+        loaded = runtime::load_checkpoint(o.resume_dir, m, &full);
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          if (zero) zero->set_moments(i, full.m(i), full.v(i));
+          else m.set_adamw_moments(static_cast<int>(i), full.m(i), full.v(i));
+        }
       }
       first = static_cast<int>(loaded) + 1;
       if (lead)
@@ -637,7 +643,9 @@ int train(const Options& o) {
         // once, and the previous checkpoint stays the one `latest` names.
         std::string save_error;
         try {
-          if (zero || lead) {  // ZeRO's gathering is a collective
+          if (const runtime::AdamW* host = m.host_adamw()) {
+            if (lead) runtime::save_checkpoint(o.save_dir, m, *host, step, o.save_shard_bytes);
+          } else if (zero || lead) {  // ZeRO's gathering is a collective
             const runtime::AdamW full = full_state();
             if (lead) runtime::save_checkpoint(o.save_dir, m, full, step, o.save_shard_bytes);
           }
