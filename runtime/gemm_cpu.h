@@ -5,12 +5,12 @@
 // a packed, register-tiled GEMM (gemm_cpu_impl.h), one build per vector ISA.
 //
 // Halide calls the entry point once per stage with the whole output; its
-// tasks (blocks of rows, or of columns when there are more) run in parallel on Halide's thread pool. In a
-// bounds query it asks for its operands whole. Buffers are Halide's,
-// innermost first: a = (rows..., tokens...), b = (cols..., tokens...), out =
-// (cols..., rows...); the first a_dims (b_dims) dimensions of a (b) are the
-// kept ones, the rest (at most 3) the tokens, of extents tokens0.. (1 past
-// the last). Rows and columns must be dense (strides multiply), as the
+// tasks (blocks of rows, or of columns when there are more) run in parallel
+// on Halide's thread pool. In a bounds query it asks for its operands whole.
+// Buffers are Halide's, innermost first: a = (rows..., tokens...), b =
+// (cols..., tokens...), out = (cols..., rows...); the first a_dims (b_dims)
+// dimensions of a (b) are the kept ones, the rest (at most 3) the tokens, of
+// extents tokens0.. (1 past the last). Rows and columns must be dense (strides multiply), as the
 // lowering's buffers are; token dimensions may be strided (a sequence tile
 // of a batch), the sum then runs over dense runs of them one at a time.
 #pragma once
@@ -46,8 +46,8 @@ struct Tile {
 };
 
 // The whole product on the calling thread and Halide's pool: one task per
-// thread, each a block of rows or columns (for benchmarks and tests; the extern stage
-// calls it too).
+// thread, each a block of rows or columns (for benchmarks and tests; the
+// extern stage calls it too).
 void weight_grad(const Operands& o, float* c);
 
 }  // namespace halyard::runtime::gemm_cpu

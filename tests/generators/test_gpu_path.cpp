@@ -480,7 +480,8 @@ TEST(GpuPath, AdamWOfACpuLibraryIsTheHostsAndMisuseIsNamed) {
 TEST(GpuPath, AnUpdateWithANonFiniteGradientAppliesNothing) {
   auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
   auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
-  for (const runtime::ModelSpec* spec : {&halyard_models::llama_micro_opencl(), &halyard_models::llama_micro_bf16_saved()}) {
+  for (const runtime::ModelSpec* spec :
+       {&halyard_models::llama_micro_opencl(), &halyard_models::llama_micro_bf16_saved()}) {
     SCOPED_TRACE(spec->name);
     runtime::Model m(*spec);
     testing::load_params(m, st);
