@@ -627,19 +627,17 @@ double Model::adamw_step(int64_t t, double lr, double max_norm) {
       for (int64_t j = 0; j < d.part[static_cast<size_t>(i)].dim[0].extent; ++j)
         ss += d.partials_home[static_cast<size_t>(d.part_at[static_cast<size_t>(i)] + j)];
     norm = std::sqrt(ss);
-    if (!std::isfinite(norm)) {
-      update_times_.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      return norm;
+    if (std::isfinite(norm)) {
+      AdamWStepConstants k = adamw_step_constants(adamw_cfg_, t, lr, clip_scale(norm, max_norm));
+      for (int i = 0; i < n; ++i) {
+        const size_t j = static_cast<size_t>(i);
+        float decay = decay_[j] ? k.decay : 1.f;
+        void* args[] = {&d.w[j], &d.g[j], &d.mom[j], &d.var[j], &k.b1, &k.b2, &k.lr_over_c1, &k.inv_c2, &k.eps,
+                        &k.grad_scale, &decay, &d.w[j], &d.mom[j], &d.var[j]};
+        launch(spec_.adamw, args, "adamw", i);
+      }
+      params_at_ = Current::Device;
     }
-    AdamWStepConstants k = adamw_step_constants(adamw_cfg_, t, lr, clip_scale(norm, max_norm));
-    for (int i = 0; i < n; ++i) {
-      const size_t j = static_cast<size_t>(i);
-      float decay = decay_[j] ? k.decay : 1.f;
-      void* args[] = {&d.w[j], &d.g[j], &d.mom[j], &d.var[j], &k.b1, &k.b2, &k.lr_over_c1, &k.inv_c2, &k.eps,
-                      &k.grad_scale, &decay, &d.w[j], &d.mom[j], &d.var[j]};
-      launch(spec_.adamw, args, "adamw", i);
-    }
-    params_at_ = Current::Device;
   }
   update_times_.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return norm;
