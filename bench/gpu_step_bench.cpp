@@ -1,8 +1,11 @@
 // Training-step throughput and device memory of the tiny Llama's CUDA
 // libraries, one sequence length per process:
 //
-//   gpu_step_bench --seq N [--steps K]
+//   gpu_step_bench --seq N [--steps K] [--precision f32|bf16]
 //
+// (bf16: the mixed-precision libraries, examples/llama/schedules/
+// bf16_mixed.json: contractions through cuBLAS's bf16 GEMM with f32 sums,
+// saved values in bf16, everything else f32.) It
 // prints one JSON line: median step time after one warm-up step (which pays
 // the driver's PTX compilation), tokens/s, the device memory the step held
 // at its peak (sampled, above what was in use before the model existed), and
@@ -27,6 +30,9 @@
 #include "runtime/cuda_probe.h"
 #include "runtime/error.h"
 #include "runtime/model.h"
+#include "gpu_tiny_bf16_s16384.h"
+#include "gpu_tiny_bf16_s32768.h"
+#include "gpu_tiny_bf16_s8192.h"
 #include "gpu_tiny_s16384.h"
 #include "gpu_tiny_s32768.h"
 #include "gpu_tiny_s8192.h"
@@ -51,20 +57,26 @@ std::string json_escape(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::map<int64_t, const runtime::ModelSpec& (*)()> models = {
-      {8192, &halyard_models::gpu_tiny_s8192},
-      {16384, &halyard_models::gpu_tiny_s16384},
-      {32768, &halyard_models::gpu_tiny_s32768}};
+  const std::map<std::pair<std::string, int64_t>, const runtime::ModelSpec& (*)()> models = {
+      {{"f32", 8192}, &halyard_models::gpu_tiny_s8192},
+      {{"f32", 16384}, &halyard_models::gpu_tiny_s16384},
+      {{"f32", 32768}, &halyard_models::gpu_tiny_s32768},
+      {{"bf16", 8192}, &halyard_models::gpu_tiny_bf16_s8192},
+      {{"bf16", 16384}, &halyard_models::gpu_tiny_bf16_s16384},
+      {{"bf16", 32768}, &halyard_models::gpu_tiny_bf16_s32768}};
   int64_t seq = 0;
   int steps = 3;
+  std::string precision = "f32";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--seq") seq = std::atoll(argv[i + 1]);
     else if (k == "--steps") steps = std::atoi(argv[i + 1]);
+    else if (k == "--precision") precision = argv[i + 1];
   }
-  if (!models.count(seq) || steps < 1) {
-    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1]; N is one of:");
-    for (const auto& [n, f] : models) std::fprintf(stderr, " %lld", static_cast<long long>(n));
+  if (!models.count({precision, seq}) || steps < 1) {
+    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1] [--precision f32|bf16]; N is one of:");
+    for (const auto& [key, f] : models)
+      if (key.first == "f32") std::fprintf(stderr, " %lld", static_cast<long long>(key.second));
     std::fprintf(stderr, "\n");
     return 2;
   }
@@ -75,7 +87,7 @@ int main(int argc, char** argv) {
   }
   const int64_t baseline = gpu.memory_used_bytes();
   try {
-    runtime::Model m(models.at(seq)());
+    runtime::Model m(models.at({precision, seq})());
     m.init_params(0);
     const int64_t n = m.tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
@@ -106,13 +118,14 @@ int main(int argc, char** argv) {
     const double with_update = bench::median_seconds(step_and_update, steps);
     const int64_t to_host = t.device_to_host_copies, to_device = t.host_to_device_copies;
     const double update_s = bench::median_seconds([&] { m.adamw_step(++update, 1e-4, 1.0); }, steps);
-    std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"f32\","
+    std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"%s\","
                 "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
                 "\"peak_device_mib\":%.1f,\"executor_blocks_mib\":%.1f,\"device_to_host_copies\":%lld,"
                 "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f,"
                 "\"step_and_update_s_median\":%.4f,\"update_s_median\":%.5f,\"device_update_copies_home\":%lld,"
                 "\"device_update_copies_to_device\":%lld,\"device_update_mib\":%.1f}\n",
-                json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, static_cast<long long>(m.spec().seq),
+                json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, precision.c_str(),
+                static_cast<long long>(m.spec().seq),
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
                 static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(blocks) / (1 << 20),
                 static_cast<long long>(copies), static_cast<long long>(freed), attention_s, other_kernels_s,
@@ -120,8 +133,8 @@ int main(int argc, char** argv) {
                 static_cast<double>(m.device_bytes()) / (1 << 20));
   } catch (const std::exception& e) {
     gpu.stop_sampling();
-    std::printf("{\"peer\":\"halyard\",\"seq\":%lld,\"error\":\"%s\"}\n", static_cast<long long>(seq),
-                json_escape(e.what()).c_str());
+    std::printf("{\"peer\":\"halyard\",\"dtype\":\"%s\",\"seq\":%lld,\"error\":\"%s\"}\n", precision.c_str(),
+                static_cast<long long>(seq), json_escape(e.what()).c_str());
     return 1;
   }
   return 0;

@@ -809,10 +809,20 @@ void Ctx::device_gemm(int id, Func out) {
   const Node& n = g.node(id);
   GemmForm form;
   HALYARD_CHECK(gemm_form(g, n, &form), "a device GEMM stage has the form gemm_form checks");
-  std::vector<ExternFuncArgument> args = {buffer(n.inputs[static_cast<size_t>(form.a)], "gemm_a"),
-                                          buffer(n.inputs[static_cast<size_t>(form.b)], "gemm_b"),
+  // Contractions in bf16 read copies (schedules/precision.h:
+  // round_contractions): the GEMM reads the 16-bit buffers themselves when
+  // both operands are such copies.
+  auto copy_under = [&](int id) {
+    const Node& x = g.node(id);
+    const bool copy = x.op == Op::LoadBf16 && std::find(st.inputs.begin(), st.inputs.end(), x.inputs[0]) != st.inputs.end();
+    return copy ? x.inputs[0] : -1;
+  };
+  const int a = n.inputs[static_cast<size_t>(form.a)], b = n.inputs[static_cast<size_t>(form.b)];
+  const bool bf16 = copy_under(a) >= 0 && copy_under(b) >= 0;
+  std::vector<ExternFuncArgument> args = {buffer(bf16 ? copy_under(a) : a, "gemm_a"), buffer(bf16 ? copy_under(b) : b, "gemm_b"),
                                           Expr(form.m_dims), Expr(form.n_dims), Expr(form.k_dims),
-                                          Expr(static_cast<int>(form.a_k_inner)), Expr(static_cast<int>(form.b_k_inner))};
+                                          Expr(static_cast<int>(form.a_k_inner)), Expr(static_cast<int>(form.b_k_inner)),
+                                          Expr(static_cast<int>(bf16))};
   for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.k.size() ? form.k[k] : 1)));
   out.define_extern("halyard_gemm", args, Float(32), vars(n.type.axis_names()), NameMangling::C, gemm_device);
   ls.funcs.library = true;

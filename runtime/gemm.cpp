@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <climits>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -124,18 +125,34 @@ Calls describe(const halide_buffer_t* a, const halide_buffer_t* b, int m_dims, i
   return r;
 }
 
-void reference(const Call& c, const float* a, const float* b, float* out) {
+namespace {
+
+float value(float x) { return x; }
+float value(uint16_t bits) {  // bf16 is the high half of an f32
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+void reference_of(const Call& c, const T* a, const T* b, float* out) {
   a += c.offset_a, b += c.offset_b, out += c.offset_c;
   for (int64_t j = 0; j < c.n; ++j)
     for (int64_t i = 0; i < c.m; ++i) {
       double sum = 0;
       for (int64_t p = 0; p < c.k; ++p)
-        sum += static_cast<double>(c.trans_a ? a[p + i * c.lda] : a[i + p * c.lda]) *
-               static_cast<double>(c.trans_b ? b[j + p * c.ldb] : b[p + j * c.ldb]);
+        sum += static_cast<double>(value(c.trans_a ? a[p + i * c.lda] : a[i + p * c.lda])) *
+               static_cast<double>(value(c.trans_b ? b[j + p * c.ldb] : b[p + j * c.ldb]));
       float& o = out[i + j * c.ldc];
       o = c.accumulate ? o + static_cast<float>(sum) : static_cast<float>(sum);
     }
 }
+
+}  // namespace
+
+void reference(const Call& c, const float* a, const float* b, float* out) { reference_of(c, a, b, out); }
+void reference(const Call& c, const uint16_t* a, const uint16_t* b, float* out) { reference_of(c, a, b, out); }
 
 namespace {
 
@@ -148,6 +165,9 @@ struct Cublas {
   Status (*set_stream)(void*, void*) = nullptr;
   Status (*sgemm)(void*, int, int, int, int, int, const float*, const float*, int, const float*, int, const float*,
                   float*, int) = nullptr;
+  // cublasGemmEx: types and the compute type as cuBLAS's enums (below).
+  Status (*gemm_ex)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
+                    const void*, void*, int, int, int, int) = nullptr;
   void* handle = nullptr;
   std::string why_unusable;
 };
@@ -168,6 +188,7 @@ Cublas load_cublas() {
   get(c.create, "cublasCreate_v2");
   get(c.set_stream, "cublasSetStream_v2");
   get(c.sgemm, "cublasSgemm_v2");
+  get(c.gemm_ex, "cublasGemmEx");
   if (!c.why_unusable.empty()) return c;
   // The handle belongs to the context current when it is made: the primary
   // one Halide's kernels run in.
@@ -191,6 +212,12 @@ const Cublas& cublas() {
   return c;
 }
 
+// cuBLAS's enums (library_types.h, cublas_api.h), which the runtime does
+// not include: it is built without the CUDA headers.
+constexpr int kCudaR32F = 0, kCudaR16BF = 14;
+constexpr int kCublasCompute32F = 68;
+constexpr int kCublasGemmDefault = -1;
+
 int fail(const std::string& why) {
   halide_error(nullptr, (why + "\n").c_str());
   return -1;
@@ -206,7 +233,7 @@ bool fits_int(const Call& c) {
 }  // namespace halyard::runtime::gemm
 
 extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, int n_dims, int k_dims, int a_k_inner,
-                            int b_k_inner, int k0, int k1, int k2, halide_buffer_t* out) {
+                            int b_k_inner, int bf16, int k0, int k1, int k2, halide_buffer_t* out) {
   using namespace halyard::runtime::gemm;
   const int ks[3] = {k0, k1, k2};
   if (m_dims < 1 || n_dims < 1 || k_dims < 1 || k_dims > 3 || a->dimensions != m_dims + k_dims ||
@@ -223,13 +250,21 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
     }
     return 0;
   }
+  const int operand_bits = bf16 ? 16 : 32;
+  if (a->type.bits != operand_bits || b->type.bits != operand_bits || out->type.bits != 32)
+    return fail("halyard_gemm: the operands are not " + std::string(bf16 ? "bf16 (16 bits)" : "f32") +
+                " or the output is not f32");
   const Calls d = describe(a, b, m_dims, n_dims, k_dims, a_k_inner != 0, b_k_inner != 0, out);
   if (!d.error.empty()) return fail(d.error);
   if (!out->device) {  // host buffers: the reference
     if (!a->host || !b->host || !out->host) return fail("halyard_gemm: host buffers without host memory");
     for (const Call& c : d.calls)
-      reference(c, reinterpret_cast<const float*>(b->host), reinterpret_cast<const float*>(a->host),
-                reinterpret_cast<float*>(out->host));
+      if (bf16)
+        reference(c, reinterpret_cast<const uint16_t*>(b->host), reinterpret_cast<const uint16_t*>(a->host),
+                  reinterpret_cast<float*>(out->host));
+      else
+        reference(c, reinterpret_cast<const float*>(b->host), reinterpret_cast<const float*>(a->host),
+                  reinterpret_cast<float*>(out->host));
     return 0;
   }
   if (!a->device || !b->device) return fail("halyard_gemm: the output is on the device but an operand is not");
@@ -244,9 +279,10 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
   const Cublas& cb = cublas();
   if (!cb.why_unusable.empty()) return fail("halyard_gemm: " + cb.why_unusable);
   // (A CUDA buffer's device field is its CUdeviceptr.)
-  const auto* pa = reinterpret_cast<const float*>(b->device);
-  const auto* pb = reinterpret_cast<const float*>(a->device);
+  const auto* pa = reinterpret_cast<const uint8_t*>(b->device);
+  const auto* pb = reinterpret_cast<const uint8_t*>(a->device);
   auto* pc = reinterpret_cast<float*>(out->device);
+  const size_t element = bf16 ? 2 : 4;
   const halyard::runtime::RuntimeCudaContext& ctx = halyard::runtime::runtime_cuda_context();
   const halyard::runtime::CudaDriver& drv = halyard::runtime::cuda_driver();
   drv.ctx_push(ctx.context);
@@ -257,15 +293,27 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
       status = -2;
       break;
     }
-    status = cb.sgemm(cb.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
-                      static_cast<int>(c.k), &one, pa + c.offset_a, static_cast<int>(c.lda), pb + c.offset_b,
-                      static_cast<int>(c.ldb), c.accumulate ? &one : &zero, pc + c.offset_c, static_cast<int>(c.ldc));
+    const void* ca = pa + static_cast<size_t>(c.offset_a) * element;
+    const void* cb_ = pb + static_cast<size_t>(c.offset_b) * element;
+    const float* beta = c.accumulate ? &one : &zero;
+    if (bf16)
+      status = cb.gemm_ex(cb.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
+                          static_cast<int>(c.k), &one, ca, kCudaR16BF, static_cast<int>(c.lda), cb_, kCudaR16BF,
+                          static_cast<int>(c.ldb), beta, pc + c.offset_c, kCudaR32F, static_cast<int>(c.ldc),
+                          kCublasCompute32F, kCublasGemmDefault);
+    else
+      status = cb.sgemm(cb.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
+                        static_cast<int>(c.k), &one, static_cast<const float*>(ca), static_cast<int>(c.lda),
+                        static_cast<const float*>(cb_), static_cast<int>(c.ldb), beta, pc + c.offset_c,
+                        static_cast<int>(c.ldc));
     if (status != 0) break;
   }
   void* popped = nullptr;
   drv.ctx_pop(&popped);
   if (status == -2) return fail("halyard_gemm: a GEMM dimension exceeds cuBLAS's 32-bit sizes");
-  if (status != 0) return fail("halyard_gemm: cublasSgemm failed with status " + std::to_string(status));
+  if (status != 0)
+    return fail(std::string("halyard_gemm: ") + (bf16 ? "cublasGemmEx (bf16)" : "cublasSgemm") + " failed with status " +
+                std::to_string(status));
   out->set_host_dirty(false);
   out->set_device_dirty();
   return 0;

@@ -11,9 +11,14 @@
 // it); a group that does not merge (a sequence tile's rows, strided over the
 // batch) becomes loops of GEMMs around it, which accumulate over k.
 //
-// On device buffers (a CUDA target's extern stage) it runs cuBLAS's SGEMM on
-// the runtime's compute stream (cuda_context.h), in f32 (no TF32), without
-// waiting for it. On host buffers it runs the reference below: the
+// With bf16 set, a and b hold bf16 values as their 16 bits (the copies a
+// schedule's contract_precision "bf16" makes); products are summed in f32
+// and out is f32 either way.
+//
+// On device buffers (a CUDA target's extern stage) it runs cuBLAS on the
+// runtime's compute stream (cuda_context.h), without waiting for it: SGEMM
+// in f32 (no TF32), or cublasGemmEx with bf16 operands and f32 compute
+// (tensor cores). On host buffers it runs the reference below: the
 // descriptor's semantics in plain loops, what the tests compare with
 // Halide's contraction on a machine without a GPU.
 #pragma once
@@ -26,7 +31,7 @@ struct halide_buffer_t;
 
 extern "C" {
 int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, int n_dims, int k_dims, int a_k_inner,
-                 int b_k_inner, int k0, int k1, int k2, halide_buffer_t* out);
+                 int b_k_inner, int bf16, int k0, int k1, int k2, halide_buffer_t* out);
 }
 
 namespace halyard::runtime::gemm {
@@ -53,7 +58,9 @@ struct Calls {
 Calls describe(const halide_buffer_t* a, const halide_buffer_t* b, int m_dims, int n_dims, int k_dims, bool a_k_inner,
                bool b_k_inner, const halide_buffer_t* out);
 
-// cuBLAS's semantics on host memory (a, b and c at their offset 0).
+// cuBLAS's semantics on host memory (a, b and c at their offset 0); the
+// second form reads bf16 operands (their 16 bits).
 void reference(const Call& call, const float* a, const float* b, float* c);
+void reference(const Call& call, const uint16_t* a, const uint16_t* b, float* c);
 
 }  // namespace halyard::runtime::gemm

@@ -250,10 +250,13 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
                     std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
   if (req.precision != "f32" && req.precision != "bf16-mixed")
     throw UserError("error: plan precision \"" + req.precision + "\".\nlegal: f32, or bf16-mixed (GPU clusters, planned only).");
-  if (req.precision == "bf16-mixed" && schedule.stores_bf16())
-    throw UserError("error: schedule \"" + schedule.name + "\" stores saved values in bf16 (a rule with \"store\": "
-                    "\"bf16\"), and the plan's precision is bf16-mixed, which counts every value in bf16 already.\n"
-                    "fix: plan precision f32 with the store rules (what the libraries run), or bf16-mixed without them.");
+  if (req.precision == "bf16-mixed" && (schedule.stores_bf16() || schedule.contract_precision == "bf16"))
+    throw UserError("error: schedule \"" + schedule.name + "\" " +
+                    (schedule.stores_bf16() ? "stores saved values in bf16 (a rule with \"store\": \"bf16\")"
+                                            : "rounds contractions' operands to bf16 (contract_precision \"bf16\")") +
+                    ", and the plan's precision is bf16-mixed, which counts every value in bf16 already.\n"
+                    "fix: plan precision f32 with the schedule's bf16 choices (what the libraries run), or bf16-mixed "
+                    "without them.");
   // Bytes of a value as the precision stores it (the graph is built in f32).
   const double held = req.precision == "bf16-mixed" ? 0.5 : 1.0;
   auto stored = [held](int64_t b) { return static_cast<int64_t>(static_cast<double>(b) * held); };
@@ -277,13 +280,14 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     p.grad_ids.push_back(grads[v].id);
     p.num_params += v.type().numel();
   }
-  if (StoredGraph stored = store_saved(*m.graph, schedule); stored.graph) {
-    for (std::vector<int>* ids : {&p.param_ids, &p.grad_ids})
-      for (int& x : *ids) x = stored.id_of[static_cast<size_t>(x)];
-    m.graph = std::move(stored.graph);
-    m.loss = m.graph->value(stored.id_of[static_cast<size_t>(m.loss.id)]);
-    for (Value& v : m.params) v = m.graph->value(stored.id_of[static_cast<size_t>(v.id)]);
-  }
+  for (auto rebuild : {store_saved, round_contractions})
+    if (StoredGraph stored = rebuild(*m.graph, schedule); stored.graph) {
+      for (std::vector<int>* ids : {&p.param_ids, &p.grad_ids})
+        for (int& x : *ids) x = stored.id_of[static_cast<size_t>(x)];
+      m.graph = std::move(stored.graph);
+      m.loss = m.graph->value(stored.id_of[static_cast<size_t>(m.loss.id)]);
+      for (Value& v : m.params) v = m.graph->value(stored.id_of[static_cast<size_t>(v.id)]);
+    }
   Graph& g = *m.graph;
   std::vector<int> train_out = p.grad_ids;
   train_out.push_back(m.loss.id);

@@ -127,4 +127,51 @@ StoredGraph store_saved(const Graph& src, const Schedule& s) {
   return out;
 }
 
+StoredGraph round_contractions(const Graph& src, const Schedule& s) {
+  StoredGraph out;
+  if (s.contract_precision != "bf16") return out;
+  const int n = src.size();
+  auto rounds = [&](const Node& x) {
+    if (x.op != Op::Contract) return false;
+    for (int i : x.inputs)
+      if (src.node(i).type.dtype == DType::f32 && src.node(i).op != Op::LoadBf16) return true;
+    return false;
+  };
+  if (std::none_of(src.nodes().begin(), src.nodes().end(), rounds)) return out;
+
+  out.graph = std::make_unique<Graph>();
+  Graph& g = *out.graph;
+  out.id_of.assign(static_cast<size_t>(n), -1);
+  std::vector<int> copy_of(static_cast<size_t>(n), -1);  // a source value's bf16 copy in `g`
+  std::vector<int> read_as(static_cast<size_t>(n), -1);  // what a contraction reads for it
+  // (A copy made for a backward contraction is a backward node: the value
+  // is rounded where the backward first needs it.)
+  auto operand = [&](int id) {
+    int& r = read_as[static_cast<size_t>(id)];
+    if (r >= 0) return r;
+    const Node& x = src.node(id);
+    if (x.type.dtype != DType::f32 || x.op == Op::LoadBf16) return r = out.id_of[static_cast<size_t>(id)];
+    int& c = copy_of[static_cast<size_t>(id)];
+    if (c < 0) c = store_bf16(g.value(out.id_of[static_cast<size_t>(id)])).id;
+    return r = load_bf16(g.value(c)).id;
+  };
+  for (const Node& node : src.nodes()) {
+    g.set_building_backward(node.backward);
+    int& made = out.id_of[static_cast<size_t>(node.id)];
+    if (node.op == Op::StoreBf16) {  // one copy per value
+      int& c = copy_of[static_cast<size_t>(node.inputs[0])];
+      if (c < 0) c = store_bf16(g.value(out.id_of[static_cast<size_t>(node.inputs[0])])).id;
+      made = c;
+      continue;
+    }
+    std::vector<Value> in;
+    for (int i : node.inputs) in.push_back(g.value(node.op == Op::Contract ? operand(i) : out.id_of[static_cast<size_t>(i)]));
+    made = op_info(node.op).cls == OpClass::Leaf ? g.add_leaf(node.op, node.type, node.attrs, node.name).id
+                                                 : g.add(node.op, in, node.attrs, node.name).id;
+  }
+  g.set_building_backward(false);
+  verify(g);
+  return out;
+}
+
 }  // namespace halyard

@@ -276,6 +276,7 @@ std::string Schedule::to_json() const {
   if (attention_kernel != "library") j["attention_kernel"] = attention_kernel;
   if (weight_grad_kernel != "library") j["weight_grad_kernel"] = weight_grad_kernel;
   if (contract_kernel != "auto") j["contract_kernel"] = contract_kernel;
+  if (contract_precision != "f32") j["contract_precision"] = contract_precision;
   if (kernel_tiles != KernelTiles{})
     j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
                          {"attention_keys", kernel_tiles.attention_keys}};
@@ -302,6 +303,7 @@ std::string Schedule::str() const {
   if (attention_kernel != "library") s += ", " + attention_kernel + " attention kernels";
   if (weight_grad_kernel != "library") s += ", " + weight_grad_kernel + " weight-gradient kernels";
   if (contract_kernel != "auto") s += ", " + contract_kernel + " contractions";
+  if (contract_precision != "f32") s += ", contractions in " + contract_precision;
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
   if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
   return s;
@@ -441,6 +443,12 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       s.contract_kernel = v.get<std::string>();
       if (std::find(contract_kernels().begin(), contract_kernels().end(), s.contract_kernel) == contract_kernels().end())
         bad(what, "contract_kernel \"" + s.contract_kernel + "\".\nlegal: " + join(contract_kernels()) + ".");
+    } else if (key == "contract_precision" && v.is_string()) {
+      s.contract_precision = v.get<std::string>();
+      if (std::find(contract_precisions().begin(), contract_precisions().end(), s.contract_precision) ==
+          contract_precisions().end())
+        bad(what, "contract_precision \"" + s.contract_precision + "\".\nlegal: " + join(contract_precisions()) +
+                      " (bf16: operands rounded to bf16, sums in f32).");
     } else if (key == "loss_seq_tile") {
       s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
@@ -459,7 +467,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute, store}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), contract_kernel (\"auto\" | \"cublas\" | \"halide\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), contract_kernel (\"auto\" | \"cublas\" | \"halide\"), contract_precision (\"f32\" | \"bf16\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
@@ -502,6 +510,11 @@ const std::vector<std::string>& Schedule::attention_kernels() {
 
 const std::vector<std::string>& Schedule::contract_kernels() {
   static const std::vector<std::string> names = {"auto", "cublas", "halide"};
+  return names;
+}
+
+const std::vector<std::string>& Schedule::contract_precisions() {
+  static const std::vector<std::string> names = {"f32", "bf16"};
   return names;
 }
 

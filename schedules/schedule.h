@@ -13,7 +13,8 @@
 //     each consumer's kernel instead of being stored (`compute: inline`, like
 //     Halide's compute_inline);
 //   - per saved value, the precision of the copy the backward reads
-//     (`store`: f32, or bf16, half the bytes; schedules/precision.h);
+//     (`store`: f32, or bf16, half the bytes; schedules/precision.h), and
+//     the precision contractions read their operands in;
 //   - the sequence tiles of the MLP and of the LM head + loss;
 //   - kernel loops: Halyard's hand-written schedules (with the loop tiles
 //     that are a real choice) or an autoscheduler.
@@ -133,6 +134,15 @@ struct Schedule {
   // makes it "cublas" for a CUDA target before it plans).
   std::string contract_kernel = "auto";
   static const std::vector<std::string>& contract_kernels();
+  // What every contraction reads, forward and backward (mixed precision):
+  // "f32" (the default), or "bf16": its f32 operands rounded to bf16 (one
+  // copy of each value, shared by every contraction reading it: a weight's
+  // is made once a step, an activation's is also what the weight gradient
+  // reads), products summed in f32 into an f32 output. On a CUDA target the
+  // GEMMs are cuBLAS's bf16 GEMM on tensor cores; elsewhere the kernels
+  // decode the copies (schedules/precision.h: round_contractions).
+  std::string contract_precision = "f32";
+  static const std::vector<std::string>& contract_precisions();
   // The kernels a GPU runs, "auto" decided: the library kernels are CPU
   // code, so attention and weight gradients are Halide's; GEMM-form
   // contractions are cuBLAS's on CUDA and Halide's on other devices (an

@@ -209,10 +209,15 @@ EOF
     local seq line
     for seq in "${bench_seqs[@]}"; do
       echo "== bench seq $seq"
-      rc=0
-      line=$(timeout "$(left)" "$dir/bin/gpu_step_bench" --seq "$seq" --steps 3 2>>"$results/bench.err") || rc=$?
-      [[ -n $line ]] || line="{\"peer\":\"halyard\",\"seq\":$seq,\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
-      echo "$line" | tee -a "$results/bench.jsonl"
+      local precision
+      for precision in f32 bf16; do
+        rc=0
+        line=$(timeout "$(left)" "$dir/bin/gpu_step_bench" --seq "$seq" --steps 3 --precision "$precision" \
+          2>>"$results/bench.err") || rc=$?
+        [[ -n $line ]] ||
+          line="{\"peer\":\"halyard\",\"dtype\":\"$precision\",\"seq\":$seq,\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
+        echo "$line" | tee -a "$results/bench.jsonl"
+      done
       if [[ -n $py ]]; then
         for dtype in bf16 f32; do
           rc=0
@@ -288,7 +293,7 @@ for line in open(os.path.join(results, "bench.jsonl")):
     if not line:
         continue
     r = json.loads(line)
-    key = "halyard" if r.get("peer") == "halyard" else "torch_" + r.get("dtype", "?")
+    key = ("halyard_" if r.get("peer") == "halyard" else "torch_") + r.get("dtype", "f32")
     if r.get("bench") == "attention":
         key = "attention_" + key
     rows.setdefault(r.get("seq"), {})[key] = r
@@ -303,24 +308,28 @@ def cell(r, field, fmt):
     if "error" in r:
         return "error: " + r["error"].splitlines()[0][:60]
     return fmt % r[field]
-print("| seq | Halyard f32 tok/s | PyTorch bf16 tok/s | ratio | PyTorch f32 tok/s | ratio | Halyard peak MiB | PyTorch bf16 peak MiB | copies home/step |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| seq | Halyard bf16 mixed tok/s | PyTorch bf16 tok/s | ratio | Halyard f32 tok/s | PyTorch f32 tok/s | ratio |"
+      " Halyard bf16 / f32 peak MiB | PyTorch bf16 peak MiB | copies home/step |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for seq in sorted(rows):
-    h, b, f = rows[seq].get("halyard"), rows[seq].get("torch_bf16"), rows[seq].get("torch_f32")
-    def ratio(p):
+    row = rows[seq]
+    hb, hf, b, f = row.get("halyard_bf16"), row.get("halyard_f32"), row.get("torch_bf16"), row.get("torch_f32")
+    def ratio(h, p):
         ok = h and p and "error" not in h and "error" not in p
         return "%.2fx" % (h["tokens_per_s"] / p["tokens_per_s"]) if ok else "-"
-    print("| %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-        seq, cell(h, "tokens_per_s", "%.0f"), cell(b, "tokens_per_s", "%.0f"), ratio(b),
-        cell(f, "tokens_per_s", "%.0f"), ratio(f), cell(h, "peak_device_mib", "%.0f"),
-        cell(b, "peak_device_mib", "%.0f"), cell(h, "device_to_host_copies", "%d")))
-print("\nHalyard's peak is the device's memory in use above the baseline (its CUDA context included);"
-      " PyTorch's is torch.cuda.max_memory_allocated.")
+    print("| %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s |" % (
+        seq, cell(hb, "tokens_per_s", "%.0f"), cell(b, "tokens_per_s", "%.0f"), ratio(hb, b),
+        cell(hf, "tokens_per_s", "%.0f"), cell(f, "tokens_per_s", "%.0f"), ratio(hf, f),
+        cell(hb, "peak_device_mib", "%.0f"), cell(hf, "peak_device_mib", "%.0f"), cell(b, "peak_device_mib", "%.0f"),
+        cell(hf, "device_to_host_copies", "%d")))
+print("\nHalyard bf16 mixed is examples/llama/schedules/bf16_mixed.json: contractions through cuBLAS's bf16 GEMM"
+      " with f32 sums, saved values in bf16, the rest (attention included) f32. Halyard's peak is the device's"
+      " memory in use above the baseline (its CUDA context included); PyTorch's is torch.cuda.max_memory_allocated.")
 print("\n## With AdamW on the device (parameters and gradients stay there)\n")
 print("| seq | step + update s | update s | copies home/step | copies to device/step | device MiB held |")
 print("|---|---|---|---|---|---|")
 for seq in sorted(rows):
-    h = rows[seq].get("halyard")
+    h = rows[seq].get("halyard_f32")
     print("| %s | %s | %s | %s | %s | %s |" % (
         seq, cell(h, "step_and_update_s_median", "%.4f"), cell(h, "update_s_median", "%.5f"),
         cell(h, "device_update_copies_home", "%d"), cell(h, "device_update_copies_to_device", "%d"),
@@ -336,7 +345,7 @@ def ms_of(r, seconds):
         return None, "error: " + r["error"].splitlines()[0][:60]
     return seconds(r) * 1e3, "%.2f" % (seconds(r) * 1e3)
 for seq in sorted(rows):
-    h, h_text = ms_of(rows[seq].get("halyard"), lambda r: r["attention_s"] / layers)
+    h, h_text = ms_of(rows[seq].get("halyard_f32"), lambda r: r["attention_s"] / layers)
     cells = [str(seq), h_text]
     for dtype in ("bf16", "f32"):
         p, p_text = ms_of(rows[seq].get("attention_torch_" + dtype), lambda r: r["s_median"])

@@ -22,7 +22,9 @@
 #include "runtime/safetensors.h"
 #include "tests/device_step.h"
 #include "tiny_llama_cpu_s256.h"
+#include "tiny_llama_cpu_s256_bf16.h"
 #include "tiny_llama_cuda.h"
+#include "tiny_llama_cuda_bf16.h"
 #include "tiny_llama_cuda_offload.h"
 
 // Halide's CUDA runtime (linked through the CUDA libraries); the real
@@ -66,7 +68,8 @@ TEST(Cuda, LibrariesWereBuiltForCuda) {
 // Every contraction of GEMM form calls cuBLAS (runtime/gemm.h): halyard_aot
 // makes the schedule's "auto" contract_kernel "cublas" for a CUDA target.
 TEST(Cuda, ContractionsCallCublas) {
-  for (const runtime::ModelSpec* spec : {&halyard_models::llama_micro_cuda(), &halyard_models::tiny_llama_cuda()})
+  for (const runtime::ModelSpec* spec :
+       {&halyard_models::llama_micro_cuda(), &halyard_models::tiny_llama_cuda(), &halyard_models::tiny_llama_cuda_bf16()})
     EXPECT_NE(std::string(spec->schedule).find("cublas contractions"), std::string::npos) << spec->schedule;
 }
 
@@ -126,6 +129,59 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
     EXPECT_LE(diff / scale, 1e-4) << dev.param_spec(i).name;
   }
   std::printf("  tiny s256: worst gradient difference %.3g of the largest gradient\n", worst);
+}
+
+// Mixed precision (examples/llama/schedules/bf16_mixed.json): every GEMM is
+// cuBLAS's with bf16 operands and f32 sums, and the saved values are bf16.
+// The CPU library of the same schedule rounds the same operands, so the
+// device's gradients must be nearer to its gradients than rounding moves
+// them from f32's (measured first, on the host, as root-mean-square
+// differences: rounding moves every element a little, where two orders of
+// summation differ only at the few elements whose f32 bits straddle a
+// bf16 rounding boundary; tests/generators/test_lowering.cpp measures
+// those: up to 3.3e-3 of the largest gradient on the micro Llama).
+TEST(Cuda, MixedPrecisionStepOnDeviceMatchesItsCpuLibrary) {
+  EXPECT_NE(std::string(halyard_models::tiny_llama_cuda_bf16().schedule).find("contractions in bf16"), std::string::npos);
+  runtime::Model f32(halyard_models::tiny_llama_cpu_s256()), cpu(halyard_models::tiny_llama_cpu_s256_bf16());
+  f32.init_params(7);
+  cpu.init_params(7);
+  Batch b(cpu.tokens());
+  const double loss_f32 = f32.train_step(b.ids.data(), b.labels.data(), b.pos.data());
+  const double want = cpu.train_step(b.ids.data(), b.labels.data(), b.pos.data());
+  // Over all gradients: sqrt(sum (x - y)^2 / sum y^2).
+  auto rms = [&cpu](runtime::Model& x) {
+    double d = 0, s = 0;
+    for (int i = 0; i < cpu.num_params(); ++i)
+      for (int64_t k = 0; k < cpu.param_spec(i).numel; ++k) {
+        const double y = cpu.grad(i)[k];
+        d += (x.grad(i)[k] - y) * (x.grad(i)[k] - y);
+        s += y * y;
+      }
+    return std::sqrt(d / s);
+  };
+  const double gap = rms(f32);
+  std::printf("  tiny s256 on the host: bf16 mixed loss %.9f, f32 %.9f; gradients %.2e apart (rms)\n", want, loss_f32, gap);
+  EXPECT_GT(gap, 1e-4);
+  HALYARD_NEED_GPU();
+  runtime::Model dev(halyard_models::tiny_llama_cuda_bf16());
+  dev.init_params(7);
+  const double got = dev.train_step(b.ids.data(), b.labels.data(), b.pos.data());
+  const double apart = rms(dev);
+  std::printf("  tiny s256 bf16 mixed: cuda loss %.9f vs cpu %.9f; gradients %.2e apart (rms)\n", got, want, apart);
+  EXPECT_LE(std::abs(got - want) / want, 1e-4);
+  EXPECT_LE(apart, gap / 4);
+  double worst = 0;
+  for (int i = 0; i < dev.num_params(); ++i) {
+    const int64_t n = dev.param_spec(i).numel;
+    double diff = 0, scale = 1e-30;
+    for (int64_t k = 0; k < n; ++k) {
+      diff = std::max(diff, static_cast<double>(std::abs(dev.grad(i)[k] - cpu.grad(i)[k])));
+      scale = std::max(scale, static_cast<double>(std::abs(cpu.grad(i)[k])));
+    }
+    worst = std::max(worst, diff / scale);
+    EXPECT_LE(diff / scale, 2e-2) << dev.param_spec(i).name;
+  }
+  std::printf("  tiny s256 bf16 mixed: worst gradient difference %.3g of the largest gradient\n", worst);
 }
 
 // AdamW on the device (the library's optimizer kernels, Model::adamw_step)

@@ -15,6 +15,7 @@
 #include <HalideBuffer.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -169,11 +170,14 @@ struct Contraction {
   int64_t batch, seq, model, heads, head_dim;
 };
 
+// With bf16 operands (contract_precision "bf16": the stage reads 16-bit
+// copies and decodes them), the GEMM reads the copies themselves.
 TEST(Gemm, LoweredGemmStagesEqualHalidesContraction) {
   const std::vector<Contraction> cases = {
       {"forward", 2, 13, 24, 3, 8}, {"grad_input", 2, 13, 24, 3, 8}, {"grad_weight", 2, 13, 24, 3, 8},
       {"forward", 1, 40, 16, 1, 20}, {"grad_weight", 1, 40, 16, 1, 20},
   };
+  for (const bool bf16 : {false, true})
   for (const Contraction& c : cases) {
     Graph g;
     const std::vector<Axis> rows = {{"batch", c.batch}, {"seq", c.seq}};
@@ -182,17 +186,20 @@ TEST(Gemm, LoweredGemmStagesEqualHalidesContraction) {
       a.insert(a.end(), b.begin(), b.end());
       return a;
     };
+    const DType t = bf16 ? DType::bf16 : DType::f32;
+    auto read = [bf16](Value v) { return bf16 ? load_bf16(v) : v; };
     const std::string kind = c.kind;
     Value out;
     if (kind == "forward")
-      out = contract(input(g, "x", DType::f32, with(rows, {{"model", c.model}})),
-                     param(g, "w", DType::f32, with(cols, {{"model", c.model}})), {"model"});
+      out = contract(read(input(g, "x", t, with(rows, {{"model", c.model}}))),
+                     read(input(g, "w", t, with(cols, {{"model", c.model}}))), {"model"});
     else if (kind == "grad_input")
-      out = contract_to(input(g, "dy", DType::f32, with(rows, cols)), param(g, "w", DType::f32, with(cols, {{"model", c.model}})),
+      out = contract_to(read(input(g, "dy", t, with(rows, cols))), read(input(g, "w", t, with(cols, {{"model", c.model}}))),
                         {"batch", "seq", "model"});
     else
-      out = contract_to(input(g, "dy", DType::f32, with(rows, cols)), input(g, "x", DType::f32, with(rows, {{"model", c.model}})),
+      out = contract_to(read(input(g, "dy", t, with(rows, cols))), read(input(g, "x", t, with(rows, {{"model", c.model}}))),
                         {"heads", "head_dim", "model"});
+    const std::string what = kind + (bf16 ? " bf16" : " f32") + " seq " + std::to_string(c.seq);
     std::vector<Halide::Buffer<float>> results;
     for (const char* kernel : {"cublas", "halide"}) {
       Schedule s;
@@ -200,18 +207,28 @@ TEST(Gemm, LoweredGemmStagesEqualHalidesContraction) {
       s.weight_grad_kernel = "halide";
       const Partition p = partition(g, {out.id}, s);
       const Stage& st = p.stages.at(0);
-      EXPECT_EQ(st.gemm, std::string(kernel) == "cublas") << kind;
+      EXPECT_EQ(st.gemm, std::string(kernel) == "cublas") << what;
       LoweredStage ls = lower_stage(g, st);
       schedule_cpu(ls, g, st, Halide::get_host_target());
       std::mt19937 rng(11);
       std::normal_distribution<float> normal(0.f, 1.f);
-      std::vector<Halide::Buffer<float>> ins;
+      std::vector<Halide::Buffer<>> ins;
       for (size_t i = 0; i < st.inputs.size(); ++i) {
-        const TensorType& t = g.node(st.inputs[i]).type;
+        const TensorType& it = g.node(st.inputs[i]).type;
+        EXPECT_EQ(it.dtype, t) << what;
         std::vector<int> sizes;
-        for (int d = t.rank() - 1; d >= 0; --d) sizes.push_back(static_cast<int>(t.axes[static_cast<size_t>(d)].size));
-        ins.emplace_back(sizes);
-        for (int64_t e = 0; e < t.numel(); ++e) ins.back().data()[e] = normal(rng);
+        for (int d = it.rank() - 1; d >= 0; --d) sizes.push_back(static_cast<int>(it.axes[static_cast<size_t>(d)].size));
+        ins.emplace_back(bf16 ? Halide::UInt(16) : Halide::Float(32), sizes);
+        for (int64_t e = 0; e < it.numel(); ++e) {
+          const float x = normal(rng);
+          if (!bf16) {
+            static_cast<float*>(ins.back().data())[e] = x;
+            continue;
+          }
+          uint32_t u;
+          std::memcpy(&u, &x, sizeof u);
+          static_cast<uint16_t*>(ins.back().data())[e] = static_cast<uint16_t>(u >> 16);  // a bf16 value
+        }
         ls.inputs[i].set(ins.back());
       }
       std::vector<int> sizes;
@@ -221,7 +238,7 @@ TEST(Gemm, LoweredGemmStagesEqualHalidesContraction) {
       try {
         ls.pipeline.realize(results.back());
       } catch (const Halide::Error& e) {
-        FAIL() << kind << " through " << kernel << ": " << e.what();
+        FAIL() << what << " through " << kernel << ": " << e.what();
       }
     }
     double worst = 0, scale = 1e-30;
@@ -229,7 +246,7 @@ TEST(Gemm, LoweredGemmStagesEqualHalidesContraction) {
       worst = std::max(worst, static_cast<double>(std::abs(results[0].data()[e] - results[1].data()[e])));
       scale = std::max(scale, static_cast<double>(std::abs(results[1].data()[e])));
     }
-    EXPECT_LT(worst / scale, 1e-5) << kind << " " << c.seq;
+    EXPECT_LT(worst / scale, 1e-5) << what;
   }
 }
 
@@ -257,6 +274,33 @@ TEST(Gemm, CudaStagesCallTheRuntimeGemmOnTheDevice) {
   // kernel of Halide's copies it there. (Halide moves nothing for it either:
   // the runtime uploads an operand the host wrote last, runtime/gemm.h.)
   EXPECT_TRUE(std::regex_search(text, std::regex(R"(halyard_gemm\([^\n]*\)out(\$\d+)?\.buffer\))"))) << text;
+  EXPECT_EQ(text.find("halide_cuda_run("), std::string::npos);
+}
+
+// Contractions in bf16 on a CUDA target: the GEMM reads the copies (the
+// stage's 16-bit inputs) and is told so; nothing of Halide's decodes them
+// on the device first.
+TEST(Gemm, CudaBf16StagesPassTheCopiesToTheGemm) {
+  Graph g;
+  Value out = contract(load_bf16(input(g, "x", DType::bf16, {{"batch", 1}, {"seq", 64}, {"model", 32}})),
+                       load_bf16(param(g, "w", DType::bf16, {{"ffn", 48}, {"model", 32}})), {"model"});
+  Schedule s;
+  s.contract_kernel = "cublas";
+  const Partition p = partition(g, {out.id}, s);
+  const Stage& st = p.stages.at(0);
+  ASSERT_TRUE(st.gemm);
+  const Halide::Target cuda("host-cuda-cuda_capability_80");
+  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+  schedule_gpu(ls, g, st, cuda);
+  const std::string stmt = testing::TempDir() + "/gemm_cuda_bf16.stmt";
+  std::vector<Halide::Argument> args = ls.args;
+  ls.pipeline.compile_to_lowered_stmt(stmt, args, Halide::StmtOutputFormat::Text, cuda);
+  std::ifstream in(stmt);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // (a, b, m_dims, n_dims, k_dims, a_k_inner, b_k_inner, bf16 = 1, ...): the stage's inputs in0 and in1 themselves.
+  const std::string input_buffer = R"(\(struct halide_buffer_t \*\)in\d\.buffer)";
+  EXPECT_TRUE(std::regex_search(text, std::regex("halyard_gemm\\(" + input_buffer + ", " + input_buffer + R"(, \d, \d, \d, [01], [01], 1,)")))
+      << text;
   EXPECT_EQ(text.find("halide_cuda_run("), std::string::npos);
 }
 

@@ -39,7 +39,9 @@
 #include "runtime/offload_windows.h"
 
 #include "llama_micro_opencl.h"
+#include "llama_micro_bf16_mixed.h"
 #include "llama_micro_bf16_saved.h"
+#include "llama_micro_opencl_bf16_mixed.h"
 #include "llama_micro_opencl_offload.h"
 #include "llama_micro_opencl_offload_bf16.h"
 #include "tests/device_step.h"
@@ -219,6 +221,35 @@ TEST(GpuPath, OffloadedBf16CopiesMoveHalfTheBytes) {
               static_cast<long long>(m.arena_bytes()), static_cast<long long>(f32.arena_bytes()));
   EXPECT_GT(bf16_bytes, 0);
   EXPECT_LT(static_cast<double>(bf16_bytes), 0.56 * static_cast<double>(f32_bytes));
+}
+
+// Mixed precision on the device (examples/llama/schedules/bf16_mixed.json):
+// the weights' and activations' bf16 copies are made by the device's
+// kernels and read by its contractions; the step is the CPU library's of
+// the same schedule, but where a value's f32 bits straddle a bf16 rounding
+// boundary (see test_lowering.cpp: up to 3.3e-3 of the largest gradient).
+TEST(GpuPath, MixedPrecisionStepOnTheDeviceMatchesItsCpuLibrary) {
+  auto st = runtime::Safetensors::read(fixture("llama_micro.safetensors"));
+  runtime::Model m(halyard_models::llama_micro_opencl_bf16_mixed()), cpu(halyard_models::llama_micro_bf16_mixed());
+  for (runtime::Model* x : {&m, &cpu}) testing::load_params(*x, st);
+  auto ids = st.to_i32("input_ids"), labels = st.to_i32("labels"), pos = st.to_i32("position_ids");
+  const double want = st.to_f64("loss")[0];
+  const double loss = m.train_step(ids.data(), labels.data(), pos.data());
+  const double cpu_loss = cpu.train_step(ids.data(), labels.data(), pos.data());
+  EXPECT_LE(std::abs(loss - cpu_loss) / want, 1e-5);
+  double worst = 0, worst_torch = 0;
+  for (int i = 0; i < m.num_params(); ++i) {
+    const std::vector<float> ref(cpu.grad(i), cpu.grad(i) + cpu.param_spec(i).numel);
+    const double e = testing::rel_diff(m.grad(i), std::vector<double>(ref.begin(), ref.end()));
+    worst = std::max(worst, e);
+    worst_torch = std::max(worst_torch, testing::rel_diff(m.grad(i), st.to_f64(std::string("grad/") + m.param_spec(i).name)));
+    EXPECT_LE(e, 1e-2) << m.param_spec(i).name;
+  }
+  std::printf("  bf16 mixed on the device: loss %.9f vs the CPU library's %.9f (torch f32 %.9f); worst gradient rel "
+              "diff vs the CPU library %.2e, vs torch's f32 %.2e; device arena %lld bytes\n",
+              loss, cpu_loss, want, worst, worst_torch, static_cast<long long>(m.arena_bytes()));
+  EXPECT_GT(worst_torch, 1e-4);  // the contractions did round
+  EXPECT_EQ(m.arena_bytes(), cpu.arena_bytes());
 }
 
 // A device block's copies go in pieces (to a row's end, whole rows, at most

@@ -14,6 +14,8 @@
 #include "examples/llama/llama_builder.h"
 #include "llama_micro_autoscheduled.h"
 #include "llama_micro_bf16_checkpoint_tiled.h"
+#include "llama_micro_bf16_contract.h"
+#include "llama_micro_bf16_mixed.h"
 #include "llama_micro_bf16_saved.h"
 #include "llama_micro_checkpoint.h"
 #include "llama_micro_default.h"
@@ -87,14 +89,19 @@ TEST(Lowering, CheckpointScheduleMatchesTorch) { check_against_fixture(halyard_m
 TEST(Lowering, AutoscheduledMatchesTorch) { check_against_fixture(halyard_models::llama_micro_autoscheduled()); }
 TEST(Lowering, SequenceTiledMlpAndLossMatchTorch) { check_against_fixture(halyard_models::llama_micro_tiled()); }
 
-// Saved values stored in bf16 (schedules/precision.h). The backward, and
-// the forward's attention, read the saved values rounded to bf16: loss and
-// gradients are the reference interpreter's on the same stored graph, and
-// torch's f32 ones within bf16's rounding (but not to f32's: the copies are
-// what they read). The arena is smaller. Against the interpreter 1e-3, not
-// 1e-4: the two compute a saved value in different orders, and where its f32
-// bits straddle a bf16 rounding boundary they round apart by 2^-8.
-void check_bf16_saved(const runtime::ModelSpec& spec, const std::string& schedule_file) {
+// Saved values stored in bf16, and contractions reading bf16 copies
+// (schedules/precision.h). The backward, and the forward's attention, read
+// the saved values rounded to bf16; every contraction reads its operands
+// rounded: loss and gradients are the reference interpreter's on the same
+// graph, and torch's f32 ones within bf16's rounding (but not to f32's:
+// the copies are what they read). Storing saved values in bf16 makes the
+// arena smaller. The gradients agree with the interpreter's to 1e-3, not
+// 1e-4, or to twice the interpreter's own f32 against its f64 when that is
+// larger (with every contraction rounding, up to 3.3e-3 on the micro
+// Llama): two orders of summation give a value f32 bits that may straddle
+// a bf16 rounding boundary, and then round apart by 2^-8. The loss agrees
+// to 1e-5, where rounding to bf16 moves it by 1e-4 from torch's f32.
+void check_bf16(const runtime::ModelSpec& spec, const std::string& schedule_file) {
   Loaded f = load_fixture();
   runtime::Model m(spec);
   load_params(m, f.st);
@@ -109,9 +116,18 @@ void check_bf16_saved(const runtime::ModelSpec& spec, const std::string& schedul
   for (const char* name : {"input_ids", "labels", "position_ids"}) in.set_int(name, f.st.to_i32(name));
   for (const Value& v : p.model.params) in.set(v.node().name, f.st.to_f32(v.node().name));
   in.run();
+  // The same graph in f64: how far two exact orders of summation land apart
+  // once bf16 rounds their values (the noise the library's error sits in).
+  Interpreter<double> exact(*p.model.graph);
+  for (const char* name : {"input_ids", "labels", "position_ids"}) exact.set_int(name, f.st.to_i32(name));
+  for (const Value& v : p.model.params) {
+    const std::vector<float> w = f.st.to_f32(v.node().name);
+    exact.set(v.node().name, std::vector<double>(w.begin(), w.end()));
+  }
+  exact.run();
   EXPECT_LE(std::abs(loss - in.scalar(p.model.loss)) / want, 1e-5);
   EXPECT_NEAR(m.forward_loss(f.ids.data(), f.labels.data(), f.pos.data()), loss, 1e-6 * loss);
-  double worst_interp = 0, worst_torch = 0;
+  double worst_interp = 0, worst_torch = 0, worst_noise = 0;
   for (int i = 0; i < m.num_params(); ++i) {
     const std::string name = m.param_spec(i).name;
     size_t k = 0;
@@ -120,31 +136,44 @@ void check_bf16_saved(const runtime::ModelSpec& spec, const std::string& schedul
     const auto& ref = in.value(p.grad_ids[k]);
     const double e_interp = rel_error(m.grad(i), std::vector<double>(ref.begin(), ref.end()));
     const double e_torch = rel_error(m.grad(i), f.st.to_f64("grad/" + name));
-    EXPECT_LE(e_interp, 1e-3) << name;
+    const auto& e64 = exact.value(p.grad_ids[k]);
+    std::vector<float> ref32(ref.begin(), ref.end());
+    const double noise = rel_error(ref32.data(), std::vector<double>(e64.begin(), e64.end()));
+    EXPECT_LE(e_interp, 1e-2) << name;
+    worst_noise = std::max(worst_noise, noise);
     EXPECT_LE(e_torch, 3e-2) << name;
     worst_interp = std::max(worst_interp, e_interp);
     worst_torch = std::max(worst_torch, e_torch);
   }
+  EXPECT_LE(worst_interp, std::max(1e-3, 2 * worst_noise)) << "the interpreter's f32 against its f64: " << worst_noise;
   EXPECT_GT(worst_torch, 1e-4);  // bf16's rounding shows: the backward read the copies
-  // The same schedule storing f32, planned: its arena is larger.
+  // The same schedule in f32, planned: storing saved values in bf16 makes
+  // its arena larger. (Copies for contractions add a weight's copy, which
+  // lives from the forward to the backward, and may not.)
   Schedule f32 = Schedule::named(schedule_file);
   for (ValueRule& r : f32.values) r.store.clear();
+  f32.contract_precision = "f32";
   const int64_t f32_arena = plan(llama::llama_builder(), {config, 2, 24}, f32, Cluster::named("local-cpu")).train_program.arena_bytes;
   EXPECT_EQ(m.arena_bytes(), p.train_program.arena_bytes);
-  EXPECT_LT(m.arena_bytes(), f32_arena);
-  std::printf("  %s: %d values stored in bf16; loss %.9f vs torch %.9f; worst gradient rel err vs the interpreter on "
-              "the stored graph %.2e, vs torch (f32) %.2e; arena %lld bytes (%lld storing f32)\n",
-              spec.schedule, p.stored_bf16(), loss, want, worst_interp, worst_torch, static_cast<long long>(m.arena_bytes()),
+  if (p.schedule.stores_bf16()) EXPECT_LT(m.arena_bytes(), f32_arena);
+  std::printf("  %s: %d bf16 copies; loss %.9f vs torch %.9f; worst gradient rel err vs the interpreter on "
+              "the same graph %.2e (its f32 vs its f64: %.2e), vs torch (f32) %.2e; arena %lld bytes (%lld in f32)\n",
+              spec.schedule, p.stored_bf16(), loss, want, worst_interp, worst_noise, worst_torch, static_cast<long long>(m.arena_bytes()),
               static_cast<long long>(f32_arena));
 }
 
 TEST(Lowering, SavedValuesInBf16MatchTheInterpreter) {
-  check_bf16_saved(halyard_models::llama_micro_bf16_saved(),
-                   std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/bf16_saved_micro.json");
+  check_bf16(halyard_models::llama_micro_bf16_saved(), std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/bf16_saved_micro.json");
 }
 TEST(Lowering, CheckpointedTiledValuesInBf16MatchTheInterpreter) {
-  check_bf16_saved(halyard_models::llama_micro_bf16_checkpoint_tiled(),
-                   std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/bf16_checkpoint_tiled_micro.json");
+  check_bf16(halyard_models::llama_micro_bf16_checkpoint_tiled(),
+             std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/bf16_checkpoint_tiled_micro.json");
+}
+TEST(Lowering, ContractionsInBf16MatchTheInterpreter) {
+  check_bf16(halyard_models::llama_micro_bf16_contract(), std::string(HALYARD_SOURCE_DIR) + "/tests/fixtures/bf16_contract_micro.json");
+}
+TEST(Lowering, ContractionsAndSavedValuesInBf16MatchTheInterpreter) {
+  check_bf16(halyard_models::llama_micro_bf16_mixed(), std::string(HALYARD_SOURCE_DIR) + "/examples/llama/schedules/bf16_mixed.json");
 }
 
 // The tiling transform itself, in f64 on the interpreter: tiles of 10, 10

@@ -120,12 +120,14 @@ TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
       "split_sequence": "sp", "attention": [{"match": "model.layers.*.self_attn", "strategy": "ulysses"}],
       "values": [{"match": "op:rms_norm", "compute": "inline"}, {"match": "model.layers.1.mlp op:contract", "keep": "recompute"}],
       "seq_tile": 256, "loss_seq_tile": 128, "kernel_tiles": {"attention_keys": 32}, "attention_kernel": "halide",
-      "weight_grad_kernel": "halide", "contract_kernel": "cublas"})", "mine.json");
+      "weight_grad_kernel": "halide", "contract_kernel": "cublas", "contract_precision": "bf16"})", "mine.json");
   EXPECT_EQ(Schedule::parse(f.to_json(), "again"), f);
   EXPECT_EQ(f.mesh, (Mesh{2, 4, 1}));
   EXPECT_EQ(f.attention_kernel, "halide");
   EXPECT_EQ(f.weight_grad_kernel, "halide");
   EXPECT_EQ(f.contract_kernel, "cublas");
+  EXPECT_EQ(f.contract_precision, "bf16");
+  EXPECT_NE(f.str().find("contractions in bf16"), std::string::npos) << f.str();
   // The first vocabulary still reads, as the same rules.
   const auto old = Schedule::parse(R"({"name": "checkpoint", "recompute": ["rms_norm", "rope", "silu", "mul"], "checkpoint": true})",
                                    "old.json").values;
@@ -171,6 +173,8 @@ TEST(Schedule, IllegalRulesNameTheValueTheRuleAndTheLegalChoices) {
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"contract_kernel": "cublaslt"})", "s"); }),
               ::testing::AllOf(::testing::HasSubstr("contract_kernel \"cublaslt\""),
                                ::testing::HasSubstr("legal: auto, cublas, halide")));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"contract_precision": "fp8"})", "s"); }),
+              ::testing::AllOf(::testing::HasSubstr("contract_precision \"fp8\""), ::testing::HasSubstr("legal: f32, bf16")));
 }
 
 // A Llama block's FLOPs, counted by hand, against the plan's stages.
@@ -345,6 +349,66 @@ TEST(Plan, SavedValuesStoredInBf16) {
     };
     EXPECT_EQ(attention_stages(b), attention_stages(a)) << preset;
   }
+}
+
+// contract_precision "bf16" (schedules/precision.h: round_contractions):
+// every contraction, forward and backward, reads bf16 copies of its f32
+// operands; each value has one copy, whoever made it (a store rule too),
+// which the forward's projection and the backward's weight gradient share;
+// a weight's copy serves its forward and its input gradient. Nothing else
+// changes: the other kernels read what they read in f32.
+TEST(Plan, ContractionsInBf16ReadOneCopyPerValue) {
+  for (const char* preset : {"default", "checkpoint", "tiled"}) {
+    for (bool store : {false, true}) {
+      Schedule f32 = Schedule::named(preset), bf16 = f32;
+      bf16.contract_precision = "bf16";
+      if (store) f32.values.push_back({"*", "", "", "bf16"}), bf16.values.push_back({"*", "", "", "bf16"});
+      const Plan a = plan(llama::llama_builder(), {kTiny, 1, 1024}, f32, Cluster::named("local-cpu"));
+      const Plan b = plan(llama::llama_builder(), {kTiny, 1, 1024}, bf16, Cluster::named("local-cpu"));
+      const Graph& g = *b.model.graph;
+      const std::string what = std::string(preset) + (store ? " + store bf16" : "");
+      std::map<int, int> copies;  // value -> its copies
+      int contractions = 0, weight_copies = 0, shared = 0;
+      for (const Node& n : g.nodes()) {
+        if (n.op == Op::StoreBf16) {
+          ++copies[n.inputs[0]];
+          weight_copies += g.node(n.inputs[0]).op == Op::Param;
+        }
+        if (n.op != Op::Contract) continue;
+        ++contractions;
+        for (int i : n.inputs) {
+          const Node& x = g.node(i);
+          EXPECT_EQ(x.op, Op::LoadBf16) << what << ": " << describe(g, n.id) << " reads " << describe(g, i);
+        }
+      }
+      for (const auto& [v, k] : copies) EXPECT_EQ(k, 1) << what << ": " << describe(g, v) << " has " << k << " copies";
+      // A forward copy a backward contraction reads: the activation its weight gradient needs.
+      for (const Node& n : g.nodes())
+        if (n.op == Op::Contract && n.backward)
+          for (int i : n.inputs) shared += !g.node(g.node(i).inputs[0]).backward && g.node(g.node(i).inputs[0]).op == Op::StoreBf16;
+      EXPECT_GT(contractions, 0);
+      EXPECT_GT(shared, 0) << what;
+      // Every weight a contraction reads, once: q, k, v, o, gate, up, down per layer and the LM head.
+      int weights = 0;
+      for (const Value& v : b.model.params) weights += g.node(v.id).type.rank() >= 2 && v.node().name.find("embed") == std::string::npos;
+      EXPECT_EQ(weight_copies, weights) << what;
+      // The rest of the graph is the f32 schedule's: the same ops but the copies and their loads.
+      auto ops = [](const Plan& p) {
+        std::map<Op, int> k;
+        for (const Node& n : p.model.graph->nodes())
+          if (n.op != Op::StoreBf16 && n.op != Op::LoadBf16) ++k[n.op];
+        return k;
+      };
+      EXPECT_EQ(ops(a), ops(b)) << what;
+      std::printf("  %-28s %3d contractions, %3d copies (%d of weights); activations %6.1f -> %6.1f MiB\n", what.c_str(),
+                  contractions, b.stored_bf16(), weight_copies, static_cast<double>(a.memory.activations) / (1 << 20),
+                  static_cast<double>(b.memory.activations) / (1 << 20));
+    }
+  }
+  Schedule s = Schedule::named("default");
+  s.contract_precision = "bf16";
+  EXPECT_THAT(error_of([&] { plan(llama::llama_builder(), {kTiny, 1, 1024, "bf16-mixed"}, s, Cluster::named("8xH200")); }),
+              ::testing::AllOf(::testing::HasSubstr("contract_precision \"bf16\""), ::testing::HasSubstr("fix:")));
 }
 
 // A cluster says what its ranks are; a plan on GPUs counts the kernels a GPU
