@@ -315,6 +315,20 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   p.model = std::move(m);
 
   // Time: each stage of the train program by its kind's coefficients.
+  // A cluster with a bf16 peak and an f32 one (the GPU presets) prices its
+  // kinds' FLOPs at the bf16 peak (tensor cores). In an f32 plan only the
+  // contractions that read bf16 copies (contract_precision "bf16") compute
+  // in bf16; every other kernel runs at the f32 peak: its FLOPs count
+  // peak_bf16 / peak_f32 times (14.8 on an H200).
+  const auto bf16_peak = cluster.peak_flops.find("bf16"), f32_peak = cluster.peak_flops.find("f32");
+  const double f32_flops = req.precision == "f32" && bf16_peak != cluster.peak_flops.end() &&
+                                   f32_peak != cluster.peak_flops.end() && f32_peak->second > 0
+                               ? bf16_peak->second / f32_peak->second
+                               : 1.0;
+  auto reads_bf16 = [&g](const Node& n) {
+    return n.op == Op::Contract && std::all_of(n.inputs.begin(), n.inputs.end(),
+                                               [&g](int i) { return g.node(i).op == Op::LoadBf16; });
+  };
   const int64_t ranks = schedule.mesh.ranks();
   const int threads = static_cast<int>(std::max<int64_t>(1, ranks >= cluster.ranks_per_node ? 1 : cluster.ranks_per_node / ranks));
   int64_t heap_scratch = 0, mapped_scratch = 0, staging = 0;
@@ -357,7 +371,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
     for (int x : st.extra_outputs) sc.flops += extra_output_flops(g, g.node(x));
     sc.bytes = stored(bytes);
-    sc.time_s = cluster.kernel_time(sc.kind, sc.flops, static_cast<double>(sc.bytes));
+    sc.time_s = cluster.kernel_time(sc.kind, sc.flops * (reads_bf16(root) ? 1.0 : f32_flops), static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
     const Scratch k =
         kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16, gpu);

@@ -356,7 +356,8 @@ TEST(Plan, SavedValuesStoredInBf16) {
 // operands; each value has one copy, whoever made it (a store rule too),
 // which the forward's projection and the backward's weight gradient share;
 // a weight's copy serves its forward and its input gradient. Nothing else
-// changes: the other kernels read what they read in f32.
+// changes: the other kernels read what they read in f32. On a GPU cluster
+// the plan prices those contractions at the bf16 peak.
 TEST(Plan, ContractionsInBf16ReadOneCopyPerValue) {
   for (const char* preset : {"default", "checkpoint", "tiled"}) {
     for (bool store : {false, true}) {
@@ -405,8 +406,27 @@ TEST(Plan, ContractionsInBf16ReadOneCopyPerValue) {
                   static_cast<double>(b.memory.activations) / (1 << 20));
     }
   }
+  // On a GPU cluster an f32 plan prices f32 kernels at the f32 peak and the
+  // contractions that read bf16 copies at the bf16 peak, as bf16-mixed
+  // prices every kernel.
+  const Cluster h200 = Cluster::named("8xH200");
+  auto contract_s = [](const Plan& p) {
+    double t = 0;
+    for (const StageCost& c : p.stages) t += c.kind.rfind("contract", 0) == 0 ? c.time_s : 0;
+    return t;
+  };
   Schedule s = Schedule::named("default");
+  const Plan f32 = plan(llama::llama_builder(), {kTiny, 1, 4096}, s, h200);
+  const Plan mixed = plan(llama::llama_builder(), {kTiny, 1, 4096, "bf16-mixed"}, s, h200);
   s.contract_precision = "bf16";
+  const Plan bf16 = plan(llama::llama_builder(), {kTiny, 1, 4096}, s, h200);
+  const double peaks = h200.peak_flops.at("bf16") / h200.peak_flops.at("f32");
+  std::printf("  8xH200, tiny at 4096: contractions %.3f ms in f32, %.3f ms reading bf16 copies, %.3f ms bf16-mixed "
+              "(peaks %.1fx apart)\n", 1e3 * contract_s(f32), 1e3 * contract_s(bf16), 1e3 * contract_s(mixed), peaks);
+  EXPECT_GT(contract_s(f32), 2 * contract_s(bf16));  // (small GEMMs: calls and bytes weigh too)
+  EXPECT_LT(contract_s(f32), peaks * contract_s(bf16));  // (the bytes and calls cost the same)
+  EXPECT_NEAR(contract_s(bf16), contract_s(mixed), 0.5 * contract_s(mixed));  // (bf16-mixed moves half the bytes)
+  EXPECT_LT(bf16.compute_s, f32.compute_s);
   EXPECT_THAT(error_of([&] { plan(llama::llama_builder(), {kTiny, 1, 1024, "bf16-mixed"}, s, Cluster::named("8xH200")); }),
               ::testing::AllOf(::testing::HasSubstr("contract_precision \"bf16\""), ::testing::HasSubstr("fix:")));
 }
