@@ -359,9 +359,11 @@ TEST(Plan, SavedValuesStoredInBf16) {
 // changes: the other kernels read what they read in f32. On a GPU cluster
 // the plan prices those contractions at the bf16 peak.
 TEST(Plan, ContractionsInBf16ReadOneCopyPerValue) {
-  for (const char* preset : {"default", "checkpoint", "tiled"}) {
+  for (const char* preset : {"default", "checkpoint", "tiled", "ulysses_checkpoint"}) {
     for (bool store : {false, true}) {
       Schedule f32 = Schedule::named(preset), bf16 = f32;
+      if (!f32.split_sequence.empty()) f32.mesh.sp = 2;
+      bf16 = f32;
       bf16.contract_precision = "bf16";
       if (store) f32.values.push_back({"*", "", "", "bf16"}), bf16.values.push_back({"*", "", "", "bf16"});
       const Plan a = plan(llama::llama_builder(), {kTiny, 1, 1024}, f32, Cluster::named("local-cpu"));
