@@ -144,14 +144,20 @@ StoredGraph round_contractions(const Graph& src, const Schedule& s) {
   out.id_of.assign(static_cast<size_t>(n), -1);
   std::vector<int> copy_of(static_cast<size_t>(n), -1);  // a source value's bf16 copy in `g`
   std::vector<int> read_as(static_cast<size_t>(n), -1);  // what a contraction reads for it
+  // A parameter is rounded once in the forward and once more in the
+  // backward: its copy is cheap to make, and one copy kept from the forward
+  // to the backward would hold 2 bytes of every parameter through the step
+  // (what activation checkpointing in PyTorch avoids by casting again).
+  std::vector<int> backward_copy_of(static_cast<size_t>(n), -1), backward_read_as(static_cast<size_t>(n), -1);
   // (A copy made for a backward contraction is a backward node: the value
   // is rounded where the backward first needs it.)
-  auto operand = [&](int id) {
-    int& r = read_as[static_cast<size_t>(id)];
-    if (r >= 0) return r;
+  auto operand = [&](int id, bool backward) {
     const Node& x = src.node(id);
+    const bool again = backward && x.op == Op::Param;
+    int& r = (again ? backward_read_as : read_as)[static_cast<size_t>(id)];
+    if (r >= 0) return r;
     if (x.type.dtype != DType::f32 || x.op == Op::LoadBf16) return r = out.id_of[static_cast<size_t>(id)];
-    int& c = copy_of[static_cast<size_t>(id)];
+    int& c = (again ? backward_copy_of : copy_of)[static_cast<size_t>(id)];
     if (c < 0) c = store_bf16(g.value(out.id_of[static_cast<size_t>(id)])).id;
     return r = load_bf16(g.value(c)).id;
   };
@@ -165,7 +171,8 @@ StoredGraph round_contractions(const Graph& src, const Schedule& s) {
       continue;
     }
     std::vector<Value> in;
-    for (int i : node.inputs) in.push_back(g.value(node.op == Op::Contract ? operand(i) : out.id_of[static_cast<size_t>(i)]));
+    for (int i : node.inputs)
+      in.push_back(g.value(node.op == Op::Contract ? operand(i, node.backward) : out.id_of[static_cast<size_t>(i)]));
     made = op_info(node.op).cls == OpClass::Leaf ? g.add_leaf(node.op, node.type, node.attrs, node.name).id
                                                  : g.add(node.op, in, node.attrs, node.name).id;
   }

@@ -42,11 +42,12 @@ StoredGraph store_saved(const Graph& src, const Schedule& s);
 // operand as load_bf16 of a store_bf16 copy, and sums in f32 into an f32
 // output, what a bf16 GEMM with f32 accumulation computes (cuBLAS on
 // tensor cores). One copy per value, shared by every contraction reading
-// it: a weight is rounded once a step and its copy serves the forward and
-// the input gradient; an activation's copy serves its projection and its
-// weight gradient, so the backward reads the copy and the f32 value can die
-// in the forward. A value stored in bf16 already (store_saved, run before
-// this) is read through its copy: a value has one copy, whoever made it.
+// it: an activation's copy serves its projection and its weight gradient,
+// so the backward reads the copy and the f32 value can die in the forward.
+// A weight is rounded once in the forward and once in the backward (for
+// its input gradient), so that no copy of it lives through the step. A
+// value stored in bf16 already (store_saved, run before this) is read
+// through its copy: a value has one copy, whoever made it.
 // The gradient is the gradient at the rounded operands (the rounding's own
 // derivative taken as 1, as autocast's casts do).
 StoredGraph round_contractions(const Graph& src, const Schedule& s);

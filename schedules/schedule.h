@@ -136,9 +136,10 @@ struct Schedule {
   static const std::vector<std::string>& contract_kernels();
   // What every contraction reads, forward and backward (mixed precision):
   // "f32" (the default), or "bf16": its f32 operands rounded to bf16 (one
-  // copy of each value, shared by every contraction reading it: a weight's
-  // is made once a step, an activation's is also what the weight gradient
-  // reads), products summed in f32 into an f32 output. On a CUDA target the
+  // copy of each value, shared by every contraction reading it: an
+  // activation's is also what the weight gradient reads; a weight gets one
+  // in the forward and one in the backward), products summed in f32 into
+  // an f32 output. On a CUDA target the
   // GEMMs are cuBLAS's bf16 GEMM on tensor cores; elsewhere the kernels
   // decode the copies (schedules/precision.h: round_contractions).
   std::string contract_precision = "f32";

@@ -210,7 +210,7 @@ EOF
     for seq in "${bench_seqs[@]}"; do
       echo "== bench seq $seq"
       local precision
-      for precision in f32 bf16; do
+      for precision in bf16 f32; do  # (the target's comparison first, should time run short)
         rc=0
         line=$(timeout "$(left)" "$dir/bin/gpu_step_bench" --seq "$seq" --steps 3 --precision "$precision" \
           2>>"$results/bench.err") || rc=$?
