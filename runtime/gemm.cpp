@@ -276,8 +276,8 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
     if (x->host_dirty())
       if (int err = halide_copy_to_device(nullptr, x, x->device_interface))
         return fail("halyard_gemm: uploading an operand failed with Halide error " + std::to_string(err));
-  const Cublas& cb = cublas();
-  if (!cb.why_unusable.empty()) return fail("halyard_gemm: " + cb.why_unusable);
+  const Cublas& lib = cublas();
+  if (!lib.why_unusable.empty()) return fail("halyard_gemm: " + lib.why_unusable);
   // (A CUDA buffer's device field is its CUdeviceptr.)
   const auto* pa = reinterpret_cast<const uint8_t*>(b->device);
   const auto* pb = reinterpret_cast<const uint8_t*>(a->device);
@@ -293,18 +293,18 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
       status = -2;
       break;
     }
-    const void* ca = pa + static_cast<size_t>(c.offset_a) * element;
-    const void* cb_ = pb + static_cast<size_t>(c.offset_b) * element;
+    const void* call_a = pa + static_cast<size_t>(c.offset_a) * element;
+    const void* call_b = pb + static_cast<size_t>(c.offset_b) * element;
     const float* beta = c.accumulate ? &one : &zero;
     if (bf16)
-      status = cb.gemm_ex(cb.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
-                          static_cast<int>(c.k), &one, ca, kCudaR16BF, static_cast<int>(c.lda), cb_, kCudaR16BF,
+      status = lib.gemm_ex(lib.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
+                          static_cast<int>(c.k), &one, call_a, kCudaR16BF, static_cast<int>(c.lda), call_b, kCudaR16BF,
                           static_cast<int>(c.ldb), beta, pc + c.offset_c, kCudaR32F, static_cast<int>(c.ldc),
                           kCublasCompute32F, kCublasGemmDefault);
     else
-      status = cb.sgemm(cb.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
-                        static_cast<int>(c.k), &one, static_cast<const float*>(ca), static_cast<int>(c.lda),
-                        static_cast<const float*>(cb_), static_cast<int>(c.ldb), beta, pc + c.offset_c,
+      status = lib.sgemm(lib.handle, c.trans_a ? 1 : 0, c.trans_b ? 1 : 0, static_cast<int>(c.m), static_cast<int>(c.n),
+                        static_cast<int>(c.k), &one, static_cast<const float*>(call_a), static_cast<int>(c.lda),
+                        static_cast<const float*>(call_b), static_cast<int>(c.ldb), beta, pc + c.offset_c,
                         static_cast<int>(c.ldc));
     if (status != 0) break;
   }

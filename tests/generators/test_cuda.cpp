@@ -106,6 +106,22 @@ TEST(Cuda, MicroLlamaTrainStepMatchesTorchOnDevice) {
         << m.param_spec(i).name;
 }
 
+// The largest difference of each gradient of `dev` from `cpu`'s, relative
+// to the largest element of `cpu`'s, must be at most `limit`; the worst.
+double worst_gradient(runtime::Model& dev, runtime::Model& cpu, double limit) {
+  double worst = 0;
+  for (int i = 0; i < dev.num_params(); ++i) {
+    double diff = 0, scale = 1e-30;
+    for (int64_t k = 0; k < dev.param_spec(i).numel; ++k) {
+      diff = std::max(diff, static_cast<double>(std::abs(dev.grad(i)[k] - cpu.grad(i)[k])));
+      scale = std::max(scale, static_cast<double>(std::abs(cpu.grad(i)[k])));
+    }
+    worst = std::max(worst, diff / scale);
+    EXPECT_LE(diff / scale, limit) << dev.param_spec(i).name;
+  }
+  return worst;
+}
+
 TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
   HALYARD_NEED_GPU();
   runtime::Model cpu(halyard_models::tiny_llama_cpu_s256()), dev(halyard_models::tiny_llama_cuda());
@@ -117,18 +133,7 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
   const double got = dev.train_step(b.ids.data(), b.labels.data(), b.pos.data());
   std::printf("  tiny s256: cuda loss %.9f vs cpu %.9f\n", got, want);
   EXPECT_LE(std::abs(got - want) / want, 1e-4);
-  double worst = 0;
-  for (int i = 0; i < dev.num_params(); ++i) {
-    const int64_t n = dev.param_spec(i).numel;
-    double diff = 0, scale = 1e-30;
-    for (int64_t k = 0; k < n; ++k) {
-      diff = std::max(diff, static_cast<double>(std::abs(dev.grad(i)[k] - cpu.grad(i)[k])));
-      scale = std::max(scale, static_cast<double>(std::abs(cpu.grad(i)[k])));
-    }
-    worst = std::max(worst, diff / scale);
-    EXPECT_LE(diff / scale, 1e-4) << dev.param_spec(i).name;
-  }
-  std::printf("  tiny s256: worst gradient difference %.3g of the largest gradient\n", worst);
+  std::printf("  tiny s256: worst gradient difference %.3g of the largest gradient\n", worst_gradient(dev, cpu, 1e-4));
 }
 
 // Mixed precision (examples/llama/schedules/bf16_mixed.json): every GEMM is
@@ -170,18 +175,8 @@ TEST(Cuda, MixedPrecisionStepOnDeviceMatchesItsCpuLibrary) {
   std::printf("  tiny s256 bf16 mixed: cuda loss %.9f vs cpu %.9f; gradients %.2e apart (rms)\n", got, want, apart);
   EXPECT_LE(std::abs(got - want) / want, 1e-4);
   EXPECT_LE(apart, gap / 4);
-  double worst = 0;
-  for (int i = 0; i < dev.num_params(); ++i) {
-    const int64_t n = dev.param_spec(i).numel;
-    double diff = 0, scale = 1e-30;
-    for (int64_t k = 0; k < n; ++k) {
-      diff = std::max(diff, static_cast<double>(std::abs(dev.grad(i)[k] - cpu.grad(i)[k])));
-      scale = std::max(scale, static_cast<double>(std::abs(cpu.grad(i)[k])));
-    }
-    worst = std::max(worst, diff / scale);
-    EXPECT_LE(diff / scale, 2e-2) << dev.param_spec(i).name;
-  }
-  std::printf("  tiny s256 bf16 mixed: worst gradient difference %.3g of the largest gradient\n", worst);
+  std::printf("  tiny s256 bf16 mixed: worst gradient difference %.3g of the largest gradient\n",
+              worst_gradient(dev, cpu, 2e-2));
 }
 
 // AdamW on the device (the library's optimizer kernels, Model::adamw_step)

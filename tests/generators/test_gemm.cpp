@@ -250,25 +250,31 @@ TEST(Gemm, LoweredGemmStagesEqualHalidesContraction) {
   }
 }
 
+// The lowered statement of `out`'s stage for a CUDA target, its
+// contractions through the runtime's GEMM.
+std::string cuda_stmt(Graph& g, const Value& out, const std::string& file) {
+  Schedule s;
+  s.contract_kernel = "cublas";
+  const Partition p = partition(g, {out.id}, s);
+  const Stage& st = p.stages.at(0);
+  EXPECT_TRUE(st.gemm);
+  const Halide::Target cuda("host-cuda-cuda_capability_80");
+  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+  schedule_gpu(ls, g, st, cuda);
+  const std::string stmt = testing::TempDir() + "/" + file;
+  std::vector<Halide::Argument> args = ls.args;
+  ls.pipeline.compile_to_lowered_stmt(stmt, args, Halide::StmtOutputFormat::Text, cuda);
+  std::ifstream in(stmt);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 // For a CUDA target the stage is an extern stage on the device: the call
 // to the runtime's GEMM.
 TEST(Gemm, CudaStagesCallTheRuntimeGemmOnTheDevice) {
   Graph g;
   Value out = contract(input(g, "x", DType::f32, {{"batch", 1}, {"seq", 64}, {"model", 32}}),
                        param(g, "w", DType::f32, {{"ffn", 48}, {"model", 32}}), {"model"});
-  Schedule s;
-  s.contract_kernel = "cublas";
-  const Partition p = partition(g, {out.id}, s);
-  const Stage& st = p.stages.at(0);
-  ASSERT_TRUE(st.gemm);
-  const Halide::Target cuda("host-cuda-cuda_capability_80");
-  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
-  schedule_gpu(ls, g, st, cuda);
-  const std::string stmt = testing::TempDir() + "/gemm_cuda.stmt";
-  std::vector<Halide::Argument> args = ls.args;
-  ls.pipeline.compile_to_lowered_stmt(stmt, args, Halide::StmtOutputFormat::Text, cuda);
-  std::ifstream in(stmt);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = cuda_stmt(g, out, "gemm_cuda.stmt");
   EXPECT_NE(text.find("halyard_gemm("), std::string::npos);
   // The call is the stage's output, writing the output buffer itself: no
   // kernel of Halide's copies it there. (Halide moves nothing for it either:
@@ -284,19 +290,7 @@ TEST(Gemm, CudaBf16StagesPassTheCopiesToTheGemm) {
   Graph g;
   Value out = contract(load_bf16(input(g, "x", DType::bf16, {{"batch", 1}, {"seq", 64}, {"model", 32}})),
                        load_bf16(param(g, "w", DType::bf16, {{"ffn", 48}, {"model", 32}})), {"model"});
-  Schedule s;
-  s.contract_kernel = "cublas";
-  const Partition p = partition(g, {out.id}, s);
-  const Stage& st = p.stages.at(0);
-  ASSERT_TRUE(st.gemm);
-  const Halide::Target cuda("host-cuda-cuda_capability_80");
-  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
-  schedule_gpu(ls, g, st, cuda);
-  const std::string stmt = testing::TempDir() + "/gemm_cuda_bf16.stmt";
-  std::vector<Halide::Argument> args = ls.args;
-  ls.pipeline.compile_to_lowered_stmt(stmt, args, Halide::StmtOutputFormat::Text, cuda);
-  std::ifstream in(stmt);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = cuda_stmt(g, out, "gemm_cuda_bf16.stmt");
   // (a, b, m_dims, n_dims, k_dims, a_k_inner, b_k_inner, bf16 = 1, ...): the stage's inputs in0 and in1 themselves.
   const std::string input_buffer = R"(\(struct halide_buffer_t \*\)in\d\.buffer)";
   EXPECT_TRUE(std::regex_search(text, std::regex("halyard_gemm\\(" + input_buffer + ", " + input_buffer + R"(, \d, \d, \d, [01], [01], 1,)")))
