@@ -1,7 +1,7 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
 #                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
 #                   [SP <ranks>] [CLUSTER <preset or .json>] [EXCLUDE_FROM_ALL]
-#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>])
+#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>] [BF16 store contract])
 #
 # SCHEDULE autosp lets the AutoSP search (schedules/autosp.h) choose the
 # schedule for RANKS ranks (default: SP, else the cluster's) with
@@ -10,6 +10,9 @@
 # the library as <name>.schedule.json (pin it: SCHEDULE that file). A request
 # that nothing fits is a build error naming the least memory per rank, or
 # the fewest ranks, that would fit. With SP, the search keeps that degree.
+# BF16 lists what the search may hold or compute in bf16 (default: nothing):
+# store (saved values' copies for the backward), contract (contractions'
+# operands; clusters with a bf16 peak, i.e. GPUs). f32 stays a candidate.
 #
 # SP > 1 splits the sequence over that many ranks (the schedule must split it,
 # e.g. SCHEDULE ulysses; a schedule's own "mesh" may say it instead); SEQ is
@@ -29,7 +32,7 @@ set(HALYARD_CLUSTER local-cpu CACHE STRING "cluster preset or profile .json that
 
 function(halyard_add_model)
   cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP;CLUSTER;MEMORY_PER_RANK;RANKS"
-                        "" ${ARGN})
+                        "BF16" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
     if(NOT M_${req})
       message(FATAL_ERROR "halyard_add_model: ${req} is required")
@@ -59,9 +62,14 @@ function(halyard_add_model)
     if(M_MEMORY_PER_RANK)
       list(APPEND autosp_args --memory-per-rank ${M_MEMORY_PER_RANK})
     endif()
-  elseif(M_RANKS OR M_MEMORY_PER_RANK)
-    message(FATAL_ERROR "halyard_add_model(${M_NAME}): RANKS and MEMORY_PER_RANK are what SCHEDULE autosp searches "
-                        "for; SCHEDULE is ${M_SCHEDULE}. Use SCHEDULE autosp, or drop them.")
+    if(M_BF16)
+      string(REPLACE ";" "," bf16 "${M_BF16}")
+      list(APPEND autosp_args --bf16 ${bf16})
+    endif()
+  elseif(M_RANKS OR M_MEMORY_PER_RANK OR M_BF16)
+    message(FATAL_ERROR "halyard_add_model(${M_NAME}): RANKS, MEMORY_PER_RANK and BF16 are what SCHEDULE autosp searches "
+                        "with; SCHEDULE is ${M_SCHEDULE}. Use SCHEDULE autosp, or drop them (a schedule file states "
+                        "its own precision).")
   endif()
 
   string(MAKE_C_IDENTIFIER "${M_TARGET}" target_id)

@@ -127,6 +127,50 @@ int64_t default_seq_step(int64_t ranks) { return std::min<int64_t>(1024, std::ma
 // `step` rounded up to a multiple of sp (every rank gets as many tokens).
 int64_t step_for(int64_t step, int64_t sp) { return (step + sp - 1) / sp * sp; }
 
+// The least memory a model's values take: every layer recomputed but its
+// output where the values are labelled by layer (model.layers.N, as the
+// Hugging Face models are), else the op table's checkpointing (what it
+// keeps saved, the rest recomputed). With a host link (GPUs) what is kept is
+// offloaded to host memory between forward and backward (ALST's offload).
+std::vector<ValueRule> least_memory_rules(const Graph& g, bool offload) {
+  const bool layered = std::any_of(g.nodes().begin(), g.nodes().end(),
+                                   [](const Node& n) { return n.name.rfind("model.layers.", 0) == 0; });
+  if (layered) return offload ? offloaded_checkpoint_rules() : layer_checkpoint_rules();
+  std::vector<ValueRule> r = sac_rules();
+  if (offload)
+    for (ValueRule& v : r)
+      if (v.keep == "save" && v.match.rfind("op:", 0) == 0) v.keep = "offload";
+  return r;
+}
+
+// A precision the search gives a schedule (SearchOptions::bf16).
+struct Precision {
+  bool store = false, contract = false;
+};
+
+Schedule in_precision(Schedule s, Precision p) {
+  if (p.store) s.values.insert(s.values.begin(), ValueRule{"*", "", "", "bf16"});
+  if (p.contract) s.contract_precision = "bf16";
+  return s;
+}
+
+bool allows(const SearchOptions& o, const char* what) {
+  return std::find(o.bf16.begin(), o.bf16.end(), what) != o.bf16.end();
+}
+
+// Every precision the options allow, f32 first.
+std::vector<Precision> precisions(const SearchOptions& o) {
+  std::vector<Precision> out;
+  for (bool store : {false, true})
+    for (bool contract : {false, true})
+      if ((!store || allows(o, "store")) && (!contract || allows(o, "contract"))) out.push_back({store, contract});
+  return out;
+}
+
+// The least memory: saved values in bf16 when allowed (contractions' copies
+// only add bytes).
+Precision frugal_precision(const SearchOptions& o) { return {allows(o, "store"), false}; }
+
 
 }  // namespace
 
@@ -143,6 +187,8 @@ std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Sc
     if (n.backward || n.name.empty()) continue;
     const OpClass cls = op_info(n.op).cls;
     if (cls == OpClass::Leaf || cls == OpClass::View) continue;
+    // bf16 copies follow their values' decisions (schedules/precision.h): not a decision of their own.
+    if (n.op == Op::StoreBf16 || n.op == Op::LoadBf16) continue;
     if (is_wide(n) && n.type.has("seq") && n.type.size("seq") < local_seq) continue;  // a tile: the tiling rule's
     const std::pair<std::string, std::string> key{module_pattern(n.name), op_info(n.op).name};
     auto [it, fresh] = index.try_emplace(key, out.size());
@@ -566,18 +612,18 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     if (mlp > 0 || loss > 0) s.values.push_back(recompute_seq_tiles_rule());
     return s;
   };
-  // The least-memory schedules of a configuration: every layer checkpointed,
-  // with both regions in sixteenths or whole (tiles cost a partial weight
-  // gradient per tile, which short sequences of wide models do not repay).
-  // On a cluster with a host link (GPUs) the least-memory schedules offload
-  // what checkpointing keeps to host memory (ALST's offload).
+  // The least-memory schedules of a configuration: every layer checkpointed
+  // (lean_rules, below), with both regions in sixteenths or whole (tiles cost
+  // a partial weight gradient per tile, which short sequences of wide models
+  // do not repay).
   const bool can_offload = cluster.has_host_link();
-  const std::vector<ValueRule> lean_rules = can_offload ? offloaded_checkpoint_rules() : layer_checkpoint_rules();
+  std::vector<ValueRule> lean_rules;
+  const Precision least_precision = frugal_precision(opts);
   auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
     Schedule s = c.base;
     s.values = lean_rules;
     const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp, s.sequence_layout == "zigzag"));
-    return tiled ? with_tiles(s, t.back(), t.back()) : s;
+    return in_precision(tiled ? with_tiles(s, t.back(), t.back()) : s, least_precision);
   };
 
   ModelRequest req = req_in;
@@ -587,8 +633,9 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     try {
       ModelRequest small = probe(build, req);
       small.seq = s.mesh.sp * 8;
-      plan(build, small, s, cluster);
+      const Plan p = plan(build, small, s, cluster);
       ++out.plans;
+      if (lean_rules.empty()) lean_rules = least_memory_rules(*p.model.graph, can_offload);
     } catch (const UserError& e) {
       applies[i] = false;
       out.rejected.push_back({configs[i].what, reason_of(e)});
@@ -646,29 +693,31 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
       continue;
     }
     const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"));
-    auto lean_of = [&](int64_t mlp, int64_t loss) {
+    auto lean_of = [&](int64_t mlp, int64_t loss, Precision pr) {
       Schedule lean = configs[i].base;
       lean.values = lean_rules;
-      return with_tiles(lean, mlp, loss);
+      return in_precision(with_tiles(lean, mlp, loss), pr);
     };
     try {
       // The least memory first (checkpointed, whole or in sixteenths): a
       // configuration that cannot fit that way is out.
       std::map<std::pair<int64_t, int64_t>, Scored> leans;
       for (int64_t tile : {int64_t{0}, t.back()})
-        leans[{tile, tile}] = score(build, req, lean_of(tile, tile), cluster, &out.plans);
+        leans[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision), cluster, &out.plans);
       for (const auto& [k, x] : leans) least[i] = std::min(least[i], x.peak);
       if (least[i] > budget) continue;
       // Loss tiles: whole or the smallest (a [seq, vocab] tile rarely pays
-      // in between); MLP tiles: every option.
+      // in between); MLP tiles: every option; every precision allowed.
       for (int64_t mlp : t)
-        for (int64_t loss : {int64_t{0}, t.back()}) {
-          const Schedule base = with_tiles(configs[i].base, mlp, loss);
-          const Scored f = score(build, req, base, cluster, &out.plans);
-          auto it = leans.find({mlp, loss});
-          const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss), cluster, &out.plans);
-          options.push_back({i, base, lean_of(mlp, loss), f, l});
-        }
+        for (int64_t loss : {int64_t{0}, t.back()})
+          for (Precision pr : precisions(opts)) {
+            const Schedule base = in_precision(with_tiles(configs[i].base, mlp, loss), pr);
+            const Scored f = score(build, req, base, cluster, &out.plans);
+            const bool least_one = pr.store == least_precision.store && pr.contract == least_precision.contract;
+            auto it = least_one ? leans.find({mlp, loss}) : leans.end();
+            const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans);
+            options.push_back({i, base, lean_of(mlp, loss, pr), f, l});
+          }
     } catch (const UserError& e) {
       out.rejected.push_back({configs[i].what, reason_of(e)});
     }
@@ -677,6 +726,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     if (applies[i] && least[i] != INT64_MAX && least[i] > budget)
       out.rejected.push_back({configs[i].what, std::string("every layer checkpointed") +
                                                    (can_offload ? " (its input offloaded)" : "") +
+                                                   (least_precision.store ? ", saved values in bf16" : "") +
                                                    " and both regions tiled: " + gib(least[i]) +
                                                    " > " + gib(budget) + " per rank"});
   std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
@@ -725,7 +775,8 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   std::set<std::string> shown;
   for (auto& [c, r] : found) {
     const std::string key = std::to_string(c.schedule.mesh.sp) + "/" + std::to_string(c.schedule.mesh.zero) + "/" +
-                            std::to_string(c.schedule.seq_tile) + "/" + std::to_string(c.schedule.loss_seq_tile);
+                            std::to_string(c.schedule.seq_tile) + "/" + std::to_string(c.schedule.loss_seq_tile) + "/" +
+                            (c.schedule.stores_bf16() ? "bf16" : "f32") + "/" + c.schedule.contract_precision;
     if (!shown.insert(key).second) continue;
     if (out.ranked.empty()) out.remat = r;
     out.ranked.push_back(c);
@@ -739,10 +790,14 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     std::string where;
     for (size_t i = 0; i < configs.size(); ++i)
       if (least[i] < least_all) least_all = least[i], where = configs[i].what;
-    out.infeasible = least_all == INT64_MAX ? "no configuration applies"
+    out.infeasible = least_all == INT64_MAX ? "no configuration applies" +
+                                                  (out.rejected.empty() ? std::string()
+                                                                        : " (" + out.rejected.front().what + ": " +
+                                                                              out.rejected.front().reason + ")")
                                             : "the least memory any plan needs is " + gib(least_all) + " per rank (" +
                                                   where + ", every layer checkpointed" +
-                                                  (can_offload ? " and its input offloaded" : "") + ", tiled)";
+                                                  (can_offload ? " and its input offloaded" : "") +
+                                                  (least_precision.store ? ", saved values in bf16" : "") + ", tiled)";
     // The longest sequence that fits these ranks (when some does).
     const int lean_zero = ranks > 1 ? *std::max_element(opts.zero.begin(), opts.zero.end()) : 0;
     const int64_t fits = least_all == INT64_MAX ? 0 : longest_frugal(req.seq, lean_zero);
@@ -752,7 +807,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
       try {
         Schedule s = family_schedule("ulysses_checkpoint", build, req, more);
         const std::vector<int64_t> t = tile_options(local_seq(req.seq, s.mesh.sp, s.sequence_layout == "zigzag"));
-        s = with_tiles(s, t.back(), t.back());
+        s = in_precision(with_tiles(s, t.back(), t.back()), least_precision);
         Cluster bigger = cluster;
         bigger.ranks = more;
         const Scored x = score(build, req, s, bigger, &out.plans);
@@ -770,6 +825,22 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
 
 }  // namespace
 
+std::vector<std::string> parse_bf16_choices(const std::string& list) {
+  std::vector<std::string> out;
+  if (list == "none") return out;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string b = list.substr(at, comma - at);
+    if (b != "store" && b != "contract")
+      throw UserError("error: bf16 choice \"" + b + "\" (in \"" + list + "\").\nlegal: a comma-separated list of "
+                      "store (saved values' copies for the backward) and contract (contractions' operands), or none.");
+    if (std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
+    at = comma + 1;
+  }
+  return out;
+}
+
 SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cluster& cluster, const SearchOptions& opts) {
   const int64_t ranks = opts.ranks > 0 ? opts.ranks : cluster.ranks;
   const int64_t budget = opts.memory_per_rank > 0 ? opts.memory_per_rank : cluster.memory_per_rank_bytes;
@@ -781,6 +852,20 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cl
   for (int z : opts.zero)
     if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
   if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
+  for (const std::string& b : opts.bf16) parse_bf16_choices(b);
+  if (!opts.bf16.empty() && req.precision != "f32")
+    throw UserError("error: autosp with bf16 choices, and plan precision " + req.precision +
+                    ", which counts every value in bf16 already.\nfix: plan precision f32 with the bf16 choices (what "
+                    "the libraries run), or " + req.precision + " without them (planned only).");
+  if (allows(opts, "contract")) {
+    const auto bf16 = cluster.peak_flops.find("bf16"), f32 = cluster.peak_flops.find("f32");
+    if (bf16 == cluster.peak_flops.end() || (f32 != cluster.peak_flops.end() && bf16->second <= f32->second))
+      throw UserError("error: autosp may compute contractions in bf16, but cluster \"" + cluster.name +
+                      "\" states no bf16 peak above its f32 one: its ranks have no faster bf16 arithmetic (Halyard's "
+                      "CPU kernels decode bf16 to f32), so bf16 contractions would only add copies.\nfix: allow bf16 "
+                      "store alone on such ranks; contract is for clusters with tensor cores (the GPU presets, or a "
+                      "cluster file with a bf16 peak_flops).");
+  }
   for (int64_t sp : opts.sp)
     if (sp < 1 || ranks % sp != 0)
       throw UserError("error: autosp sp degree " + std::to_string(sp) + " does not divide " + std::to_string(ranks) +

@@ -128,7 +128,20 @@ struct SearchOptions {
   size_t keep = 5;              // how many runner-up plans to report
   int remat_plans = 60;         // plan() calls per recompute search before it settles for its bound
   std::vector<int> zero = {1, 3};  // ZeRO stages to consider on more than one rank (3 is planned only)
+  // What the search may hold or compute in bf16: the numerics are the
+  // user's to allow, and f32 stays a candidate. "store": every saved value's
+  // copy for the backward in bf16 (a rule {"match": "*", "store": "bf16"});
+  // "contract": contractions read bf16 copies of their operands
+  // (contract_precision "bf16"), only on clusters whose bf16 peak is above
+  // their f32 one (tensor cores; Halyard's CPU kernels decode bf16 to f32).
+  // Empty: f32 only. The search takes the fastest that fits; with "store",
+  // its least-memory schedules store bf16 (the longest sequence is longer).
+  std::vector<std::string> bf16;
 };
+
+// "store,contract", "store" or "none" as SearchOptions::bf16 (the flag
+// --bf16 of halyard-plan and llama_aot); throws UserError naming the choices.
+std::vector<std::string> parse_bf16_choices(const std::string& list);
 
 struct SearchResult {
   bool feasible = false;

@@ -51,6 +51,9 @@ const char* const kUsage = R"(usage: halyard-plan (--model NAME | --config confi
   --precision P           f32 (what Halyard's CPU libraries run) or bf16-mixed (bf16 values, f32 master
                           weights and moments; planned only); default: bf16-mixed on clusters with bf16
                           peak FLOP/s (the GPU presets), else f32
+  --bf16 LIST             what the search may hold or compute in bf16: store (saved values' copies for
+                          the backward), contract (contractions' operands; clusters with a bf16 peak),
+                          or none (default); the plan's precision is then f32, and f32 stays a candidate
   --zero LIST             ZeRO stages to consider, e.g. 1 (what llama_train runs) or 1,3 (default; 3 is
                           planned only)
   --families LIST         families for the comparison table (default
@@ -159,6 +162,8 @@ std::string summary(const Schedule& s, const RematResult* r) {
   out += " zero-" + std::to_string(s.mesh.zero);
   out += " tiles " + (s.seq_tile ? std::to_string(s.seq_tile) : std::string("-")) + "/" +
          (s.loss_tile() ? std::to_string(s.loss_tile()) : std::string("-"));
+  if (s.stores_bf16()) out += " saved-bf16";
+  if (s.contract_precision != "f32") out += " matmul-" + s.contract_precision;
   if (r && !r->groups.empty()) {
     int n = 0;
     for (bool b : r->recompute) n += b;
@@ -211,7 +216,7 @@ int run(int argc, char** argv) {
   std::string model, config, cluster_name = "8xA100-80GB", seq_arg = "max", json_path, trace_path, plot_path, schedule_out;
   std::string family_list = "dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,ulysses_offload,autosp";
   int64_t ranks = 0, memory = 0, batch = 1, seq_step = 0;
-  std::string precision, zero_list = "1,3";
+  std::string precision, zero_list = "1,3", bf16_list = "none";
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
@@ -230,6 +235,7 @@ int run(int argc, char** argv) {
     else if (k == "--families") family_list = v;
     else if (k == "--precision") precision = v;
     else if (k == "--zero") zero_list = v;
+    else if (k == "--bf16") bf16_list = v;
     else if (k == "--seq-step") seq_step = count(k, v);
     else if (k == "--json") json_path = v;
     else if (k == "--trace") trace_path = v;
@@ -268,7 +274,13 @@ int run(int argc, char** argv) {
     if (("," + zero_list + ",").find("," + z + ",") != std::string::npos) opts.zero.push_back(std::stoi(z));
   if (opts.zero.empty() || zero_list.find_first_not_of("013,") != std::string::npos)
     usage_error("--zero \"" + zero_list + "\".\nlegal: a comma-separated list of 0, 1 and 3.");
-  if (precision.empty()) precision = cluster.peak_flops.count("bf16") ? "bf16-mixed" : "f32";
+  try {
+    opts.bf16 = parse_bf16_choices(bf16_list);
+  } catch (const UserError& e) {
+    usage_error("--bf16: " + std::string(e.what()).substr(7));
+  }
+  // bf16 choices are what the libraries run: the plan counts values in f32 but where a choice says bf16.
+  if (precision.empty()) precision = cluster.peak_flops.count("bf16") && opts.bf16.empty() ? "bf16-mixed" : "f32";
   ModelRequest req{config, batch, opts.max_seq ? 0 : std::stoll(seq_arg), precision};
 
   std::printf("halyard-plan: %s on %s: %lld ranks (%lld per node), %s per rank, %s\n", config.c_str(), cluster.name.c_str(),

@@ -40,6 +40,13 @@ PY
 "$aot" --name pinned --config "$src/examples/llama/configs/tiny.json" --seq 4096 --schedule "$dir/s.json" \
   --cluster local-cpu --plan-only >"$dir/pinned.txt" || fail "the written schedule does not plan"
 
+# SCHEDULE autosp with bf16 allowed, for GPUs: the search computes the
+# contractions in bf16 (tensor cores), and the pinned schedule says so.
+"$aot" --name mixed --config "$src/examples/llama/configs/tiny.json" --seq 32768 --schedule autosp --cluster 8xH200 \
+  --ranks 8 --sp 8 --bf16 store,contract --target host-cuda-cuda_capability_80 --plan-only \
+  --schedule-out "$dir/mixed.json" >"$dir/mixed.txt" || { cat "$dir/mixed.txt"; fail "autosp with --bf16"; }
+grep -q '"contract_precision": "bf16"' "$dir/mixed.json" || fail "autosp on 8xH200 with bf16 allowed kept f32 contractions"
+
 expect_error() {  # expect_error <text> <command...>
   local want=$1
   shift
@@ -52,6 +59,11 @@ expect_error '"-4" is not a whole number' "$plan" --model tiny --seq -4
 expect_error "is not a size" "$plan" --model tiny --memory-per-rank 80XB
 expect_error 'no family "zero9"' "$plan" --model tiny --families zero9
 expect_error 'give one of --model NAME and --config FILE' "$plan"
+expect_error 'bf16 choice "stor"' "$plan" --model tiny --cluster local-cpu --memory-per-rank 128MiB --bf16 stor
+expect_error 'states no bf16 peak above its f32 one' "$plan" --model tiny --cluster local-cpu --memory-per-rank 128MiB \
+  --seq 4096 --bf16 contract
+expect_error 'bf16 choice "fp8"' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" --seq 1024 \
+  --schedule autosp --bf16 store,fp8 --plan-only
 expect_error 'the least memory any plan needs is' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" \
   --seq 65536 --schedule autosp --ranks 2 --memory-per-rank 268435456 --cluster local-cpu --plan-only
 grep -q "ranks would fit" "$dir/err.txt" || fail "the infeasible build does not name the ranks that would fit"

@@ -337,5 +337,81 @@ TEST(Autosp, OffloadingBeatsRecomputingAttentionOnGpus) {
   EXPECT_GT(p.offload_s, 0);
 }
 
+// bf16 is the user's to allow (SearchOptions::bf16), and f32 stays a
+// candidate. On GPUs, where contractions reading bf16 copies run on tensor
+// cores, the search takes them; without the choice no schedule it ranks
+// holds or computes anything in bf16.
+TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
+  SearchOptions o;
+  o.ranks = 8;
+  o.sp = {8};
+  o.zero = {1};
+  const ModelRequest req{kTiny, 1, 32768};
+  const Cluster gpus = Cluster::named("8xH200");
+  const SearchResult f32 = autosp(llama::llama_builder(), req, gpus, o);
+  o.bf16 = {"store", "contract"};
+  const SearchResult mixed = autosp(llama::llama_builder(), req, gpus, o);
+  ASSERT_TRUE(f32.feasible) << f32.infeasible;
+  ASSERT_TRUE(mixed.feasible) << mixed.infeasible;
+  for (const Candidate& c : f32.ranked) {
+    EXPECT_EQ(c.schedule.contract_precision, "f32") << c.schedule.str();
+    EXPECT_FALSE(c.schedule.stores_bf16()) << c.schedule.str();
+  }
+  const Schedule& s = mixed.best().schedule;
+  std::printf("  tiny Llama at 32768 on 8xH200: %.4f s f32, %.4f s with bf16 allowed (%s)\n", f32.best().step_s,
+              mixed.best().step_s, s.str().c_str());
+  EXPECT_EQ(s.contract_precision, "bf16");
+  EXPECT_LT(mixed.best().step_s, f32.best().step_s);
+  // The choice is a schedule like any other: planned afresh, it predicts what the search scored.
+  const Plan p = plan(llama::llama_builder(), req, s, gpus);
+  EXPECT_EQ(p.step_s, mixed.best().step_s);
+  EXPECT_EQ(p.memory.total(), mixed.best().peak_bytes);
+  EXPECT_EQ(Schedule::parse(s.to_json(), "autosp").contract_precision, "bf16");
+}
+
+// Where memory binds, saved values stored in bf16 are a lever like
+// recomputing: the longest sequence that fits grows, and the plan that
+// reaches it stores bf16 and fits.
+TEST(Autosp, StoringBf16LengthensTheLongestSequence) {
+  SearchOptions o;
+  o.ranks = 4;
+  o.sp = {4};
+  o.zero = {1};
+  o.memory_per_rank = int64_t{160} << 20;
+  o.max_seq = true;
+  const SearchResult f32 = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  o.bf16 = {"store"};
+  const SearchResult stored = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  ASSERT_TRUE(f32.feasible) << f32.infeasible;
+  ASSERT_TRUE(stored.feasible) << stored.infeasible;
+  std::printf("  tiny Llama on 4 CPU ranks x 160 MiB: longest %lld tokens in f32, %lld storing bf16 (%s)\n",
+              static_cast<long long>(f32.seq), static_cast<long long>(stored.seq), stored.best().schedule.str().c_str());
+  EXPECT_GT(stored.seq, f32.seq);
+  EXPECT_TRUE(stored.best().schedule.stores_bf16());
+  EXPECT_EQ(stored.best().schedule.contract_precision, "f32");
+  const Plan p = plan(llama::llama_builder(), {kTiny, 1, stored.seq}, stored.best().schedule, local());
+  EXPECT_LE(p.memory.total(), o.memory_per_rank);
+  EXPECT_GT(p.stored_bf16(), 0);
+}
+
+TEST(Autosp, Bf16ChoicesThatCannotApplyAreErrorsNamingTheFix) {
+  EXPECT_EQ(parse_bf16_choices("none"), std::vector<std::string>{});
+  EXPECT_EQ(parse_bf16_choices("store,contract,store"), (std::vector<std::string>{"store", "contract"}));
+  for (const char* bad : {"stor", "store,", "fp8", ""})
+    EXPECT_THAT([&] { parse_bf16_choices(bad); },
+                ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("legal: a comma-separated list of store")))
+        << bad;
+  SearchOptions o;
+  o.ranks = 4;
+  o.memory_per_rank = int64_t{1} << 30;
+  o.bf16 = {"contract"};
+  EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024}, local(), o); },
+              ::testing::ThrowsMessage<UserError>(::testing::AllOf(::testing::HasSubstr("no bf16 peak above its f32 one"),
+                                                                   ::testing::HasSubstr("fix: allow bf16 store alone"))));
+  o.bf16 = {"store"};
+  EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024, "bf16-mixed"}, Cluster::named("8xH200"), o); },
+              ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("fix: plan precision f32 with the bf16 choices")));
+}
+
 }  // namespace
 }  // namespace halyard
