@@ -1,7 +1,7 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
 #                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
 #                   [SP <ranks>] [CLUSTER <preset or .json>] [EXCLUDE_FROM_ALL]
-#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>] [BF16 store contract])
+#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>] [BF16 store contract reduce])
 #
 # SCHEDULE autosp lets the AutoSP search (schedules/autosp.h) choose the
 # schedule for RANKS ranks (default: SP, else the cluster's) with
@@ -12,7 +12,8 @@
 # the fewest ranks, that would fit. With SP, the search keeps that degree.
 # BF16 lists what the search may hold or compute in bf16 (default: nothing):
 # store (saved values' copies for the backward), contract (contractions'
-# operands; clusters with a bf16 peak, i.e. GPUs). f32 stays a candidate.
+# operands; clusters with a bf16 peak, i.e. GPUs), reduce (the gradients'
+# sum over the ranks). f32 stays a candidate.
 #
 # SP > 1 splits the sequence over that many ranks (the schedule must split it,
 # e.g. SCHEDULE ulysses; a schedule's own "mesh" may say it instead); SEQ is

@@ -1,5 +1,6 @@
 // The Communicator base (see comm.h): names, argument checks, the traffic
 // counter and the shared message shapes; backends implement the do_* hooks.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "runtime/comm.h"
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 
 namespace halyard::runtime {
@@ -19,12 +21,14 @@ const char* comm_type_name(CommType t) {
     case CommType::I32: return "i32";
     case CommType::F64: return "f64";
     case CommType::I64: return "i64";
+    case CommType::BF16: return "bf16";
   }
   return "?";
 }
 
 int64_t comm_type_size(CommType t) {
   switch (t) {
+    case CommType::BF16: return 2;
     case CommType::F32:
     case CommType::I32: return 4;
     case CommType::F64:
@@ -197,6 +201,33 @@ void Communicator::reduce_scatter_sum(const float* send, float* recv, int64_t n_
   check_buffer(CommOp::ReduceScatterSum, "send", send, n_per_rank * size_);
   check_buffer(CommOp::ReduceScatterSum, "recv", recv, n_per_rank);
   do_reduce_scatter_sum(send, recv, n_per_rank, CommType::F32);
+}
+
+void Communicator::reduce_scatter_sum_bf16(const float* send, float* recv, int64_t n_per_rank) {
+  check_count(CommOp::ReduceScatterSum, "n_per_rank", n_per_rank);
+  check_buffer(CommOp::ReduceScatterSum, "send", send, n_per_rank * size_);
+  check_buffer(CommOp::ReduceScatterSum, "recv", recv, n_per_rank);
+  const size_t all = static_cast<size_t>(n_per_rank * size_);
+  std::vector<uint16_t> out(all), in(all);
+  for (size_t i = 0; i < all; ++i) out[i] = bf16_bits(send[i]);
+  const std::vector<int64_t> counts(static_cast<size_t>(size_), n_per_rank);
+  all_to_all_v_any(out.data(), counts.data(), in.data(), counts.data(), CommType::BF16);
+  for (int64_t i = 0; i < n_per_rank; ++i) {
+    float sum = 0;
+    for (int p = 0; p < size_; ++p) sum += bf16_value(in[static_cast<size_t>(p * n_per_rank + i)]);
+    recv[i] = sum;
+  }
+}
+
+void Communicator::all_reduce_sum_bf16(float* data, int64_t n) {
+  check_count(CommOp::AllReduceSum, "n", n);
+  check_buffer(CommOp::AllReduceSum, "data", data, n);
+  const int64_t block = (n + size_ - 1) / size_;
+  std::vector<float> padded(static_cast<size_t>(block * size_), 0.f), mine(static_cast<size_t>(block));
+  std::copy(data, data + n, padded.begin());
+  reduce_scatter_sum_bf16(padded.data(), mine.data(), block);
+  all_gather(mine.data(), block, padded.data());
+  std::copy(padded.begin(), padded.begin() + n, data);
 }
 
 void Communicator::send_any(const void* data, int64_t n, int peer, int tag, CommType type) {

@@ -33,9 +33,10 @@
 
 namespace halyard::runtime {
 
-// Element types the collectives move.
-enum class CommType { F32, I32, F64, I64 };
-const char* comm_type_name(CommType t);  // "f32", "i32", "f64", "i64"
+// Element types the collectives move. BF16 is 16-bit patterns that only
+// move (all_to_all_v under the *_bf16 sums); no backend sums them.
+enum class CommType { F32, I32, F64, I64, BF16 };
+const char* comm_type_name(CommType t);  // "f32", "i32", "f64", "i64", "bf16"
 int64_t comm_type_size(CommType t);      // bytes per element
 
 // The operations, as named in error messages.
@@ -106,6 +107,17 @@ class Communicator {
   // send holds size() * n_per_rank elements; recv (n_per_rank elements) gets
   // the sum over all ranks of their block rank() (elements rank() * n_per_rank ...).
   void reduce_scatter_sum(const float* send, float* recv, int64_t n_per_rank);
+
+  // The same sums with half the bytes on the wire: every rank's values are
+  // rounded to bf16 (nearest, ties to even) and moved by all_to_all_v, and
+  // each rank adds the size() blocks it receives in f32, in rank order, so
+  // every run and every rank agree bitwise. What DeepSpeed's bf16
+  // communication data type and Megatron's bf16 gradient reduction trade:
+  // the summands lose their low bits, the sum does not. all_reduce_sum_bf16
+  // reduce-scatters so (blocks of ceil(n / size()), the last one short) and
+  // all-gathers the f32 sums.
+  void reduce_scatter_sum_bf16(const float* send, float* recv, int64_t n_per_rank);
+  void all_reduce_sum_bf16(float* data, int64_t n);
 
   // Point to point. A message is matched by (sender, receiver, tag), in order;
   // n must agree on both sides. Tags are 0..kMaxCommTag. A rank cannot send to

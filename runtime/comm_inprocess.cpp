@@ -102,6 +102,7 @@ void sum_over_ranks(CommType type, void* acc, int64_t n, int size, const std::fu
     case CommType::I32: sum_over_ranks(static_cast<int32_t*>(acc), n, size, src); break;
     case CommType::F64: sum_over_ranks(static_cast<double*>(acc), n, size, src); break;
     case CommType::I64: sum_over_ranks(static_cast<int64_t*>(acc), n, size, src); break;
+    case CommType::BF16: throw Error("error: in-process sum of bf16 values; bf16 only moves (Communicator::*_bf16 sum in f32).");
   }
 }
 

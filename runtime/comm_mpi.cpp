@@ -56,6 +56,7 @@ MPI_Datatype mpi_type(CommType t) {
     case CommType::I32: return MPI_INT32_T;
     case CommType::F64: return MPI_DOUBLE;
     case CommType::I64: return MPI_INT64_T;
+    case CommType::BF16: return MPI_UINT16_T;  // moved, never summed
   }
   return MPI_DATATYPE_NULL;
 }

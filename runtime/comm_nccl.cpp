@@ -40,6 +40,7 @@ ncclDataType_t nccl_type(CommType t) {
     case CommType::I32: return ncclInt32;
     case CommType::F64: return ncclFloat64;
     case CommType::I64: return ncclInt64;
+    case CommType::BF16: return ncclBfloat16;  // moved, never summed
   }
   return ncclFloat32;
 }

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "runtime/bf16.h"
 #include "runtime/cuda_context.h"
 #include "runtime/cuda_driver.h"
 
@@ -128,12 +129,7 @@ Calls describe(const halide_buffer_t* a, const halide_buffer_t* b, int m_dims, i
 namespace {
 
 float value(float x) { return x; }
-float value(uint16_t bits) {  // bf16 is the high half of an f32
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+float value(uint16_t bits) { return bf16_value(bits); }
 
 template <typename T>
 void reference_of(const Call& c, const T* a, const T* b, float* out) {

@@ -317,6 +317,11 @@ void Model::wait_for_device(const char* what) {
                 ") failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
 }
 
+void Model::sum_over_mesh(float* grads, int64_t n) {
+  if (reduce_grads_bf16_) mesh_->all_reduce_sum_bf16(grads, n);
+  else mesh_->all_reduce_sum(grads, n);
+}
+
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
   wait_for_pinned_copies();
   if (call.kind == CallKind::ConcatSeq) {
@@ -997,7 +1002,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   auto sum_bucket = [&](int lo, int hi) {
     float* at = grads_flat() + flat_offset(lo);
     const int64_t n = end_of(hi) - flat_offset(lo);
-    grad_sums.push_back(comm_thread_->submit([this, at, n] { mesh_->all_reduce_sum(at, n); }));
+    grad_sums.push_back(comm_thread_->submit([this, at, n] { sum_over_mesh(at, n); }));
   };
   WindowedCopies copies(*this, p, bound);  // the offload copies inside their windows, instead of at their calls
   for (int c = 0; c < p.num_calls; ++c) {
@@ -1111,7 +1116,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   }
   if (sum_grads) {
     const auto t0 = std::chrono::steady_clock::now();
-    mesh_->all_reduce_sum(grads_flat(), flat_size_);
+    sum_over_mesh(grads_flat(), flat_size_);
     const double took = since(t0);
     times_.grads.waited_s += took;
     times_.grads.busy_s += took;

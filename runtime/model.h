@@ -101,6 +101,9 @@ class Model {
   // Whether a train step ends by summing gradients over the mesh (the
   // default). ZeRO-1 turns it off and reduce-scatters them itself.
   void set_reduce_grads(bool on) { reduce_grads_ = on; }
+  // Whether that sum moves the gradients in bf16, summed in f32
+  // (Communicator::all_reduce_sum_bf16; the schedule's grad_reduce_precision).
+  void set_reduce_grads_bf16(bool on) { reduce_grads_bf16_ = on; }
   // All parameters (and gradients) as one flat array of flat_size() floats:
   // parameter i starts at flat_offset(i); the gaps between them are zeros.
   float* params_flat() { return reinterpret_cast<float*>(params_on_host(true)); }
@@ -230,6 +233,7 @@ class Model {
   // `aliases`, their aliases of the executor's blocks too (which otherwise
   // stay: they cost nothing).
   void release_device(Bound* b, bool aliases);
+  void sum_over_mesh(float* grads, int64_t n);  // in f32 or, set so, bf16 summed in f32
   void pin_host_blocks();
   // Which copy of the parameters (the gradients) is current: a GPU step's
   // kernels and its update leave them on the device; the host accessors
@@ -282,6 +286,7 @@ class Model {
   Communicator* mesh_ = nullptr;  // dp x sp
   std::unique_ptr<Communicator> ulysses_, ring_;  // hybrid: the sp group split (sp_u, sp_r)
   bool reduce_grads_ = true;
+  bool reduce_grads_bf16_ = false;
   std::vector<float> scratch_;  // staging of collectives
   std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;

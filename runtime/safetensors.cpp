@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 
 namespace halyard::runtime {
@@ -390,7 +391,7 @@ float f16_to_f32(uint16_t h) {
   return std::bit_cast<float>(bits);
 }
 
-float bf16_to_f32(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
+float bf16_to_f32(uint16_t bits) { return bf16_value(bits); }
 
 
 namespace {

@@ -99,7 +99,8 @@ double ZeroAdamW::step(int64_t t, double lr, float* params, float* grads, double
   const int64_t P = comm_.size(), last = P - 1, tail_begin = P * block_, tail = total_ - tail_begin;
   const bool owns_tail = comm_.rank() == last;
 
-  comm_.reduce_scatter_sum(grads, grad_.data(), block_);
+  if (reduce_bf16_) comm_.reduce_scatter_sum_bf16(grads, grad_.data(), block_);
+  else comm_.reduce_scatter_sum(grads, grad_.data(), block_);
   if (tail > 0) {
     // Only the last rank needs the sum, but a reduce to one rank is not among
     // the collectives; the tail is shorter than P elements.

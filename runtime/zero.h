@@ -48,6 +48,9 @@ class ZeroAdamW {
   // this rank's slice of `params` and gathers the slices so that every rank
   // holds all parameters. Returns the global gradient L2 norm before clipping.
   double step(int64_t step, double lr, float* params, float* grads, double max_norm);
+  // Whether step() reduce-scatters the gradients in bf16, summed in f32
+  // (Communicator::reduce_scatter_sum_bf16): half the bytes. Default f32.
+  void set_reduce_bf16(bool on) { reduce_bf16_ = on; }
 
   int64_t total() const { return total_; }
   size_t num_params() const { return sizes_.size(); }
@@ -83,6 +86,7 @@ class ZeroAdamW {
   // Scratch of step(): this rank's summed gradients, then its updated slice to
   // gather; and the gathered last-rank tails (P * (total % P) floats).
   std::vector<float> grad_, tail_;
+  bool reduce_bf16_ = false;
 };
 
 }  // namespace halyard::runtime

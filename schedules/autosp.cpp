@@ -145,12 +145,13 @@ std::vector<ValueRule> least_memory_rules(const Graph& g, bool offload) {
 
 // A precision the search gives a schedule (SearchOptions::bf16).
 struct Precision {
-  bool store = false, contract = false;
+  bool store = false, contract = false, reduce = false;
 };
 
 Schedule in_precision(Schedule s, Precision p) {
   if (p.store) s.values.insert(s.values.begin(), ValueRule{"*", "", "", "bf16"});
   if (p.contract) s.contract_precision = "bf16";
+  if (p.reduce && s.mesh.ranks() > 1) s.grad_reduce_precision = "bf16";
   return s;
 }
 
@@ -158,18 +159,22 @@ bool allows(const SearchOptions& o, const char* what) {
   return std::find(o.bf16.begin(), o.bf16.end(), what) != o.bf16.end();
 }
 
-// Every precision the options allow, f32 first.
+// Every precision the options allow, f32 first. Gradients summed from bf16
+// are not a choice to weigh: they halve the reduction's bytes, hold no more
+// memory, and the rounding costs the host next to nothing, so where they are
+// allowed every candidate takes them.
 std::vector<Precision> precisions(const SearchOptions& o) {
   std::vector<Precision> out;
   for (bool store : {false, true})
     for (bool contract : {false, true})
-      if ((!store || allows(o, "store")) && (!contract || allows(o, "contract"))) out.push_back({store, contract});
+      if ((!store || allows(o, "store")) && (!contract || allows(o, "contract")))
+        out.push_back({store, contract, allows(o, "reduce")});
   return out;
 }
 
 // The least memory: saved values in bf16 when allowed (contractions' copies
 // only add bytes).
-Precision frugal_precision(const SearchOptions& o) { return {allows(o, "store"), false}; }
+Precision frugal_precision(const SearchOptions& o) { return {allows(o, "store"), false, allows(o, "reduce")}; }
 
 
 }  // namespace
@@ -832,9 +837,10 @@ std::vector<std::string> parse_bf16_choices(const std::string& list) {
   while (at <= list.size()) {
     const size_t comma = std::min(list.find(',', at), list.size());
     const std::string b = list.substr(at, comma - at);
-    if (b != "store" && b != "contract")
+    if (b != "store" && b != "contract" && b != "reduce")
       throw UserError("error: bf16 choice \"" + b + "\" (in \"" + list + "\").\nlegal: a comma-separated list of "
-                      "store (saved values' copies for the backward) and contract (contractions' operands), or none.");
+                      "store (saved values' copies for the backward), contract (contractions' operands) and reduce "
+                      "(the gradients' sum over the ranks), or none.");
     if (std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
     at = comma + 1;
   }

@@ -133,9 +133,12 @@ struct SearchOptions {
   // copy for the backward in bf16 (a rule {"match": "*", "store": "bf16"});
   // "contract": contractions read bf16 copies of their operands
   // (contract_precision "bf16"), only on clusters whose bf16 peak is above
-  // their f32 one (tensor cores; Halyard's CPU kernels decode bf16 to f32).
-  // Empty: f32 only. The search takes the fastest that fits; with "store",
-  // its least-memory schedules store bf16 (the longest sequence is longer).
+  // their f32 one (tensor cores; Halyard's CPU kernels decode bf16 to f32);
+  // "reduce": the gradients summed over the ranks from bf16
+  // (grad_reduce_precision "bf16": half the bytes, never slower, so taken
+  // wherever there are ranks). Empty: f32 only. The search takes the fastest
+  // that fits; with "store", its least-memory schedules store bf16 (the
+  // longest sequence is longer).
   std::vector<std::string> bf16;
 };
 

@@ -250,10 +250,13 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
                     std::to_string(req.seq) + ".\nlegal: batch >= 1 and seq >= 1 tokens per row.");
   if (req.precision != "f32" && req.precision != "bf16-mixed")
     throw UserError("error: plan precision \"" + req.precision + "\".\nlegal: f32, or bf16-mixed (GPU clusters, planned only).");
-  if (req.precision == "bf16-mixed" && (schedule.stores_bf16() || schedule.contract_precision == "bf16"))
+  if (req.precision == "bf16-mixed" &&
+      (schedule.stores_bf16() || schedule.contract_precision == "bf16" || schedule.grad_reduce_precision == "bf16"))
     throw UserError("error: schedule \"" + schedule.name + "\" " +
                     (schedule.stores_bf16() ? "stores saved values in bf16 (a rule with \"store\": \"bf16\")"
-                                            : "rounds contractions' operands to bf16 (contract_precision \"bf16\")") +
+                     : schedule.contract_precision == "bf16"
+                         ? "rounds contractions' operands to bf16 (contract_precision \"bf16\")"
+                         : "sums the gradients from bf16 (grad_reduce_precision \"bf16\")") +
                     ", and the plan's precision is bf16-mixed, which counts every value in bf16 already.\n"
                     "fix: plan precision f32 with the schedule's bf16 choices (what the libraries run), or bf16-mixed "
                     "without them.");
@@ -381,7 +384,10 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     p.stages.push_back(sc);
   }
   // The gradients are summed over the mesh after the backward (ZeRO-1:
-  // reduce-scattered, and the updated parameters all-gathered).
+  // reduce-scattered, and the updated parameters all-gathered). Summed from
+  // bf16 (grad_reduce_precision), the reduce-scatter is an all-to-all of the
+  // rounded gradients, half the bytes, and without ZeRO an all-gather of the
+  // f32 sums follows (runtime::Communicator::all_reduce_sum_bf16).
   const int64_t param_bytes = stored(4 * p.num_params);  // what the gradient reduction moves
   if (ranks > 1) {
     const double share = static_cast<double>(ranks - 1) / static_cast<double>(ranks);
@@ -390,13 +396,21 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
       c.time_s = cluster.collective_time(kind, bytes, ranks);
       p.collectives.push_back(c);
     };
+    const bool bf16 = schedule.grad_reduce_precision == "bf16";
+    auto reduce_scatter = [&] {
+      if (bf16) add("reduce_scatter_grads", "all_to_all", static_cast<double>(param_bytes) / 2 * share);
+      else add("reduce_scatter_grads", "all_reduce", static_cast<double>(param_bytes) * share);
+    };
     if (schedule.mesh.zero == 3) {  // parameters gathered for the forward and again for the backward
-      add("reduce_scatter_grads", "all_reduce", static_cast<double>(param_bytes) * share);
+      reduce_scatter();
       add("all_gather_params_forward", "all_gather", static_cast<double>(param_bytes) * share);
       add("all_gather_params_backward", "all_gather", static_cast<double>(param_bytes) * share);
     } else if (schedule.mesh.zero) {
-      add("reduce_scatter_grads", "all_reduce", static_cast<double>(param_bytes) * share);
+      reduce_scatter();
       add("all_gather_params", "all_gather", static_cast<double>(param_bytes) * share);
+    } else if (bf16) {
+      reduce_scatter();
+      add("all_gather_grads", "all_gather", static_cast<double>(param_bytes) * share);
     } else {
       add("all_reduce_grads", "all_reduce", 2 * static_cast<double>(param_bytes) * share);
     }

@@ -277,6 +277,7 @@ std::string Schedule::to_json() const {
   if (weight_grad_kernel != "library") j["weight_grad_kernel"] = weight_grad_kernel;
   if (contract_kernel != "auto") j["contract_kernel"] = contract_kernel;
   if (contract_precision != "f32") j["contract_precision"] = contract_precision;
+  if (grad_reduce_precision != "f32") j["grad_reduce_precision"] = grad_reduce_precision;
   if (kernel_tiles != KernelTiles{})
     j["kernel_tiles"] = {{"attention_queries", kernel_tiles.attention_queries},
                          {"attention_keys", kernel_tiles.attention_keys}};
@@ -304,6 +305,7 @@ std::string Schedule::str() const {
   if (weight_grad_kernel != "library") s += ", " + weight_grad_kernel + " weight-gradient kernels";
   if (contract_kernel != "auto") s += ", " + contract_kernel + " contractions";
   if (contract_precision != "f32") s += ", contractions in " + contract_precision;
+  if (grad_reduce_precision != "f32") s += ", gradients summed from " + grad_reduce_precision;
   if (kernel_tiles.attention_queries) s += ", attention query tile " + std::to_string(kernel_tiles.attention_queries);
   if (kernel_tiles.attention_keys) s += ", attention key tile " + std::to_string(kernel_tiles.attention_keys);
   return s;
@@ -445,10 +447,14 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
         bad(what, "contract_kernel \"" + s.contract_kernel + "\".\nlegal: " + join(contract_kernels()) + ".");
     } else if (key == "contract_precision" && v.is_string()) {
       s.contract_precision = v.get<std::string>();
-      if (std::find(contract_precisions().begin(), contract_precisions().end(), s.contract_precision) ==
-          contract_precisions().end())
-        bad(what, "contract_precision \"" + s.contract_precision + "\".\nlegal: " + join(contract_precisions()) +
+      if (std::find(precisions().begin(), precisions().end(), s.contract_precision) == precisions().end())
+        bad(what, "contract_precision \"" + s.contract_precision + "\".\nlegal: " + join(precisions()) +
                       " (bf16: operands rounded to bf16, sums in f32).");
+    } else if (key == "grad_reduce_precision" && v.is_string()) {
+      s.grad_reduce_precision = v.get<std::string>();
+      if (std::find(precisions().begin(), precisions().end(), s.grad_reduce_precision) == precisions().end())
+        bad(what, "grad_reduce_precision \"" + s.grad_reduce_precision + "\".\nlegal: " + join(precisions()) +
+                      " (bf16: gradients rounded to bf16 on the wire, summed in f32).");
     } else if (key == "loss_seq_tile") {
       s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
@@ -467,7 +473,7 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       bad(what, "unknown or ill-typed key \"" + key + "\" (" + v.dump() +
                     ").\nlegal keys: name (string), mesh ({dp, sp, zero}), split_sequence (\"sp\"), attention (array "
                     "of {match, strategy}), values (array of {match, keep, compute, store}), seq_tile (integer), loss_seq_tile (integer), "
-                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), contract_kernel (\"auto\" | \"cublas\" | \"halide\"), contract_precision (\"f32\" | \"bf16\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
+                    "autoscheduler (string), autoscheduler_beam_size (integer), sequence_layout (\"contiguous\" | \"zigzag\"), attention_kernel (\"library\" | \"halide\"), weight_grad_kernel (\"library\" | \"halide\"), contract_kernel (\"auto\" | \"cublas\" | \"halide\"), contract_precision (\"f32\" | \"bf16\"), grad_reduce_precision (\"f32\" | \"bf16\"), kernel_tiles ({attention_queries, attention_keys}); and the first vocabulary's recompute (array of op names), checkpoint "
                     "(bool), redistribute_heads (string).");
     }
   }
@@ -513,7 +519,7 @@ const std::vector<std::string>& Schedule::contract_kernels() {
   return names;
 }
 
-const std::vector<std::string>& Schedule::contract_precisions() {
+const std::vector<std::string>& Schedule::precisions() {
   static const std::vector<std::string> names = {"f32", "bf16"};
   return names;
 }

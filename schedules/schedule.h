@@ -143,7 +143,14 @@ struct Schedule {
   // GEMMs are cuBLAS's bf16 GEMM on tensor cores; elsewhere the kernels
   // decode the copies (schedules/precision.h: round_contractions).
   std::string contract_precision = "f32";
-  static const std::vector<std::string>& contract_precisions();
+  // The gradients' sum over the mesh after the backward (ZeRO-1's
+  // reduce-scatter, or the all-reduce without ZeRO): "f32" (the default), or
+  // "bf16": each rank's gradients rounded to bf16 on the wire and summed in
+  // f32 (runtime::Communicator::reduce_scatter_sum_bf16), half the bytes.
+  // The runtime does the sum; llama_train follows the library's plan.
+  std::string grad_reduce_precision = "f32";
+  // The legal values of both precisions.
+  static const std::vector<std::string>& precisions();
   // The kernels a GPU runs, "auto" decided: the library kernels are CPU
   // code, so attention and weight gradients are Halide's; GEMM-form
   // contractions are cuBLAS's on CUDA and Halide's on other devices (an

@@ -53,7 +53,8 @@ const char* const kUsage = R"(usage: halyard-plan (--model NAME | --config confi
                           peak FLOP/s (the GPU presets), else f32
   --bf16 LIST             what the search may hold or compute in bf16: store (saved values' copies for
                           the backward), contract (contractions' operands; clusters with a bf16 peak),
-                          or none (default); the plan's precision is then f32, and f32 stays a candidate
+                          reduce (the gradients' sum over the ranks), or none (default); the plan's
+                          precision is then f32, and f32 stays a candidate
   --zero LIST             ZeRO stages to consider, e.g. 1 (what llama_train runs) or 1,3 (default; 3 is
                           planned only)
   --families LIST         families for the comparison table (default
@@ -164,6 +165,7 @@ std::string summary(const Schedule& s, const RematResult* r) {
          (s.loss_tile() ? std::to_string(s.loss_tile()) : std::string("-"));
   if (s.stores_bf16()) out += " saved-bf16";
   if (s.contract_precision != "f32") out += " matmul-" + s.contract_precision;
+  if (s.grad_reduce_precision != "f32") out += " grads-" + s.grad_reduce_precision;
   if (r && !r->groups.empty()) {
     int n = 0;
     for (bool b : r->recompute) n += b;

@@ -42,7 +42,7 @@
 // the generator's predictions per rank), rank 0 prints it before the first
 // step ("plan: predicted peak ... MiB per rank (...), predicted step ... s")
 // and a fresh run writes it first in --metrics, with the launch it ran under:
-//   {"plan": {...}, "launch": {"ranks":4,"dp":1,"sp":4,"zero":0,"threads_per_rank":1}}
+//   {"plan": {...}, "launch": {"ranks":4,"dp":1,"sp":4,"zero":0,"grad_reduce":"f32","threads_per_rank":1}}
 // Every step line then carries what happened: "peak_rss_bytes" per rank
 // (exact, runtime/measure.h) and "step_s" (rank 0's wall time of train_step
 // plus the optimizer), next to "loss", "tokens_per_s" and the other keys.
@@ -117,6 +117,10 @@ checkpoints and output
 mesh and checks
   --sp N               ranks along the sequence (default: the library's plan)
   --zero 0|1           ZeRO-1 sharded optimizer state (default: the plan's)
+  --grad-reduce f32|bf16
+                       the gradients' sum over the ranks: from f32, or from
+                       bf16 copies summed in f32, half the bytes (default: the
+                       plan's grad_reduce_precision, else f32)
   --config FILE        checked against the config the library was built for
   --seq N              checked against the library's sequence length
   --comm-timeout S     a dead or stuck rank fails the others after S s (60)
@@ -146,6 +150,7 @@ struct Options {
   int sp = 0;  // 0: every rank along the sequence
   std::string save_dir, resume_dir, tokens, step_check, metrics_path, config;
   std::string data = default_corpus();
+  std::string grad_reduce;  // "": the plan's
 };
 
 // Returns an error message, or "" when the options are usable. Numbers are
@@ -182,6 +187,12 @@ std::string parse(int argc, char** argv, Options& o) {
       else if (k == "--config") o.config = v;
       else if (k == "--seq") o.seq = parse_count(k, v);
       else if (k == "--zero") o.zero = integer(0, 1) != 0, o.zero_given = true;
+      else if (k == "--grad-reduce") {
+        if (v != "f32" && v != "bf16")
+          return "error: --grad-reduce \"" + v + "\".\nlegal: f32, or bf16 (gradients rounded to bf16 on the wire, "
+                 "summed in f32).";
+        o.grad_reduce = v;
+      }
       else if (k == "--sp") o.sp = integer(1, 1 << 20);
       else if (k == "--comm-timeout") o.comm_timeout = parse_real(k, v, 0, false);
       else if (k == "--val-every") o.val_every = integer(0, kMaxInt);
@@ -191,7 +202,7 @@ std::string parse(int argc, char** argv, Options& o) {
         return "error: unknown option \"" + k + "\".\nlegal: --steps --lr --warmup --seed --threads --data --tokens "
                "--token-width --pack --doc-starts --val-every --val-fraction --val-batches --save --save-every --save-shard-bytes --resume "
                "--step-check "
-               "--clip --metrics --config --seq --sp --zero --comm-timeout --help";
+               "--clip --metrics --config --seq --sp --zero --grad-reduce --comm-timeout --help";
     } catch (const UserError& e) {
       return e.what();
     }
@@ -432,6 +443,12 @@ int train(const Options& o) {
     if (!o.zero_given && planned_mesh(spec)[2] == 1 && ranks > 1) run.zero = true;
     // On every rank, before any collective: a broken plan fails them all alike.
     const nlohmann::ordered_json plan = plan_of(spec);
+    // The gradients' sum as the plan's schedule has it, unless --grad-reduce says otherwise.
+    if (run.grad_reduce.empty())
+      run.grad_reduce = plan.is_object() && plan.contains("schedule_spec")
+                            ? plan["schedule_spec"].value("grad_reduce_precision", "f32")
+                            : "f32";
+    const bool reduce_bf16 = run.grad_reduce == "bf16" && ranks > 1;
     const std::string plan_line = plan.is_null() ? "" : runtime::describe_plan(plan);
     runtime::Model m(spec, sp_comm, comm.get());
     m.init_params(o.seed);
@@ -517,9 +534,11 @@ int train(const Options& o) {
       if (!comm) throw runtime::Error("error: --zero 1 shards the optimizer state over ranks, but this is one rank.\n"
                                       "fix: launch with mpirun -np 2 or 4, or pass --zero 0.");
       zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
+      zero->set_reduce_bf16(reduce_bf16);
       m.set_reduce_grads(false);  // ZeRO reduce-scatters them itself
     } else {
       m.use_adamw(decay);
+      m.set_reduce_grads_bf16(reduce_bf16);
     }
     const bool device_update = !zero && m.adamw_on_device();
     // Checkpoints hold the whole optimizer state: ZeRO gathers it for them
@@ -535,12 +554,13 @@ int train(const Options& o) {
     };
     if (lead)
       std::printf("%s: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
-                  "%d kernels, activation arena %.1f MiB per rank%s%s\n",
+                  "%d kernels, activation arena %.1f MiB per rank%s%s%s\n",
                   spec.name, spec.target, plan.is_null() ? spec.schedule : plan.value("schedule", "").c_str(), ranks, dp, spec.sp,
                   comm ? (std::string(", ") + comm->backend()).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
                   run.zero ? ", ZeRO-1 optimizer state" : "",
+                  reduce_bf16 ? ", gradients summed from bf16" : "",
                   device_update ? ", AdamW on the device" : "");
     int first = 1;
     if (!o.resume_dir.empty()) {
@@ -589,7 +609,8 @@ int train(const Options& o) {
       if (metrics.is_open() && o.resume_dir.empty()) {
         nlohmann::ordered_json head;
         head["plan"] = plan;
-        head["launch"] = {{"ranks", ranks}, {"dp", dp}, {"sp", sp}, {"zero", run.zero ? 1 : 0}, {"threads_per_rank", threads}};
+        head["launch"] = {{"ranks", ranks}, {"dp", dp}, {"sp", sp}, {"zero", run.zero ? 1 : 0},
+                          {"grad_reduce", reduce_bf16 ? "bf16" : "f32"}, {"threads_per_rank", threads}};
         metrics << head.dump() << "\n" << std::flush;
       }
     }

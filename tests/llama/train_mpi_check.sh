@@ -6,6 +6,11 @@
 #            (whose checkpoint also resumes on 2 ranks).
 #   ranks    1 rank vs 4 (sp 4) at the same global seq: the same losses within
 #            1e-4; and dp 2 x sp 2 vs dp 2 x sp 1 (the same rows): the same.
+#   gradreduce  4 ranks, gradients summed from bf16 (--grad-reduce bf16)
+#            against f32: the losses within 1e-4; with ZeRO-1 and without
+#            it the same losses (the same f32 sums of the same rounded
+#            values); the header and the metrics say so; a bad value is an
+#            error naming the legal ones.
 #   killed   rank 1 is SIGKILLed mid-training: the job ends non-zero within
 #            60 s, and the output names rank 1. Plain mpirun ends the job
 #            itself; with --enable-recovery the survivors' communicator times
@@ -67,6 +72,23 @@ ranks)
   paste <(losses "$work/dp2.jsonl") <(losses "$work/dp2sp2.jsonl") | awk '
     { d = $2 - $4; if (d < 0) d = -d; r = d / $2; if (r > worst) worst = r; print "step " $1 ": dp 2 x sp 1 " $2 ", dp 2 x sp 2 " $4 }
     END { printf "worst relative difference %.2e\n", worst; exit !(NR == 8 && worst <= 1e-4) }' || fail "dp losses differ"
+  ;;
+gradreduce)
+  for z in 0 1; do
+    for g in f32 bf16; do
+      "${mpi[@]}" -np 4 "$train" --steps 6 --zero $z --grad-reduce $g --metrics "$work/$z$g.jsonl" >"$work/$z$g.log" 2>&1 \
+        || { cat "$work/$z$g.log"; fail "--zero $z --grad-reduce $g"; }
+    done
+  done
+  grep -q "gradients summed from bf16" "$work/1bf16.log" || fail "no header line says the gradients are summed from bf16"
+  grep -q '"grad_reduce":"bf16"' "$work/1bf16.jsonl" || fail "the metrics' launch line does not say grad_reduce bf16"
+  ! grep -q "gradients summed from bf16" "$work/1f32.log" || fail "an f32 run says bf16"
+  paste <(losses "$work/1f32.jsonl") <(losses "$work/1bf16.jsonl") | awk '
+    { d = $2 - $4; if (d < 0) d = -d; r = d / $2; if (r > worst) worst = r; print "step " $1 ": f32 " $2 ", bf16 " $4 }
+    END { printf "worst relative difference %.2e\n", worst; exit !(NR == 6 && worst <= 1e-4) }' || fail "losses differ"
+  cmp <(losses "$work/0bf16.jsonl") <(losses "$work/1bf16.jsonl") || fail "ZeRO-1 and plain AdamW differ summed from bf16"
+  if "$train" --steps 1 --grad-reduce fp8 >"$work/bad.log" 2>&1; then fail "--grad-reduce fp8 ran"; fi
+  grep -q 'legal: f32, or bf16' "$work/bad.log" || { cat "$work/bad.log"; fail "--grad-reduce fp8: no legal values"; }
   ;;
 killed)
   for mode in plain recovery; do
@@ -196,7 +218,7 @@ plan)
   grep -qxF "$want" <<<"$out" || fail "1 rank: no line \"$want\" in: $out"
   [ "$(grep -n '^plan:' <<<"$out" | cut -d: -f1)" -lt "$(grep -n '^step    1/' <<<"$out" | cut -d: -f1)" ] \
     || fail "the plan line comes after step 1"
-  head -1 "$work/one.jsonl" | grep -q '^{"plan":{"predicted_peak_bytes_per_rank":41943040,.*"schedule":"recompute"},"launch":{"ranks":1,"dp":1,"sp":1,"zero":0,"threads_per_rank":[1-9][0-9]*}}$' \
+  head -1 "$work/one.jsonl" | grep -q '^{"plan":{"predicted_peak_bytes_per_rank":41943040,.*"schedule":"recompute"},"launch":{"ranks":1,"dp":1,"sp":1,"zero":0,"grad_reduce":"f32","threads_per_rank":[1-9][0-9]*}}$' \
     || fail "1 rank: first metrics line: $(head -1 "$work/one.jsonl")"
   sed -n 2p "$work/one.jsonl" | grep -q '^{"step":1,"loss":.*"peak_rss_mib":\[[0-9]*\],"peak_rss_bytes":\[[1-9][0-9]*\],"step_s":[0-9.e-]*}$' \
     || fail "1 rank: step line: $(sed -n 2p "$work/one.jsonl")"

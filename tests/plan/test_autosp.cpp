@@ -341,11 +341,18 @@ TEST(Autosp, OffloadingBeatsRecomputingAttentionOnGpus) {
 // candidate. On GPUs, where contractions reading bf16 copies run on tensor
 // cores, the search takes them; without the choice no schedule it ranks
 // holds or computes anything in bf16.
-TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
+// Every rank splits the sequence, ZeRO-1 only: fewer configurations, the tests' time.
+SearchOptions split_over(int64_t ranks, int64_t memory_per_rank) {
   SearchOptions o;
-  o.ranks = 8;
-  o.sp = {8};
+  o.ranks = ranks;
+  o.sp = {ranks};
   o.zero = {1};
+  o.memory_per_rank = memory_per_rank;
+  return o;
+}
+
+TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
+  SearchOptions o = split_over(8, 0);  // the cluster's memory
   const ModelRequest req{kTiny, 1, 32768};
   const Cluster gpus = Cluster::named("8xH200");
   const SearchResult f32 = autosp(llama::llama_builder(), req, gpus, o);
@@ -373,11 +380,7 @@ TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
 // recomputing: the longest sequence that fits grows, and the plan that
 // reaches it stores bf16 and fits.
 TEST(Autosp, StoringBf16LengthensTheLongestSequence) {
-  SearchOptions o;
-  o.ranks = 4;
-  o.sp = {4};
-  o.zero = {1};
-  o.memory_per_rank = int64_t{160} << 20;
+  SearchOptions o = split_over(4, int64_t{160} << 20);
   o.max_seq = true;
   const SearchResult f32 = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
   o.bf16 = {"store"};
@@ -394,9 +397,27 @@ TEST(Autosp, StoringBf16LengthensTheLongestSequence) {
   EXPECT_GT(p.stored_bf16(), 0);
 }
 
+// Gradients summed from bf16 halve the reduction's bytes: allowed, every
+// plan on more than one rank takes them, and the step is predicted faster.
+TEST(Autosp, GradientsSummedFromBf16WhereAllowed) {
+  SearchOptions o = split_over(4, int64_t{1} << 30);
+  const ModelRequest req{kTiny, 1, 4096};
+  const SearchResult f32 = autosp(llama::llama_builder(), req, local(), o);
+  o.bf16 = {"reduce"};
+  const SearchResult reduced = autosp(llama::llama_builder(), req, local(), o);
+  ASSERT_TRUE(f32.feasible && reduced.feasible);
+  EXPECT_EQ(f32.best().schedule.grad_reduce_precision, "f32");
+  for (const Candidate& c : reduced.ranked) EXPECT_EQ(c.schedule.grad_reduce_precision, "bf16") << c.schedule.str();
+  EXPECT_LT(reduced.best().step_s, f32.best().step_s);
+  o.ranks = 1, o.sp = {1};
+  const SearchResult one = autosp(llama::llama_builder(), req, local(), o);
+  ASSERT_TRUE(one.feasible);
+  EXPECT_EQ(one.best().schedule.grad_reduce_precision, "f32");  // nothing to sum over
+}
+
 TEST(Autosp, Bf16ChoicesThatCannotApplyAreErrorsNamingTheFix) {
   EXPECT_EQ(parse_bf16_choices("none"), std::vector<std::string>{});
-  EXPECT_EQ(parse_bf16_choices("store,contract,store"), (std::vector<std::string>{"store", "contract"}));
+  EXPECT_EQ(parse_bf16_choices("store,contract,store,reduce"), (std::vector<std::string>{"store", "contract", "reduce"}));
   for (const char* bad : {"stor", "store,", "fp8", ""})
     EXPECT_THAT([&] { parse_bf16_choices(bad); },
                 ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("legal: a comma-separated list of store")))

@@ -120,7 +120,8 @@ TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
       "split_sequence": "sp", "attention": [{"match": "model.layers.*.self_attn", "strategy": "ulysses"}],
       "values": [{"match": "op:rms_norm", "compute": "inline"}, {"match": "model.layers.1.mlp op:contract", "keep": "recompute"}],
       "seq_tile": 256, "loss_seq_tile": 128, "kernel_tiles": {"attention_keys": 32}, "attention_kernel": "halide",
-      "weight_grad_kernel": "halide", "contract_kernel": "cublas", "contract_precision": "bf16"})", "mine.json");
+      "weight_grad_kernel": "halide", "contract_kernel": "cublas", "contract_precision": "bf16",
+      "grad_reduce_precision": "bf16"})", "mine.json");
   EXPECT_EQ(Schedule::parse(f.to_json(), "again"), f);
   EXPECT_EQ(f.mesh, (Mesh{2, 4, 1}));
   EXPECT_EQ(f.attention_kernel, "halide");
@@ -128,6 +129,8 @@ TEST(Schedule, PresetsAndFilesRoundTripThroughJson) {
   EXPECT_EQ(f.contract_kernel, "cublas");
   EXPECT_EQ(f.contract_precision, "bf16");
   EXPECT_NE(f.str().find("contractions in bf16"), std::string::npos) << f.str();
+  EXPECT_EQ(f.grad_reduce_precision, "bf16");
+  EXPECT_NE(f.str().find("gradients summed from bf16"), std::string::npos) << f.str();
   // The first vocabulary still reads, as the same rules.
   const auto old = Schedule::parse(R"({"name": "checkpoint", "recompute": ["rms_norm", "rope", "silu", "mul"], "checkpoint": true})",
                                    "old.json").values;
@@ -175,6 +178,8 @@ TEST(Schedule, IllegalRulesNameTheValueTheRuleAndTheLegalChoices) {
                                ::testing::HasSubstr("legal: auto, cublas, halide")));
   EXPECT_THAT(error_of([] { Schedule::parse(R"({"contract_precision": "fp8"})", "s"); }),
               ::testing::AllOf(::testing::HasSubstr("contract_precision \"fp8\""), ::testing::HasSubstr("legal: f32, bf16")));
+  EXPECT_THAT(error_of([] { Schedule::parse(R"({"grad_reduce_precision": "f16"})", "s"); }),
+              ::testing::AllOf(::testing::HasSubstr("grad_reduce_precision \"f16\""), ::testing::HasSubstr("legal: f32, bf16")));
 }
 
 // A Llama block's FLOPs, counted by hand, against the plan's stages.
@@ -244,6 +249,43 @@ TEST(Plan, AllToAllBytesEqualUlyssesFormula) {
                 static_cast<long long>(sp), static_cast<long long>(a2a), per_layer);
     EXPECT_DOUBLE_EQ(static_cast<double>(a2a), 2 * static_cast<double>(cfg.num_hidden_layers) * per_layer);
   }
+}
+
+// Gradients summed from bf16 (grad_reduce_precision): the reduce-scatter is
+// an all-to-all of half the bytes (ZeRO-1), and without ZeRO an all-gather
+// of the f32 sums follows (runtime::Communicator::all_reduce_sum_bf16).
+TEST(Plan, GradientsSummedFromBf16MoveHalfTheBytes) {
+  auto reduction = [](int zero, const std::string& precision) {
+    Schedule s = Schedule::named("ulysses");
+    s.mesh = {1, 4, zero};
+    s.grad_reduce_precision = precision;
+    const Plan p = plan(llama::llama_builder(), {kTiny, 1, 256}, s, Cluster::named("local-cpu"));
+    std::map<std::string, std::pair<std::string, int64_t>> out;  // op -> kind, bytes
+    for (const CollectiveCost& c : p.collectives)
+      if (c.stage < 0) out[c.op] = {c.kind, c.bytes_per_rank};
+    return std::make_pair(out, p.communication_s);
+  };
+  const auto [z1, t1] = reduction(1, "f32");
+  const auto [z1_bf16, t1_bf16] = reduction(1, "bf16");
+  const int64_t share = z1.at("reduce_scatter_grads").second;  // 3/4 of the gradients' f32 bytes
+  EXPECT_EQ(z1.at("reduce_scatter_grads").first, "all_reduce");
+  EXPECT_EQ(z1_bf16.at("reduce_scatter_grads").first, "all_to_all");
+  EXPECT_NEAR(static_cast<double>(z1_bf16.at("reduce_scatter_grads").second), share / 2.0, 1.0);
+  EXPECT_EQ(z1_bf16.at("all_gather_params"), z1.at("all_gather_params"));
+  EXPECT_LT(t1_bf16, t1);
+  const auto [z0, t0] = reduction(0, "f32");
+  const auto [z0_bf16, t0_bf16] = reduction(0, "bf16");
+  EXPECT_EQ(z0.at("all_reduce_grads").second, 2 * share);
+  EXPECT_EQ(z0_bf16.count("all_reduce_grads"), 0u);
+  EXPECT_NEAR(static_cast<double>(z0_bf16.at("reduce_scatter_grads").second), share / 2.0, 1.0);
+  EXPECT_EQ(z0_bf16.at("all_gather_grads"), std::make_pair(std::string("all_gather"), share));
+  EXPECT_LT(t0_bf16, t0);
+  Schedule s = Schedule::named("ulysses");
+  s.mesh = {1, 4, 1};
+  s.grad_reduce_precision = "bf16";
+  EXPECT_THAT(error_of([&] { plan(llama::llama_builder(), {kTiny, 1, 256, "bf16-mixed"}, s, Cluster::named("8xH200")); }),
+              ::testing::AllOf(::testing::HasSubstr("sums the gradients from bf16"),
+                               ::testing::HasSubstr("fix: plan precision f32")));
 }
 
 // More memory per rank is never predicted for more ranks, and recomputation

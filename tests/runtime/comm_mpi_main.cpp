@@ -37,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/bf16.h"
 #include "runtime/comm.h"
 #include "runtime/error.h"
 #include "tests/mpi_gtest.h"
@@ -110,6 +111,23 @@ TEST(CommMpi, AllGatherAndReduceScatter) {
   c.reduce_scatter_sum(send.data(), recv.data(), per);
   for (int64_t k = 0; k < per; ++k)
     EXPECT_EQ(recv[k], static_cast<float>(n * (r * per + k)) + 1000.0f * n * (n - 1) / 2);
+}
+
+TEST(CommMpi, SumsFromBf16OverMpi) {
+  Communicator& c = *g_comm;
+  const int n = c.size(), r = c.rank();
+  auto value = [](int p, int64_t i) { return std::sin(1.0f + 7.0f * p + 0.37f * i) / (p + 3) + 1e-3f * i; };
+  const int64_t len = 1001;  // not a multiple of the ranks: padded inside
+  std::vector<float> data(len);
+  for (int64_t i = 0; i < len; ++i) data[i] = value(r, i);
+  c.reset_all_to_all_bytes_sent();
+  c.all_reduce_sum_bf16(data.data(), len);
+  EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * ((len + n - 1) / n) * (n - 1));
+  for (int64_t i = 0; i < len; ++i) {
+    float sum = 0;
+    for (int p = 0; p < n; ++p) sum += bf16_value(bf16_bits(value(p, i)));
+    ASSERT_EQ(data[i], sum) << "i " << i;
+  }
 }
 
 TEST(CommMpi, SendRecvRingMatchesByTag) {
