@@ -533,7 +533,9 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
     return f;
   }
   try {
-    f.schedule = family_schedule(family, build, req, on);
+    // The same numerics as the search's: every bf16 choice allowed, taken.
+    f.schedule = in_precision(family_schedule(family, build, req, on),
+                              {allows(opts, "store"), allows(opts, "contract"), allows(opts, "reduce")});
   } catch (const UserError& e) {
     f.applies = false, f.reason = reason_of(e);
     return f;

@@ -174,7 +174,8 @@ int64_t longest_fitting_seq(const std::function<int64_t(int64_t seq)>& peak_at, 
                             int64_t limit, int* plans = nullptr);
 
 // A family's longest trainable sequence on `ranks` ranks with `budget` bytes
-// per rank, and its plan there.
+// per rank, and its plan there; with every bf16 choice opts.bf16 allows
+// (compared at the search's numerics).
 struct FamilyResult {
   std::string family;
   bool applies = true;

@@ -395,6 +395,12 @@ TEST(Autosp, StoringBf16LengthensTheLongestSequence) {
   const Plan p = plan(llama::llama_builder(), {kTiny, 1, stored.seq}, stored.best().schedule, local());
   EXPECT_LE(p.memory.total(), o.memory_per_rank);
   EXPECT_GT(p.stored_bf16(), 0);
+  // The families of halyard-plan's table are compared at the same numerics.
+  const FamilyResult f =
+      family_longest("ulysses_checkpoint", llama::llama_builder(), {kTiny, 1, 0}, local(), 4, o.memory_per_rank, o);
+  ASSERT_TRUE(f.applies) << f.reason;
+  EXPECT_TRUE(f.schedule.stores_bf16()) << f.schedule.str();
+  EXPECT_LE(f.longest, stored.seq);
 }
 
 // Gradients summed from bf16 halve the reduction's bytes: allowed, every
