@@ -146,6 +146,7 @@ std::vector<ValueRule> least_memory_rules(const Graph& g, bool offload) {
 // A precision the search gives a schedule (SearchOptions::bf16).
 struct Precision {
   bool store = false, contract = false, reduce = false;
+  bool operator==(const Precision&) const = default;
 };
 
 Schedule in_precision(Schedule s, Precision p) {
@@ -158,6 +159,9 @@ Schedule in_precision(Schedule s, Precision p) {
 bool allows(const SearchOptions& o, const char* what) {
   return std::find(o.bf16.begin(), o.bf16.end(), what) != o.bf16.end();
 }
+
+// Every bf16 choice the options allow, taken.
+Precision all_allowed(const SearchOptions& o) { return {allows(o, "store"), allows(o, "contract"), allows(o, "reduce")}; }
 
 // Every precision the options allow, f32 first. Gradients summed from bf16
 // are not a choice to weigh: they halve the reduction's bytes, hold no more
@@ -174,7 +178,11 @@ std::vector<Precision> precisions(const SearchOptions& o) {
 
 // The least memory: saved values in bf16 when allowed (contractions' copies
 // only add bytes).
-Precision frugal_precision(const SearchOptions& o) { return {allows(o, "store"), false, allows(o, "reduce")}; }
+Precision frugal_precision(const SearchOptions& o) {
+  Precision p = all_allowed(o);
+  p.contract = false;
+  return p;
+}
 
 
 }  // namespace
@@ -534,8 +542,7 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
   }
   try {
     // The same numerics as the search's: every bf16 choice allowed, taken.
-    f.schedule = in_precision(family_schedule(family, build, req, on),
-                              {allows(opts, "store"), allows(opts, "contract"), allows(opts, "reduce")});
+    f.schedule = in_precision(family_schedule(family, build, req, on), all_allowed(opts));
   } catch (const UserError& e) {
     f.applies = false, f.reason = reason_of(e);
     return f;
@@ -720,8 +727,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
           for (Precision pr : precisions(opts)) {
             const Schedule base = in_precision(with_tiles(configs[i].base, mlp, loss), pr);
             const Scored f = score(build, req, base, cluster, &out.plans);
-            const bool least_one = pr.store == least_precision.store && pr.contract == least_precision.contract;
-            auto it = least_one ? leans.find({mlp, loss}) : leans.end();
+            auto it = pr == least_precision ? leans.find({mlp, loss}) : leans.end();
             const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans);
             options.push_back({i, base, lean_of(mlp, loss, pr), f, l});
           }

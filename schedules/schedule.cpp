@@ -445,16 +445,14 @@ Schedule Schedule::parse(const std::string& text, const std::string& what) {
       s.contract_kernel = v.get<std::string>();
       if (std::find(contract_kernels().begin(), contract_kernels().end(), s.contract_kernel) == contract_kernels().end())
         bad(what, "contract_kernel \"" + s.contract_kernel + "\".\nlegal: " + join(contract_kernels()) + ".");
-    } else if (key == "contract_precision" && v.is_string()) {
-      s.contract_precision = v.get<std::string>();
-      if (std::find(precisions().begin(), precisions().end(), s.contract_precision) == precisions().end())
-        bad(what, "contract_precision \"" + s.contract_precision + "\".\nlegal: " + join(precisions()) +
-                      " (bf16: operands rounded to bf16, sums in f32).");
-    } else if (key == "grad_reduce_precision" && v.is_string()) {
-      s.grad_reduce_precision = v.get<std::string>();
-      if (std::find(precisions().begin(), precisions().end(), s.grad_reduce_precision) == precisions().end())
-        bad(what, "grad_reduce_precision \"" + s.grad_reduce_precision + "\".\nlegal: " + join(precisions()) +
-                      " (bf16: gradients rounded to bf16 on the wire, summed in f32).");
+    } else if ((key == "contract_precision" || key == "grad_reduce_precision") && v.is_string()) {
+      const bool contract = key == "contract_precision";
+      std::string& precision = contract ? s.contract_precision : s.grad_reduce_precision;
+      precision = v.get<std::string>();
+      if (std::find(precisions().begin(), precisions().end(), precision) == precisions().end())
+        bad(what, key + " \"" + precision + "\".\nlegal: " + join(precisions()) +
+                      (contract ? " (bf16: operands rounded to bf16, sums in f32)."
+                                : " (bf16: gradients rounded to bf16 on the wire, summed in f32)."));
     } else if (key == "loss_seq_tile") {
       s.loss_seq_tile = integer(v, "loss_seq_tile", 0);
     } else if (key == "autoscheduler" && v.is_string()) {
