@@ -106,6 +106,8 @@ int main(int argc, char** argv) {
     m.set_kernel_times_on_device(true);
     m.train_step(ids.data(), labels.data(), pos.data());
     const double attention_s = t.attention_s, other_kernels_s = t.other_kernels_s;
+    // With HALYARD_PROFILE set, each kernel's device time in that step, on stderr.
+    if (std::getenv("HALYARD_PROFILE")) std::fputs(m.profile().c_str(), stderr);
     m.set_kernel_times_on_device(false);
     const int64_t blocks = m.device_bytes();
     m.use_adamw(m.decay_flags());

@@ -8,6 +8,7 @@
 #include "dsl/op_table.h"
 #include "generators/bf16.h"
 #include "generators/lowering.h"
+#include "runtime/attention_cuda_args.h"
 
 namespace halyard {
 
@@ -64,7 +65,7 @@ struct Ctx {
   bool for_autoscheduler;
   const KernelTiles& tiles;
   int panel;  // floats in a vector of the target: B's panels (ContractLayout)
-  DeviceAPI gemm_device;  // where the runtime's GEMM reads and writes (Stage::gemm)
+  DeviceAPI library_device;  // where the runtime's GEMM and library attention read and write
   bool gpu;               // for schedule_gpu
   std::map<int, Func> funcs;
   std::map<std::string, Var> var_of;
@@ -745,7 +746,8 @@ ExternFuncArgument Ctx::buffer(int id, const std::string& name) {
   return f;
 }
 
-// Attention through the library kernels (runtime/attention_cpu.h): the
+// Attention through the library kernels (runtime/attention_cpu.h, or on a
+// CUDA target runtime/attention_cuda.h, on the device): the
 // stage's output is the extern call, which writes the stage's other outputs
 // (the forward's log-sum-exp; the backward's dV and dQ beside dK) through
 // their buffers, so nothing of O(S) is copied after it. Those outputs are
@@ -759,9 +761,16 @@ void Ctx::library_attention(int id, Func out) {
             D = static_cast<int>(qt.size("head_dim"));
   std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"),
                                           buffer(n.inputs[2], "v_s"), buffer(n.inputs[3], "pos_s")};
+  const bool cuda = library_device == DeviceAPI::CUDA;
+  const std::string device = cuda ? "_cuda" : "";
+  if (cuda && D > runtime::attention_cuda::kMaxHeadDim)
+    throw UserError("error: " + describe(g, id) + " has head_dim " + std::to_string(D) +
+                    ", over the " + std::to_string(runtime::attention_cuda::kMaxHeadDim) +
+                    " the CUDA attention kernels hold (runtime/attention_cuda.h).\nfix: say \"attention_kernel\": "
+                    "\"halide\" in the schedule.");
   auto written_beside = [&](int e, const std::string& name) {
     Func f(name);
-    f.define_extern("halyard_written_beside", {}, Float(32), vars(type(e).axis_names()), NameMangling::C);
+    f.define_extern("halyard_written_beside", {}, Float(32), vars(type(e).axis_names()), NameMangling::C, library_device);
     ls.funcs.extra_outs.push_back(f);
     return f.output_buffer();
   };
@@ -772,15 +781,16 @@ void Ctx::library_attention(int id, Func out) {
       args.push_back(written_beside(e, "lse_out"));
     }
     args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
-    out.define_extern(st.extra_outputs.empty() ? "halyard_attention_forward" : "halyard_attention_forward_lse", args,
-                      Float(32), vars(n.type.axis_names()), NameMangling::C);
+    out.define_extern((st.extra_outputs.empty() ? "halyard_attention_forward" : "halyard_attention_forward_lse") + device,
+                      args, Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
   } else {
     HALYARD_CHECK(n.op == Op::AttentionGradK && st.extra_outputs.size() == 2, "the library backward writes dK, dV, dQ");
     for (int k = 4; k <= 6; ++k) args.push_back(buffer(n.inputs[static_cast<size_t>(k)], "attention_operand" + std::to_string(k)));
     args.push_back(written_beside(st.extra_outputs[0], "dv_out"));
     args.push_back(written_beside(st.extra_outputs[1], "dq_out"));
     args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
-    out.define_extern("halyard_attention_backward", args, Float(32), vars(n.type.axis_names()), NameMangling::C);
+    out.define_extern("halyard_attention_backward" + device, args, Float(32), vars(n.type.axis_names()),
+                      NameMangling::C, library_device);
   }
   ls.funcs.library = true;
 }
@@ -824,14 +834,14 @@ void Ctx::device_gemm(int id, Func out) {
                                           Expr(static_cast<int>(form.a_k_inner)), Expr(static_cast<int>(form.b_k_inner)),
                                           Expr(static_cast<int>(bf16))};
   for (size_t k = 0; k < 3; ++k) args.push_back(Expr(static_cast<int>(k < form.k.size() ? form.k[k] : 1)));
-  out.define_extern("halyard_gemm", args, Float(32), vars(n.type.axis_names()), NameMangling::C, gemm_device);
+  out.define_extern("halyard_gemm", args, Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
   ls.funcs.library = true;
 }
 
 }  // namespace
 
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles,
-                         int vector_floats, DeviceAPI gemm_device, bool gpu) {
+                         int vector_floats, DeviceAPI library_device, bool gpu) {
   LoweredStage ls;
   for (size_t k = 0; k < st.inputs.size(); ++k) {
     const TensorType& t = g.node(st.inputs[k]).type;
@@ -839,7 +849,7 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.args.push_back(ls.inputs.back());
   }
   const int panel = vector_floats > 0 ? vector_floats : Halide::get_host_target().natural_vector_size(Halide::Float(32));
-  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, gemm_device, gpu, {}, {}};
+  Ctx c{g, st, ls, for_autoscheduler, tiles, panel, library_device, gpu, {}, {}};
   ls.funcs.out = c.get(st.root);
   ls.funcs.out_vars = c.vars(g.node(st.root).type.axis_names());
   if (ls.funcs.attn.kind >= 0) {

@@ -75,13 +75,14 @@ struct LoweredStage {
 // Library kernels are extern stages; their addresses are set as the
 // pipeline's JIT externs, so JIT and AOT callers alike need nothing more.
 // vector_floats: the target's vector of floats (0: the host's), the width
-// of a contraction's panels of B. gemm_device: where a Stage::gemm
-// contraction's call to the runtime's GEMM (runtime/gemm.h) runs: CUDA for
-// CUDA targets (cuBLAS); Host runs the runtime's reference GEMM, which the
-// tests compare with Halide's. gpu: the stage will be scheduled by
+// of a contraction's panels of B. library_device: where the runtime's calls
+// run, a Stage::gemm contraction's GEMM (runtime/gemm.h) and library
+// attention: CUDA for CUDA targets (cuBLAS; runtime/attention_cuda.h); Host
+// runs the runtime's reference GEMM, which the tests compare with Halide's,
+// and the CPU attention kernels. gpu: the stage will be scheduled by
 // schedule_gpu (attention's row statistics then get scores of their own).
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler = false, const KernelTiles& tiles = {},
-                         int vector_floats = 0, Halide::DeviceAPI gemm_device = Halide::DeviceAPI::Host,
+                         int vector_floats = 0, Halide::DeviceAPI library_device = Halide::DeviceAPI::Host,
                          bool gpu = false);
 
 // The data caches the CPU schedules size their blocks by. Halide's Target

@@ -64,6 +64,13 @@ struct Group : KeyRows {
   int64_t q_ld = 0, o_ld = 0, dO_ld = 0, lse_ld = 0;
 };
 
+// A bounds query of the entry points, these and their CUDA twins
+// (attention_cuda.h): q, k, v and pos (and the backward's o, dO and lse,
+// where given) are asked for whole rows of the output's batch rows.
+int ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
+                   int kv_heads, int head_dim, const halide_buffer_t* out, halide_buffer_t* o = nullptr,
+                   halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr);
+
 // The ISA the entry points run with on this CPU ("avx512", "avx2", "base"; the
 // widest it runs, or the one HALYARD_CPU_ISA names if it runs that one).
 const char* isa();

@@ -390,6 +390,24 @@ bool covers(const halide_buffer_t* x, std::initializer_list<std::pair<int, int>>
   return true;
 }
 
+}  // namespace
+
+// The output's rows are whole, and the inputs are asked for whole rows too.
+int halyard::runtime::attention_cpu::ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                    halide_buffer_t* pos, int heads, int kv_heads, int head_dim,
+                                                    const halide_buffer_t* out, halide_buffer_t* o,
+                                                    halide_buffer_t* dO, halide_buffer_t* lse) {
+  const int D = head_dim, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
+  for (halide_buffer_t* x : {q, o, dO})
+    if (x) whole(x, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
+  for (halide_buffer_t* x : {k, v}) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
+  if (lse) whole(lse, {{0, heads}, {0, S}, {b0, nb}});
+  whole(pos, {{0, S}, {b0, nb}});
+  return 0;
+}
+
+namespace {
+
 // The forward over the output's heads and rows: out is the output
 // [head_dim, heads, seq, batch], lse (where the stage writes it) the
 // log-sum-exp [heads, seq, batch], both the stage's own buffers.
@@ -397,14 +415,7 @@ int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v
                       halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block, int key_block,
                       halide_buffer_t* out) {
   const int D = head_dim, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  if (out->is_bounds_query()) {
-    // The output's rows are whole; q, k, v and pos are asked for whole rows too.
-    whole(q, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
-    whole(k, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
-    whole(v, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
-    whole(pos, {{0, S}, {b0, nb}});
-    return 0;
-  }
+  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out);
   const int h0 = out->dim[1].min, nh = out->dim[1].extent;
   if (out->dim[0].min != 0 || out->dim[0].extent != D || out->dim[2].min != 0 || q->dim[0].stride != 1 ||
       k->dim[0].stride != 1 || v->dim[0].stride != 1 || out->dim[0].stride != 1)
@@ -444,13 +455,7 @@ extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k
                                           halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
                                           int kv_heads, int query_block, int key_block, halide_buffer_t* out) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  if (out->is_bounds_query()) {
-    for (halide_buffer_t* x : {q, o, dO}) whole(x, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
-    for (halide_buffer_t* x : {k, v}) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
-    whole(lse, {{0, heads}, {0, S}, {b0, nb}});
-    whole(pos, {{0, S}, {b0, nb}});
-    return 0;
-  }
+  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
   const int grp = kv_heads < 1 ? 0 : heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
   if (out->dim[0].min != 0 || out->dim[2].min != 0 || grp < 1 || grp > Group::kMaxHeads || heads != grp * kv_heads ||
       out->dim[0].stride != 1)

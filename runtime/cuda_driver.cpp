@@ -49,6 +49,9 @@ CudaDriver load() {
   get(d.stream_synchronize, "cuStreamSynchronize");
   get(d.memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
   get(d.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
+  get(d.module_load_data, "cuModuleLoadData");
+  get(d.module_get_function, "cuModuleGetFunction");
+  get(d.launch_kernel, "cuLaunchKernel");
   if (!ok) {
     d.why_unusable = "libcuda.so.1 lacks a driver entry point (driver too old?)";
     return d;

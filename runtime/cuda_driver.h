@@ -33,6 +33,12 @@ struct CudaDriver {
   CUresult (*stream_synchronize)(void*) = nullptr;
   CUresult (*memcpy_dtoh_async)(void*, unsigned long long, size_t, void*) = nullptr;
   CUresult (*memcpy_htod_async)(unsigned long long, const void*, size_t, void*) = nullptr;
+  // The runtime's own kernels (attention_cuda.cpp): a fatbin loaded into the
+  // current context, and launches with their arguments as kernelParams.
+  CUresult (*module_load_data)(void**, const void*) = nullptr;
+  CUresult (*module_get_function)(void**, void*, const char*) = nullptr;
+  CUresult (*launch_kernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                            void**) = nullptr;
 
   // Empty once the driver is loaded and cuInit succeeded; otherwise one
   // line saying why not: no libcuda.so.1, an entry point missing, or cuInit's

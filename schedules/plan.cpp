@@ -58,6 +58,12 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
+  if (gpu && st.library && (n.op == Op::Attention || n.op == Op::AttentionGradK)) {
+    // runtime/attention_cuda.cu holds its tiles in shared memory and
+    // registers: only the operands computed inline are copied first.
+    for (size_t k = 0; k < (n.op == Op::Attention ? 4u : 7u); ++k) copy_unless_buffer(k);
+    return s;
+  }
   if (gpu && (n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
               n.op == Op::AttentionGradK || n.op == Op::AttentionGradV)) {
     // generators/schedule_gpu.cpp keeps at root the operands computed inline,
@@ -373,6 +379,12 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     sc.flops = op_flops(g, root);
     for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
     for (int x : st.extra_outputs) sc.flops += extra_output_flops(g, g.node(x));
+    // On a GPU the library's dQ is a kernel of its own (runtime/attention_cuda.cu),
+    // which computes the scores and dP again: two products more than the
+    // CPU library's single pass.
+    if (gpu && st.library && root.op == Op::AttentionGradK)
+      for (int x : st.extra_outputs)
+        if (g.node(x).op == Op::AttentionGradQ) sc.flops += 2 * extra_output_flops(g, g.node(x));
     sc.bytes = stored(bytes);
     sc.time_s = cluster.kernel_time(sc.kind, sc.flops * (reads_bf16(root) ? 1.0 : f32_flops), static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;

@@ -157,7 +157,9 @@ Keep Schedule::keep(const Node& n) const {
 
 Schedule Schedule::on_gpu(bool cuda) const {
   Schedule s = *this;
-  s.attention_kernel = s.weight_grad_kernel = "halide";
+  s.weight_grad_kernel = "halide";
+  // The library's attention kernels exist for CPUs and CUDA (runtime/attention_cuda.h).
+  if (!cuda) s.attention_kernel = "halide";
   if (s.contract_kernel == "auto") s.contract_kernel = cuda ? "cublas" : "halide";
   return s;
 }

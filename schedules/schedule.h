@@ -116,7 +116,8 @@ struct Schedule {
   KernelTiles kernel_tiles;
   // Attention's kernels: "library" (runtime/attention_cpu.h, FlashAttention-2:
   // one backward pass writes dQ, dK and dV) or "halide" (generated: a dQ
-  // kernel and a dK/dV kernel). Ring blocks, GPU targets and the
+  // kernel and a dK/dV kernel). On a CUDA target the library's are
+  // runtime/attention_cuda.h's. Ring blocks, other GPU targets and the
   // autoscheduler always get Halide's.
   std::string attention_kernel = "library";
   bool library_attention() const { return attention_kernel == "library" && autoscheduler.empty(); }
@@ -151,10 +152,11 @@ struct Schedule {
   std::string grad_reduce_precision = "f32";
   // The legal values of both precisions.
   static const std::vector<std::string>& precisions();
-  // The kernels a GPU runs, "auto" decided: the library kernels are CPU
-  // code, so attention and weight gradients are Halide's; GEMM-form
-  // contractions are cuBLAS's on CUDA and Halide's on other devices (an
-  // explicit "halide" stays). halyard_aot applies it for a GPU target, and
+  // The kernels a GPU runs, "auto" decided: weight gradients are Halide's
+  // (the library's are CPU code); attention keeps the schedule's choice on
+  // CUDA (the library's CUDA kernels, runtime/attention_cuda.h) and is
+  // Halide's on other devices; GEMM-form contractions are cuBLAS's on CUDA
+  // and Halide's on other devices (an explicit "halide" stays). halyard_aot applies it for a GPU target, and
   // plan() for a GPU cluster, so that a plan counts the kernels its library runs.
   Schedule on_gpu(bool cuda) const;
 

@@ -6,6 +6,7 @@
 # model library (label "sanitize") and the fuzz targets of tests/fuzz -- and
 # runs `ctest -L 'fuzz|sanitize'`: the tests, every fuzz corpus replayed, and
 # each fuzz target for HALYARD_FUZZ_SECONDS (default 20) under libFuzzer.
+# It runs no CUDA kernel, so it skips nvcc (HALYARD_CUDA_KERNELS=OFF).
 # Extra arguments go to ctest (e.g. -R Safetensors). Needs clang and libFuzzer
 # (scripts/setup.sh installs clang-16 and libclang-rt-16-dev).
 set -euo pipefail
@@ -22,7 +23,7 @@ build="$root/build-san"
 jobs=$(nproc 2>/dev/null || echo 2)
 start=$SECONDS
 "$HALYARD_CMAKE" -S "$root" -B "$build" -G Ninja -DHalide_DIR="$HALYARD_HALIDE_DIR" \
-  -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DHALYARD_SANITIZE=ON \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DHALYARD_SANITIZE=ON -DHALYARD_CUDA_KERNELS=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
   -DHALYARD_FUZZ_SECONDS="${HALYARD_FUZZ_SECONDS:-20}" >"$build.configure.log" 2>&1 \

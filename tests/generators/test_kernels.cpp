@@ -28,6 +28,7 @@
 #include <string>
 
 #include "dsl/autodiff.h"
+#include "dsl/error.h"
 #include "dsl/interpreter.h"
 #include "dsl/ops.h"
 #include "examples/llama/llama_builder.h"
@@ -412,7 +413,8 @@ TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
     ASSERT_EQ(at[0].size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
     for (const auto& [kind, a] : at[0]) {
       const Allocated& b = at[1].at(kind);
-      EXPECT_TRUE(a.unsized.empty() && b.unsized.empty()) << kind << ": a buffer of no fixed size";
+      EXPECT_TRUE(a.unsized.empty() && b.unsized.empty())
+          << kind << ": a buffer of no fixed size: " << ::testing::PrintToString(a.unsized);
       std::printf("  %-30s %-18s seq 2048: %9lld bytes, %4lld per thread; seq 4096: %9lld bytes, %4lld per thread\n",
                   target, kind.c_str(), static_cast<long long>(a.memory), static_cast<long long>(a.per_thread),
                   static_cast<long long>(b.memory), static_cast<long long>(b.per_thread));
@@ -424,32 +426,42 @@ TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
   }
 }
 
-// A plan on a GPU cluster counts the kernels a GPU library runs (Halide's
-// attention, contractions through cuBLAS; no CPU library kernel), and for
-// each attention stage what generators/schedule_gpu.cpp allocates on the
-// device: the tiny Llama's q and k after RoPE computed once, k (and v)
+// A plan on a GPU cluster counts the kernels a GPU library runs (the CUDA
+// attention kernels, contractions through cuBLAS; no CPU library kernel),
+// and for each attention stage what the lowering allocates on the device:
+// for the library's kernels, copies of operands computed inline; for
+// Halide's (generators/schedule_gpu.cpp, which a schedule may still ask
+// for), the tiny Llama's q and k after RoPE computed once, k (and v)
 // transposed, the row statistics. Before, such a plan counted the CPU
 // library's stages and scratch.
 TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
-  const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024},
-                      Schedule::named("default"), Cluster::named("8xH200"));
-  EXPECT_EQ(p.schedule.attention_kernel, "halide");
-  EXPECT_EQ(p.schedule.contract_kernel, "cublas");
-  const Graph& g = *p.model.graph;
-  const Halide::Target cuda("host-cuda-cuda_capability_80");
-  std::vector<std::string> checked;
-  for (const StageCost& c : p.stages) {
-    const Stage& st = p.train.stages[static_cast<size_t>(c.stage)];
-    EXPECT_FALSE(st.library) << c.label;
-    if (c.kind.rfind("attention", 0) != 0 || c.layer != "model.layers.0") continue;
-    const Allocated a = allocations_of(g, st, cuda);
-    std::printf("  %-44s lowered for CUDA: %9lld bytes; plan: %9lld\n", c.label.c_str(), static_cast<long long>(a.memory),
-                static_cast<long long>(c.scratch_estimate));
-    EXPECT_EQ(a.memory, c.scratch_estimate) << c.label;
-    EXPECT_TRUE(a.unsized.empty()) << c.label;
-    checked.push_back(c.kind);
+  Schedule halide = Schedule::named("default");
+  halide.attention_kernel = "halide";
+  for (const Schedule& s : {Schedule::named("default"), halide}) {
+    const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024}, s,
+                        Cluster::named("8xH200"));
+    EXPECT_EQ(p.schedule.attention_kernel, s.attention_kernel);
+    EXPECT_EQ(p.schedule.contract_kernel, "cublas");
+    const Graph& g = *p.model.graph;
+    const Halide::Target cuda("host-cuda-cuda_capability_80");
+    std::vector<std::string> checked;
+    for (const StageCost& c : p.stages) {
+      const Stage& st = p.train.stages[static_cast<size_t>(c.stage)];
+      const bool attention = c.kind.rfind("attention", 0) == 0;
+      EXPECT_EQ(st.library, attention && s.attention_kernel == "library") << c.label;
+      if (!attention || c.layer != "model.layers.0") continue;
+      const Allocated a = allocations_of(g, st, cuda);
+      std::printf("  %-7s %-44s lowered for CUDA: %9lld bytes; plan: %9lld\n", s.attention_kernel.c_str(),
+                  c.label.c_str(), static_cast<long long>(a.memory), static_cast<long long>(c.scratch_estimate));
+      EXPECT_EQ(a.memory, c.scratch_estimate) << c.label;
+      EXPECT_TRUE(a.unsized.empty()) << c.label;
+      checked.push_back(c.kind);
+    }
+    if (s.attention_kernel == "library")
+      EXPECT_EQ(checked.size(), 2u) << "the forward with its log-sum-exp; dK with dV and dQ";
+    else
+      EXPECT_EQ(checked.size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
   }
-  EXPECT_EQ(checked.size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
 }
 
 // The library kernels (runtime/attention_cpu.h) on lengths that are not
@@ -459,6 +471,33 @@ TEST(Kernels, LibraryAttentionMatchesTheInterpreterAtEveryLength) {
   run_attention_cases({{37, false, "library"}, {300, false, "library"}, {520, false, "library"},
                        {100, true, "library"}, {300, true, "library"}, {130, false, "library", 20, 2},
                        {200, true, "library", 24, 1}, {64, false, "library", 32, 1}});
+}
+
+// On a CUDA target the library's attention is an extern stage on the device
+// (runtime/attention_cuda.h); a head_dim over its kernels' is an error when
+// the library is built, naming the fix, not a failure inside a step.
+TEST(Kernels, CudaLibraryAttentionIsADeviceCallAndRefusesAWideHead) {
+  for (int64_t d : {64, 256}) {
+    Graph g;
+    const Partition p = attention_partition(g, {128, false, "library", d, 1});
+    for (const Stage& st : p.stages) {
+      if (!st.library) continue;
+      if (d == 64) {
+        const LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+        EXPECT_EQ(ls.funcs.out.extern_function_name().rfind("_cuda"), ls.funcs.out.extern_function_name().size() - 5)
+            << ls.funcs.out.extern_function_name();
+        continue;
+      }
+      try {
+        lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+        ADD_FAILURE() << "head_dim 256 lowered for the CUDA kernels";
+      } catch (const UserError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("head_dim 256, over the 128"), std::string::npos) << what;
+        EXPECT_NE(what.find("\"attention_kernel\": \"halide\""), std::string::npos) << what;
+      }
+    }
+  }
 }
 
 // The library kernels write the stage's outputs themselves (the forward its

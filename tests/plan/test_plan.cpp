@@ -477,9 +477,10 @@ TEST(Plan, ContractionsInBf16ReadOneCopyPerValue) {
 }
 
 // A cluster says what its ranks are; a plan on GPUs counts the kernels a GPU
-// library runs (Halide's attention and weight gradients, contractions
-// through cuBLAS), as halyard_aot builds them for a GPU target, whether or
-// not the cluster has a host link. Before, it counted the CPU library's.
+// library runs (the CUDA attention kernels, Halide's weight gradients,
+// contractions through cuBLAS), as halyard_aot builds them for a GPU target,
+// whether or not the cluster has a host link. Before, it counted the CPU
+// library's.
 TEST(Plan, AGpuClusterPlansTheKernelsOfAGpu) {
   const Cluster h200 = Cluster::named("8xH200");
   EXPECT_EQ(h200.device, "cuda");
@@ -495,15 +496,19 @@ TEST(Plan, AGpuClusterPlansTheKernelsOfAGpu) {
   const Schedule s = Schedule::named("default");
   for (const Cluster& c : {h200, no_link}) {
     const Plan p = plan(llama::llama_builder(), {kTiny, 1, 1024}, s, c);
-    EXPECT_EQ(p.schedule.attention_kernel, "halide");
+    EXPECT_EQ(p.schedule.attention_kernel, "library");
     EXPECT_EQ(p.schedule.weight_grad_kernel, "halide");
     EXPECT_EQ(p.schedule.contract_kernel, "cublas");
-    int gemms = 0;
+    int gemms = 0, attention = 0;
     for (const Stage& st : p.train.stages) {
-      EXPECT_FALSE(st.library) << describe(*p.model.graph, st.root);
+      const Op op = p.model.graph->node(st.root).op;
+      const bool is_attention = op == Op::Attention || op == Op::AttentionGradK;
+      EXPECT_EQ(st.library, is_attention) << describe(*p.model.graph, st.root);
+      attention += st.library;
       gemms += st.gemm;
     }
     EXPECT_GT(gemms, 0);
+    EXPECT_GE(attention, 2 * 2);  // tiny.json has 2 layers: a forward and a backward each
     // What halyard_aot plans for a CUDA target is the same plan.
     const Plan aot = plan(llama::llama_builder(), {kTiny, 1, 1024}, s.on_gpu(true), c);
     EXPECT_EQ(aot.memory.total(), p.memory.total());

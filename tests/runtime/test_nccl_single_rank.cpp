@@ -109,7 +109,9 @@ TEST(NcclSingleRank, HostBufferIsRefusedWithTheFix) {
   }
 }
 
-TEST(NcclSingleRank, LargeAllReduceBandwidth) {
+// On one rank NCCL's in-place all-reduce moves no bytes (an H200 returned in
+// 0.002 ms for 256 MiB): what this times is the call, not a bandwidth.
+TEST(NcclSingleRank, LargeAllReduceKeepsTheValues) {
   HALYARD_NEED_GPU();
   auto comm = make_nccl_single_rank(60);
   const size_t n = size_t{64} << 20;  // 256 MiB of f32
@@ -119,7 +121,8 @@ TEST(NcclSingleRank, LargeAllReduceBandwidth) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < reps; ++r) comm->all_reduce_sum(d.get(), static_cast<int64_t>(n));
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
-  std::printf("  NCCL all_reduce of 256 MiB on one rank: %.3f ms, %.0f GB/s\n", s * 1e3, n * 4.0 / s / 1e9);
+  std::printf("  NCCL all_reduce of 256 MiB in place on one rank: %.3f ms per call (moves nothing: no bandwidth)\n",
+              s * 1e3);
   EXPECT_EQ(d.host()[12345], 1.f);
 }
 

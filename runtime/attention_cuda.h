@@ -1,0 +1,63 @@
+// Causal grouped-query attention on a CUDA device: the library attention
+// kernels (Schedule::attention_kernel = "library") of a CUDA target.
+// generators/lower.cpp calls these entry points as Halide extern stages on
+// the device, with the arguments and buffers of their CPU twins
+// (attention_cpu.h), so both libraries run one algorithm: FlashAttention-2
+// in f32, O(S) memory (attention_cuda.cu). They launch on the runtime's
+// compute stream (cuda_context.h) and return without waiting for it.
+//
+// Buffers a call reads that the host wrote last go up first; outputs it
+// writes beside its own (the log-sum-exp, dV, dQ) get device memory if they
+// have none, and are marked as newer on the device.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "runtime/attention_cuda_args.h"
+
+struct halide_buffer_t;
+
+extern "C" {
+int halyard_attention_forward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                                   int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                                   halide_buffer_t* out);
+int halyard_attention_forward_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                       halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
+                                       int head_dim, int query_block, int key_block, halide_buffer_t* out);
+int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                                    halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
+                                    halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
+                                    halide_buffer_t* out);
+}
+
+namespace halyard::runtime::attention_cuda {
+
+// Whether the kernels hold this head_dim (1 to kMaxHeadDim of
+// attention_cuda_args.h; a generator refuses a larger one for a CUDA target).
+bool supports_head_dim(int head_dim);
+// Empty when the kernels can run here; else one line saying why not (no
+// device, or a runtime built without nvcc).
+std::string why_unusable();
+
+// One kernel launch of a call: the kernel's name in attention_cuda.cu, its
+// grid, threads per block, and arguments.
+struct Launch {
+  std::string kernel;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned threads = 0;
+  Args args;
+};
+// The launches of a call (the entry points' arguments, its buffers' device
+// fields holding their addresses), or an error naming what is wrong with
+// the buffers. The entry points launch these; the tests also run them
+// through an emulator on the CPU (tests/runtime/cuda_emulation.h).
+std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                             halide_buffer_t* lse, int heads, int kv_heads, int head_dim, halide_buffer_t* out,
+                             std::vector<Launch>* launches);
+std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                              halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
+                              halide_buffer_t* dq, int heads, int kv_heads, halide_buffer_t* out,
+                              std::vector<Launch>* launches);
+
+}  // namespace halyard::runtime::attention_cuda

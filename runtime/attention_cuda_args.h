@@ -1,0 +1,39 @@
+// The arguments of the CUDA attention kernels (attention_cuda.cu), shared by
+// the kernels and their launcher (attention_cuda.cpp): one struct passed by
+// value, so both sides must see the same layout, and nothing here may need
+// more than the C++ standard library.
+#pragma once
+
+#include <cstdint>
+
+namespace halyard::runtime::attention_cuda {
+
+// The head_dims the kernels are built for: a head_dim runs in the least of
+// them that holds it (kMaxHeadDim at most).
+constexpr int kPaddedHeadDims[] = {8, 16, 32, 64, 128};
+constexpr int kMaxHeadDim = 128;
+
+// Element strides of a tensor's (head, seq, batch) dimensions; head_dim is
+// dense (stride 1). The log-sum-exp [heads, seq, batch] has no head_dim.
+struct Strides {
+  int64_t h = 0, s = 0, b = 0;
+};
+
+// Every pointer is the address of element (0, head 0, row 0, the call's
+// first batch row), also where that element lies outside its buffer (an
+// output holding only some heads): the kernels index absolute heads.
+struct Args {
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  const int32_t* pos = nullptr;  // [seq, batch]: key j is visible to query i when 0 <= i - j <= pos[i]
+  const float *o = nullptr, *dO = nullptr, *lse = nullptr;  // the backward's
+  float* out = nullptr;      // the forward's output, or the backward's dK
+  float* lse_out = nullptr;  // the forward's log-sum-exp (natural log), or null
+  float *dv = nullptr, *dq = nullptr;
+  Strides q_st, k_st, v_st, o_st, dO_st, lse_st, out_st, lse_out_st, dv_st, dq_st;
+  int64_t pos_s = 1, pos_b = 0;
+  int S = 0, H = 0, KV = 0, D = 0;  // D: head_dim, at most the kernel's padded one
+  int h0 = 0;  // the head (forward, dQ) or kv head (dK and dV) of the grid's first y
+  float scale = 1;
+};
+
+}  // namespace halyard::runtime::attention_cuda
