@@ -56,12 +56,9 @@ void tile_rows(S s, const std::vector<Var>& vars) {
 
 void on_gpu(Func f, bool rows = false) {
   f.compute_root();
-  if (rows) tile_rows(f, f.args());
-  else tile(f, f.args());
-  for (int u = 0; u < f.num_update_definitions(); ++u) {
-    if (rows) tile_rows(f.update(u), pure_update_vars(f, u));
-    else tile(f.update(u), pure_update_vars(f, u));
-  }
+  auto place = [rows](auto stage, const std::vector<Var>& vars) { rows ? tile_rows(stage, vars) : tile(stage, vars); };
+  place(f, f.args());
+  for (int u = 0; u < f.num_update_definitions(); ++u) place(f.update(u), pure_update_vars(f, u));
 }
 
 // Attention in O(S) memory, flash-style without tiles: one GPU thread per

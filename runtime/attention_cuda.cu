@@ -131,15 +131,42 @@ __device__ __forceinline__ QueryRow query_row(const Args& a) {
   return r;
 }
 
+// The keys a block of query rows sees, walked in tiles of B: from the least
+// document start of its rows (block_min) to its last row.
+struct KeyRange {
+  int lo, hi;
+  const float *k, *v;  // the kv head's rows of the batch row
+};
+
+template <int D>
+__device__ __forceinline__ KeyRange key_range(const Args& a, int* slot, const QueryRow& r) {
+  const int lo = block_min(slot, r.valid && r.t == 0, r.i - r.pos < 0 ? 0 : r.i - r.pos);
+  return {lo, min(a.S, static_cast<int>(blockIdx.x + 1) * Shape<D>::R), a.k + r.kvh * a.k_st.h + r.b * a.k_st.b,
+          a.v + r.kvh * a.v_st.h + r.b * a.v_st.b};
+}
+
+// Keys [j0, j0 + n) and their values into ks and vs, for the whole block;
+// returns n.
+template <int D>
+__device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int j0, float* ks, float* vs) {
+  const int n = min(Shape<D>::B, kr.hi - j0);
+  __syncthreads();
+  stage<D>(ks, kr.k, a.k_st.s, j0, n, a.D);
+  stage<D>(vs, kr.v, a.v_st.s, j0, n, a.D);
+  __syncthreads();
+  return n;
+}
+
 // grid (row blocks, heads from h0, batch rows); block R * T threads.
 template <int D>
 __device__ void forward(const Args& a) {
   using S_ = Shape<D>;
-  constexpr int T = S_::T, R = S_::R, B = S_::B, KC = 8;
+  constexpr int T = S_::T, B = S_::B, KC = 8;
   __shared__ __align__(16) float ks[B * D];
   __shared__ __align__(16) float vs[B * D];
   __shared__ int lo_slot;
-  const auto [t, i, h, b, kvh, pi, valid] = query_row<D>(a);
+  const QueryRow row = query_row<D>(a);
+  const auto [t, i, h, b, kvh, pi, valid] = row;
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   float q[4 * S_::C], acc[4 * S_::C];
   if (valid) load_slice<D>(a.q + h * a.q_st.h + i * a.q_st.s + b * a.q_st.b, a.D, t, q);
@@ -148,17 +175,10 @@ __device__ void forward(const Args& a) {
     if (!valid) q[x] = 0;
     acc[x] = 0;
   }
-  const int lo = block_min(&lo_slot, valid && t == 0, i - pi < 0 ? 0 : i - pi);
-  const int hi = min(a.S, static_cast<int>(blockIdx.x + 1) * R);
-  const float* kb = a.k + kvh * a.k_st.h + b * a.k_st.b;
-  const float* vb = a.v + kvh * a.v_st.h + b * a.v_st.b;
+  const KeyRange kr = key_range<D>(a, &lo_slot, row);
   float m = -INFINITY, l = 0;
-  for (int j0 = lo; j0 < hi; j0 += B) {
-    const int n = min(B, hi - j0);
-    __syncthreads();
-    stage<D>(ks, kb, a.k_st.s, j0, n, a.D);
-    stage<D>(vs, vb, a.v_st.s, j0, n, a.D);
-    __syncthreads();
+  for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
+    const int n = stage_keys<D>(a, kr, j0, ks, vs);
     for (int u0 = 0; u0 < n; u0 += KC) {
       float s[KC];
       float mx = m;
@@ -196,11 +216,12 @@ __device__ void forward(const Args& a) {
 template <int D>
 __device__ void grad_q(const Args& a) {
   using S_ = Shape<D>;
-  constexpr int T = S_::T, R = S_::R, B = S_::B;
+  constexpr int T = S_::T, B = S_::B;
   __shared__ __align__(16) float ks[B * D];
   __shared__ __align__(16) float vs[B * D];
   __shared__ int lo_slot;
-  const auto [t, i, h, b, kvh, pi, valid] = query_row<D>(a);
+  const QueryRow row = query_row<D>(a);
+  const auto [t, i, h, b, kvh, pi, valid] = row;
   const float c = a.scale * kLog2e;
   float q[4 * S_::C], dO[4 * S_::C], dq[4 * S_::C];
   float di = 0, lse2 = 0;
@@ -219,16 +240,9 @@ __device__ void grad_q(const Args& a) {
   di = lanes_sum<T>(di);
 #pragma unroll
   for (int x = 0; x < 4 * S_::C; ++x) dq[x] = 0;
-  const int lo = block_min(&lo_slot, valid && t == 0, i - pi < 0 ? 0 : i - pi);
-  const int hi = min(a.S, static_cast<int>(blockIdx.x + 1) * R);
-  const float* kb = a.k + kvh * a.k_st.h + b * a.k_st.b;
-  const float* vb = a.v + kvh * a.v_st.h + b * a.v_st.b;
-  for (int j0 = lo; j0 < hi; j0 += B) {
-    const int n = min(B, hi - j0);
-    __syncthreads();
-    stage<D>(ks, kb, a.k_st.s, j0, n, a.D);
-    stage<D>(vs, vb, a.v_st.s, j0, n, a.D);
-    __syncthreads();
+  const KeyRange kr = key_range<D>(a, &lo_slot, row);
+  for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
+    const int n = stage_keys<D>(a, kr, j0, ks, vs);
     for (int u = 0; u < n; ++u) {
       const float s = lanes_sum<T>(dot_shared<D>(ks + u * D, q, t));
       const float dp = lanes_sum<T>(dot_shared<D>(vs + u * D, dO, t));

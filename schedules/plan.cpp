@@ -58,13 +58,7 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
-  if (gpu && st.library && (n.op == Op::Attention || n.op == Op::AttentionGradK)) {
-    // runtime/attention_cuda.cu holds its tiles in shared memory and
-    // registers: only the operands computed inline are copied first.
-    for (size_t k = 0; k < (n.op == Op::Attention ? 4u : 7u); ++k) copy_unless_buffer(k);
-    return s;
-  }
-  if (gpu && (n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
+  if (gpu && !st.library && (n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
               n.op == Op::AttentionGradK || n.op == Op::AttentionGradV)) {
     // generators/schedule_gpu.cpp keeps at root the operands computed inline,
     // k (and for dP, v) transposed, and per query row and head the max and
@@ -110,6 +104,8 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
     const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
     const bool fwd = n.op == Op::Attention;
     for (size_t k = 0; k < (fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
+    // runtime/attention_cuda.cu holds its tiles in shared memory and registers.
+    if (gpu) return s;
     const int64_t tasks = rows * (fwd ? H : KV);
     for (int64_t t2 = 0; t2 < std::min<int64_t>(threads, tasks); ++t2) {
       // k and v packed (twice, and k once more, in the backward); dK, dV padded where D is not a whole vector
