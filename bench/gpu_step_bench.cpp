@@ -1,11 +1,13 @@
 // Training-step throughput and device memory of the tiny Llama's CUDA
-// libraries, one sequence length per process:
+// libraries, and of Llama-3.2-1B's at 32k tokens (the target), one
+// library per process:
 //
-//   gpu_step_bench --seq N [--steps K] [--precision f32|bf16]
+//   gpu_step_bench --seq N [--steps K] [--precision f32|bf16] [--model tiny|llama-3.2-1b] [--no-update]
 //
 // (bf16: the mixed-precision libraries, examples/llama/schedules/
 // bf16_mixed.json: contractions through cuBLAS's bf16 GEMM with f32 sums,
-// saved values in bf16, everything else f32.) It
+// saved values in bf16, everything else f32. --no-update skips the AdamW
+// timings, three steps and more of a large model.) It
 // prints one JSON line: median step time after one warm-up step (which pays
 // the driver's PTX compilation), tokens/s, the device memory the step held
 // at its peak (sampled, above what was in use before the model existed), and
@@ -24,12 +26,14 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "runtime/cuda_probe.h"
 #include "runtime/error.h"
 #include "runtime/model.h"
+#include "gpu_1b_bf16_s32768.h"
 #include "gpu_tiny_bf16_s16384.h"
 #include "gpu_tiny_bf16_s32768.h"
 #include "gpu_tiny_bf16_s8192.h"
@@ -57,26 +61,35 @@ std::string json_escape(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::map<std::pair<std::string, int64_t>, const runtime::ModelSpec& (*)()> models = {
-      {{"f32", 8192}, &halyard_models::gpu_tiny_s8192},
-      {{"f32", 16384}, &halyard_models::gpu_tiny_s16384},
-      {{"f32", 32768}, &halyard_models::gpu_tiny_s32768},
-      {{"bf16", 8192}, &halyard_models::gpu_tiny_bf16_s8192},
-      {{"bf16", 16384}, &halyard_models::gpu_tiny_bf16_s16384},
-      {{"bf16", 32768}, &halyard_models::gpu_tiny_bf16_s32768}};
+  using Key = std::tuple<std::string, std::string, int64_t>;  // model, precision, seq
+  const std::map<Key, const runtime::ModelSpec& (*)()> models = {
+      {{"tiny", "f32", 8192}, &halyard_models::gpu_tiny_s8192},
+      {{"tiny", "f32", 16384}, &halyard_models::gpu_tiny_s16384},
+      {{"tiny", "f32", 32768}, &halyard_models::gpu_tiny_s32768},
+      {{"tiny", "bf16", 8192}, &halyard_models::gpu_tiny_bf16_s8192},
+      {{"tiny", "bf16", 16384}, &halyard_models::gpu_tiny_bf16_s16384},
+      {{"tiny", "bf16", 32768}, &halyard_models::gpu_tiny_bf16_s32768},
+      {{"llama-3.2-1b", "bf16", 32768}, &halyard_models::gpu_1b_bf16_s32768}};
   int64_t seq = 0;
   int steps = 3;
-  std::string precision = "f32";
-  for (int i = 1; i + 1 < argc; i += 2) {
+  std::string precision = "f32", model = "tiny";
+  bool update = true, bad = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
-    if (k == "--seq") seq = std::atoll(argv[i + 1]);
-    else if (k == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (k == "--precision") precision = argv[i + 1];
+    if (k == "--no-update") update = false;
+    else if (i + 1 == argc) bad = true;
+    else if (k == "--seq") seq = std::atoll(argv[++i]);
+    else if (k == "--steps") steps = std::atoi(argv[++i]);
+    else if (k == "--precision") precision = argv[++i];
+    else if (k == "--model") model = argv[++i];
+    else bad = true;
   }
-  if (!models.count({precision, seq}) || steps < 1) {
-    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1] [--precision f32|bf16]; N is one of:");
+  if (bad || !models.count({model, precision, seq}) || steps < 1) {
+    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1] [--precision f32|bf16] [--model M] [--no-update]; "
+                         "the libraries (model precision seq):");
     for (const auto& [key, f] : models)
-      if (key.first == "f32") std::fprintf(stderr, " %lld", static_cast<long long>(key.second));
+      std::fprintf(stderr, " %s/%s/%lld", std::get<0>(key).c_str(), std::get<1>(key).c_str(),
+                   static_cast<long long>(std::get<2>(key)));
     std::fprintf(stderr, "\n");
     return 2;
   }
@@ -87,7 +100,7 @@ int main(int argc, char** argv) {
   }
   const int64_t baseline = gpu.memory_used_bytes();
   try {
-    runtime::Model m(models.at({precision, seq})());
+    runtime::Model m(models.at({model, precision, seq})());
     m.init_params(0);
     const int64_t n = m.tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
@@ -110,33 +123,41 @@ int main(int argc, char** argv) {
     if (std::getenv("HALYARD_PROFILE")) std::fputs(m.profile().c_str(), stderr);
     m.set_kernel_times_on_device(false);
     const int64_t blocks = m.device_bytes();
-    m.use_adamw(m.decay_flags());
-    int64_t update = 0;
-    auto step_and_update = [&] {
-      m.train_step(ids.data(), labels.data(), pos.data());
-      m.adamw_step(++update, 1e-4, 1.0);
-    };
-    step_and_update();  // (the moments are made at the first update)
-    const double with_update = bench::median_seconds(step_and_update, steps);
-    const int64_t to_host = t.device_to_host_copies, to_device = t.host_to_device_copies;
-    const double update_s = bench::median_seconds([&] { m.adamw_step(++update, 1e-4, 1.0); }, steps);
-    std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"dtype\":\"%s\","
+    double with_update = 0, update_s = 0;
+    int64_t to_host = 0, to_device = 0;
+    if (update) {
+      m.use_adamw(m.decay_flags());
+      int64_t updates = 0;
+      auto step_and_update = [&] {
+        m.train_step(ids.data(), labels.data(), pos.data());
+        m.adamw_step(++updates, 1e-4, 1.0);
+      };
+      step_and_update();  // (the moments are made at the first update)
+      with_update = bench::median_seconds(step_and_update, steps);
+      to_host = t.device_to_host_copies, to_device = t.host_to_device_copies;
+      update_s = bench::median_seconds([&] { m.adamw_step(++updates, 1e-4, 1.0); }, steps);
+    }
+    char updates_json[320] = "";
+    if (update)
+      std::snprintf(updates_json, sizeof updates_json,
+                    ",\"step_and_update_s_median\":%.4f,\"update_s_median\":%.5f,\"device_update_copies_home\":%lld,"
+                    "\"device_update_copies_to_device\":%lld,\"device_update_mib\":%.1f",
+                    with_update, update_s, static_cast<long long>(to_host), static_cast<long long>(to_device),
+                    static_cast<double>(m.device_bytes()) / (1 << 20));
+    std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"config\":\"%s\",\"dtype\":\"%s\","
                 "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
                 "\"peak_device_mib\":%.1f,\"executor_blocks_mib\":%.1f,\"device_to_host_copies\":%lld,"
-                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f,"
-                "\"step_and_update_s_median\":%.4f,\"update_s_median\":%.5f,\"device_update_copies_home\":%lld,"
-                "\"device_update_copies_to_device\":%lld,\"device_update_mib\":%.1f}\n",
-                json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, precision.c_str(),
+                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f%s}\n",
+                json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, json_escape(model).c_str(), precision.c_str(),
                 static_cast<long long>(m.spec().seq),
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
                 static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(blocks) / (1 << 20),
                 static_cast<long long>(copies), static_cast<long long>(freed), attention_s, other_kernels_s,
-                with_update, update_s, static_cast<long long>(to_host), static_cast<long long>(to_device),
-                static_cast<double>(m.device_bytes()) / (1 << 20));
+                updates_json);
   } catch (const std::exception& e) {
     gpu.stop_sampling();
-    std::printf("{\"peer\":\"halyard\",\"dtype\":\"%s\",\"seq\":%lld,\"error\":\"%s\"}\n", precision.c_str(),
-                static_cast<long long>(seq), json_escape(e.what()).c_str());
+    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"error\":\"%s\"}\n",
+                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq), json_escape(e.what()).c_str());
     return 1;
   }
   return 0;

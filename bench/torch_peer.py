@@ -140,8 +140,10 @@ def emit(obj):
 class Dims:
     def __init__(self, cfg, path):
         # Refuse math this peer does not implement instead of timing a different model.
-        if cfg.get("rope_scaling"):
-            sys.exit("error: %s: rope_scaling is not supported by torch_peer.py" % path)
+        self.rope_scaling = cfg.get("rope_scaling")
+        if self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) != "llama3":
+            sys.exit("error: %s: rope_scaling %r: torch_peer.py implements only Llama 3's (rope_type llama3)"
+                     % (path, self.rope_scaling))
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             sys.exit("error: %s: attention_bias/mlp_bias are not supported by torch_peer.py" % path)
         if cfg.get("hidden_act", "silu") != "silu":
@@ -275,8 +277,17 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_cos_sin(seq, head_dim, theta):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rope_cos_sin(seq, head_dim, theta, scaling=None):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling:  # Llama 3's: wavelengths past the low-frequency one slowed by `factor`, a blend up to the high one
+        orig = scaling["original_max_position_embeddings"]
+        low_ff, high_ff, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (orig / wavelength - low_ff) / (high_ff - low_ff)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelength > orig / low_ff, inv_freq / factor,
+                               torch.where(wavelength >= orig / high_ff, blended, inv_freq))
+    inv_freq = inv_freq.float()
     freqs = torch.arange(seq, dtype=torch.float32).unsqueeze(-1) * inv_freq  # [S, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]
     return emb.cos(), emb.sin()  # broadcast against [B, H, S, D]
@@ -331,7 +342,7 @@ def cmd_step(a):
     p = load_weights(d, a.weights) if a.weights else init_weights(d)
     p = {k: t.to(device=dev, dtype=dt).requires_grad_(True) for k, t in p.items()}
     input_ids, labels = (t.to(dev) for t in load_tokens(a.tokens, a.batch, a.seq, d.vocab))
-    cos, sin = (t.to(device=dev, dtype=dt) for t in rope_cos_sin(a.seq, d.head_dim, d.theta))
+    cos, sin = (t.to(device=dev, dtype=dt) for t in rope_cos_sin(a.seq, d.head_dim, d.theta, d.rope_scaling))
 
     def step():
         for t in p.values():
@@ -343,8 +354,8 @@ def cmd_step(a):
 
     loss, ts = timed(step, a.steps)
     med = median(ts)
-    emit({"peer": "pytorch-eager", "torch": torch.__version__, "blas": blas_name(), "threads": a.threads,
-          "seq": a.seq, "batch": a.batch, "attention": attention, "dtype": a.dtype, "loss": round(loss, 6),
+    emit({"peer": "pytorch-eager", "config": os.path.splitext(os.path.basename(a.config))[0],
+          "torch": torch.__version__, "blas": blas_name(), "threads": a.threads, "seq": a.seq, "batch": a.batch, "attention": attention, "dtype": a.dtype, "loss": round(loss, 6),
           "step_s_median": round(med, 4), "step_s_all": [round(t, 4) for t in ts],
           "tokens_per_s": round(a.batch * a.seq / med, 1), "peak_rss_mib": round(peak_rss_mib(), 1),
           "import_rss_mib": IMPORT_RSS_MIB, **device_fields(dev)})

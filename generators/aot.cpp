@@ -313,6 +313,15 @@ int run(const Options& o, const ModelBuilder& build) {
       if (fresh) kernels.push_back(&st);
       st.kernel = it->second;
     }
+  if (gpu)
+    for (const Stage* st : kernels)
+      if (const int big = gpu_index_overflow(g, *st); big >= 0)
+        throw UserError("error: kernel " + label(g, st->root, st->extra_outputs) + " (" + g.node(st->root).name +
+                        ") holds tensor \"" + g.node(big).name + "\" " + g.node(big).type.str() + ", " +
+                        std::to_string(g.node(big).type.numel()) + " elements: Halide's GPU kernels index in 32 bits, "
+                        "up to " + std::to_string(kMax32Bit) + ".\nfix: tile the loss and the MLP over the sequence "
+                        "(\"loss_seq_tile\", \"seq_tile\" in the schedule) so that each tile holds fewer, or split the "
+                        "sequence over more ranks (SP).");
   // A kernel over a value of 2^31 bytes or more needs 64-bit addressing;
   // linked modules share one target, so then the whole library has it.
   if (std::any_of(kernels.begin(), kernels.end(), [](const Stage* st) { return st->large_buffers; }))
@@ -377,7 +386,11 @@ int run(const Options& o, const ModelBuilder& build) {
     std::vector<std::string> parts;
     for (size_t k = 0; k < modules.size(); ++k) {
       parts.push_back(o.out + "/" + modules[k].name() + ".o");
-      modules[k].compile({{Halide::OutputFileType::object, parts.back()}});
+      try {
+        modules[k].compile({{Halide::OutputFileType::object, parts.back()}});
+      } catch (const Halide::CompileError& e) {
+        throw Halide::CompileError(modules[k].name() + ": " + e.what());
+      }
     }
     link_relocatable(parts, kernels_o);
   }

@@ -838,6 +838,21 @@ void Ctx::device_gemm(int id, Func out) {
   ls.funcs.library = true;
 }
 
+// A one-element axis outside 2^31 or more elements (a batch of one outside
+// a sequence of logits) has a dense stride beyond a Halide buffer's 32 bits;
+// the runtime gives it INT32_MAX (runtime/model.cpp). Said to Halide, its
+// bounds query no longer multiplies the inner extents in 32 bits: where they
+// are constants (the loss's total over 32,768 x 128,256 logits) Halide
+// refused to compile that product.
+void pin_unit_strides(OutputImageParam b, const TensorType& t) {
+  int64_t dense = 1;
+  for (int d = 0; d < t.rank(); ++d) {  // innermost first
+    const int64_t extent = t.axes[static_cast<size_t>(t.rank() - 1 - d)].size;
+    if (extent == 1 && dense > kMax32Bit) b.dim(d).set_stride(static_cast<int>(kMax32Bit));
+    dense *= extent;
+  }
+}
+
 }  // namespace
 
 LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler, const KernelTiles& tiles,
@@ -863,6 +878,10 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   // allocated on the heap for every tile) and the output's column % panel and
   // column / panel simplify.
   if (!ls.funcs.contract_panel_vars.empty()) ls.funcs.out.output_buffer().dim(0).set_min(0);
+  for (size_t k = 0; k < st.inputs.size(); ++k) pin_unit_strides(ls.inputs[k], g.node(st.inputs[k]).type);
+  for (OutputImageParam b : ls.funcs.out.output_buffers()) pin_unit_strides(b, g.node(st.root).type);
+  for (size_t k = 0; k < ls.funcs.extra_outs.size(); ++k)
+    pin_unit_strides(ls.funcs.extra_outs[k].output_buffer(), g.node(st.extra_outputs.at(k)).type);
   std::vector<Func> outs = {ls.funcs.out};
   outs.insert(outs.end(), ls.funcs.extra_outs.begin(), ls.funcs.extra_outs.end());
   ls.pipeline = Pipeline(outs);

@@ -1,9 +1,10 @@
 // A GPU-legal schedule for CUDA targets: every Func that is not inlined is
-// computed at root, one GPU thread per element. It is correct, not
-// fast: it exists so that every model AOT-compiles for CUDA today; tuned GPU
-// schedules replace it when GPU training lands. Contractions of GEMM form
-// call cuBLAS instead (Schedule::contract_kernel, runtime/gemm.h). Attention
-// is the exception to "at root": its memory stays O(S) (see below).
+// computed at root, one GPU thread per element; a long sum into few elements
+// also one thread per chunk of it. It is correct, not fast: it exists so
+// that every model AOT-compiles for CUDA today; tuned GPU schedules replace
+// it when GPU training lands. Contractions of GEMM form call cuBLAS instead
+// (Schedule::contract_kernel, runtime/gemm.h). Attention is the exception to
+// "at root": its memory stays O(S) (see below).
 #include "dsl/error.h"
 #include "generators/lowering.h"
 
@@ -54,7 +55,33 @@ void tile_rows(S s, const std::vector<Var>& vars) {
   else s.gpu_tile(vars[0], vars[1], bx, by, tx, ty, 16, 16, TailStrategy::GuardWithIf);
 }
 
-void on_gpu(Func f, bool rows = false) {
+// An update's longest sum split into chunks, each chunk's partial sums a
+// thread's, when `outputs` elements are too few to fill a GPU
+// (schedules/partition.h: gpu_sum_split). A scatter (an update that does
+// not write where its pure vars say) keeps its sum whole.
+void split_long_sums(Func f, int64_t outputs) {
+  for (int u = 0; u < f.num_update_definitions(); ++u) {
+    if (pure_update_vars(f, u).size() != f.args().size()) continue;
+    const auto rvars = f.update(u).get_schedule().rvars();
+    size_t longest = 0;
+    int64_t summed = 0;
+    for (size_t k = 0; k < rvars.size(); ++k)
+      if (const auto e = Internal::as_const_int(rvars[k].extent); e && *e > summed) summed = *e, longest = k;
+    const GpuSumSplit split = gpu_sum_split(outputs, summed);
+    if (split.chunks == 0) continue;
+    const std::string name = rvars[longest].var;
+    RVar r(name), outer(name + "_chunk"), inner(name + "_in");
+    f.update(u).split(r, outer, inner, static_cast<int>(split.length), TailStrategy::GuardWithIf);
+    Func partial = f.update(u).rfactor(outer, Var("chunk"));
+    partial.compute_root();
+    tile(partial, partial.args());
+    tile(partial.update(), pure_update_vars(partial, 0));
+  }
+}
+
+// `outputs`: how many elements f has, where the caller knows (else -1).
+void on_gpu(Func f, bool rows = false, int64_t outputs = -1) {
+  if (outputs >= 0) split_long_sums(f, outputs);
   f.compute_root();
   auto place = [rows](auto stage, const std::vector<Var>& vars) { rows ? tile_rows(stage, vars) : tile(stage, vars); };
   place(f, f.args());
@@ -115,21 +142,25 @@ void schedule_attention(StageFuncs& F) {
 
 }  // namespace
 
-void schedule_gpu(LoweredStage& ls, const Graph&, const Stage&, const Target&) {
+void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Target&) {
   StageFuncs& F = ls.funcs;
   std::vector<Func> all = F.small;
   all.insert(all.end(), F.tables.begin(), F.tables.end());
   for (auto* list : {&F.staged, &F.root_copies}) all.insert(all.end(), list->begin(), list->end());
   if (F.contract_acc.defined()) all.push_back(F.contract_acc);
-  for (Func f : all) on_gpu(f);
+  // (The loss's total over the tokens is a scalar among them.)
+  for (Func f : all) on_gpu(f, false, f.args().empty() ? 1 : -1);
+  auto extra_outs = [&] {
+    for (size_t k = 0; k < F.extra_outs.size(); ++k) on_gpu(F.extra_outs[k], false, g.node(st.extra_outputs.at(k)).type.numel());
+  };
   if (F.attn.kind >= 0) {
     schedule_attention(F);
-    for (Func f : F.extra_outs) on_gpu(f);
+    extra_outs();
     return;
   }
   if (F.library) return;  // the runtime's GEMM, an extern stage on the device writing the output
-  on_gpu(F.out);
-  for (Func f : F.extra_outs) on_gpu(f);
+  on_gpu(F.out, false, g.node(st.root).type.numel());
+  extra_outs();
 }
 
 void set_estimates(LoweredStage& ls, const Graph& g, const Stage& st) {

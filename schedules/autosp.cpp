@@ -46,6 +46,11 @@ struct Scored {
   double step = 0;
 };
 
+// The peak given a plan that would not build (Plan::gpu_unbuildable): it
+// fits no budget.
+constexpr int64_t kUnbuildable = INT64_MAX / 4;
+constexpr const char* kUnbuildableWhy = "a tensor beyond Halide's 32-bit GPU indexing (more ranks or finer tiles would do)";
+
 // The repeated layers of a model (built once, at a few tokens).
 int64_t layers_of(const ModelBuilder& build, const std::string& config) {
   static std::map<std::string, int64_t> known;
@@ -70,12 +75,13 @@ Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule&
   if (!deep(build, req)) {
     const Plan p = plan(build, req, s, c);
     if (plans) ++*plans;
-    return {p.memory.total(), p.step_s};
+    return {p.gpu_unbuildable.empty() ? p.memory.total() : kUnbuildable, p.step_s};
   }
   ModelRequest a = req, b = req;
   a.layers = kProbeLayers, b.layers = kProbeLayers + 1;
   const Plan pa = plan(build, a, s, c), pb = plan(build, b, s, c);
   if (plans) *plans += 2;
+  if (!pa.gpu_unbuildable.empty() || !pb.gpu_unbuildable.empty()) return {kUnbuildable, pa.step_s};
   const int64_t more = layers_of(build, req.config) - kProbeLayers;
   return {pa.memory.total() + more * (pb.memory.total() - pa.memory.total()),
           pa.step_s + static_cast<double>(more) * (pb.step_s - pa.step_s)};
@@ -110,14 +116,36 @@ std::vector<int64_t> divisors(int64_t n) {
 }
 
 // Tile candidates for a region of `local` tokens: whole, or a quarter or a
-// sixteenth (multiples of 8, at least 64 tokens).
-std::vector<int64_t> tile_options(int64_t local) {
+// sixteenth (multiples of 8, at least 64 tokens); the last is the smallest.
+// `cap` > 0: the most tokens a tile may hold (GPU kernels' 32-bit indexing,
+// gpu_tile_cap), added when smaller.
+std::vector<int64_t> tile_options(int64_t local, int64_t cap) {
   std::vector<int64_t> t = {0};
   for (int64_t parts : {4, 16}) {
     const int64_t tile = (local / parts + 7) / 8 * 8;
     if (tile >= 64 && tile < local && std::find(t.begin(), t.end(), tile) == t.end()) t.push_back(tile);
   }
+  const int64_t fit = cap / 8 * 8;
+  if (fit >= 64 && fit < (t.size() > 1 ? t.back() : local)) t.push_back(fit);
   return t;
+}
+
+// On a GPU cluster, the most tokens a sequence tile may hold so that its
+// widest tensor (a tile of logits: the vocabulary per token) stays within
+// Halide's 32-bit GPU indexing (partition.h, gpu_index_overflow); 0
+// elsewhere. Read off a one-layer build at a few tokens.
+int64_t gpu_tile_cap(const ModelBuilder& build, const std::string& config, const Cluster& cluster) {
+  if (!cluster.gpu()) return 0;
+  static std::map<std::string, int64_t> widest;
+  auto it = widest.find(config);
+  if (it == widest.end()) {
+    const BuiltModel m = build(config, 1, 8, 1);
+    int64_t w = 1;
+    for (const Node& n : m.graph->nodes())
+      if (n.type.has("seq")) w = std::max(w, n.type.numel() / n.type.size("seq"));
+    it = widest.emplace(config, w).first;
+  }
+  return kMax32Bit / it->second;
 }
 
 int64_t tokens_per_step(const ModelRequest& req, const Schedule& s) { return req.batch * req.seq * s.mesh.dp; }
@@ -553,12 +581,22 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
   c.ranks = std::max(c.ranks, on);
   const int64_t sp = f.schedule.mesh.sp;
   const int64_t step = step_for(opts.seq_step > 0 ? opts.seq_step : default_seq_step(ranks), sp);
+  // On GPUs the loss is tiled where whole it would be beyond Halide's 32-bit
+  // indexing: what building the family's plan takes, not its policy.
+  const int64_t fit = gpu_tile_cap(build, req.config, cluster) / 8 * 8;
+  auto indexable = [&](Schedule s, int64_t seq) {
+    if (fit < 64 || local_seq(seq, sp, s.sequence_layout == "zigzag") <= fit || (s.loss_tile() > 0 && s.loss_tile() <= fit))
+      return s;
+    s.loss_seq_tile = fit;
+    s.values.push_back(recompute_seq_tiles_rule());
+    return s;
+  };
   auto longest = [&] {
     return longest_fitting_seq(
         [&](int64_t seq) {
           ModelRequest r = req;
           r.seq = seq;
-          return score(build, r, f.schedule, c, nullptr).peak;
+          return score(build, r, indexable(f.schedule, seq), c, nullptr).peak;
         },
         budget, step, opts.seq_limit);
   };
@@ -573,6 +611,7 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
     return f;
   }
   req.seq = f.longest;
+  f.schedule = indexable(f.schedule, f.longest);
   const Scored x = score(build, req, f.schedule, c, nullptr);
   f.peak_bytes = x.peak, f.step_s = x.step;
   f.tokens_per_s = static_cast<double>(tokens_per_step(req, f.schedule)) / f.step_s;
@@ -631,12 +670,13 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   // a partial weight gradient per tile, which short sequences of wide models
   // do not repay).
   const bool can_offload = cluster.has_host_link();
+  const int64_t tile_cap = gpu_tile_cap(build, req_in.config, cluster);
   std::vector<ValueRule> lean_rules;
   const Precision least_precision = frugal_precision(opts);
   auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
     Schedule s = c.base;
     s.values = lean_rules;
-    const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp, s.sequence_layout == "zigzag"));
+    const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp, s.sequence_layout == "zigzag"), tile_cap);
     return in_precision(tiled ? with_tiles(s, t.back(), t.back()) : s, least_precision);
   };
 
@@ -706,7 +746,8 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                                                    std::to_string(configs[i].base.mesh.sp) + ": a rank needs a token"});
       continue;
     }
-    const std::vector<int64_t> t = tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"));
+    const std::vector<int64_t> t =
+        tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"), tile_cap);
     auto lean_of = [&](int64_t mlp, int64_t loss, Precision pr) {
       Schedule lean = configs[i].base;
       lean.values = lean_rules;
@@ -740,8 +781,9 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
       out.rejected.push_back({configs[i].what, std::string("every layer checkpointed") +
                                                    (can_offload ? " (its input offloaded)" : "") +
                                                    (least_precision.store ? ", saved values in bf16" : "") +
-                                                   " and both regions tiled: " + gib(least[i]) +
-                                                   " > " + gib(budget) + " per rank"});
+                                                   " and both regions tiled: " +
+                                                   (least[i] >= kUnbuildable ? std::string(kUnbuildableWhy)
+                                                                             : gib(least[i]) + " > " + gib(budget) + " per rank")});
   std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
   std::vector<std::pair<Candidate, RematResult>> found;
   std::vector<bool> config_found(configs.size(), false);
@@ -807,6 +849,8 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                                                   (out.rejected.empty() ? std::string()
                                                                         : " (" + out.rejected.front().what + ": " +
                                                                               out.rejected.front().reason + ")")
+                                            : least_all >= kUnbuildable
+                                                ? "every plan holds " + std::string(kUnbuildableWhy) + " (" + where + ")"
                                             : "the least memory any plan needs is " + gib(least_all) + " per rank (" +
                                                   where + ", every layer checkpointed" +
                                                   (can_offload ? " and its input offloaded" : "") +
@@ -819,7 +863,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     for (int64_t more = ranks * 2; more <= ranks * 64 && least_all != INT64_MAX; more *= 2) {
       try {
         Schedule s = family_schedule("ulysses_checkpoint", build, req, more);
-        const std::vector<int64_t> t = tile_options(local_seq(req.seq, s.mesh.sp, s.sequence_layout == "zigzag"));
+        const std::vector<int64_t> t = tile_options(local_seq(req.seq, s.mesh.sp, s.sequence_layout == "zigzag"), tile_cap);
         s = in_precision(with_tiles(s, t.back(), t.back()), least_precision);
         Cluster bigger = cluster;
         bigger.ranks = more;

@@ -150,6 +150,44 @@ bool gemm_form(const Graph& g, const Node& n, GemmForm* form) {
   return true;
 }
 
+GpuSumSplit gpu_sum_split(int64_t outputs, int64_t summed) {
+  // 2^16 outputs fill a GPU; the chunks are at least 64 long (so the tiny
+  // Llama's 256 tokens split, which the device tests of test_cuda.cpp then
+  // check against the CPU), and at most 2^18 partial sums are kept (some
+  // 2^18 threads, an H100's 132 SMs full).
+  constexpr int64_t kFull = int64_t{1} << 16, kMinLength = 64, kMaxPartials = int64_t{1} << 18;
+  GpuSumSplit split;
+  if (outputs < 1 || outputs >= kFull || summed < 2 * kMinLength) return split;
+  const int64_t wanted = std::min((summed + kMinLength - 1) / kMinLength, std::max<int64_t>(2, kMaxPartials / outputs));
+  split.length = (summed + wanted - 1) / wanted;
+  split.chunks = (summed + split.length - 1) / split.length;
+  return split;
+}
+
+GpuSumSplit gpu_sum_split(const Graph& g, const Node& n) {
+  if (n.op != Op::RmsNormGradW && n.op != Op::BiasAddGrad && n.op != Op::TokenCount && n.op != Op::CrossEntropy) return {};
+  // The summed axes: what the reduced operand has and the output does not
+  // (the loss sums over its labels' axes).
+  const Node& reduced = g.node(n.inputs[n.op == Op::CrossEntropy ? 1 : 0]);
+  int64_t summed = 1;
+  for (const Axis& a : reduced.type.axes)
+    if (!n.type.has(a.name)) summed = std::max(summed, a.size);
+  return gpu_sum_split(n.type.numel(), summed);
+}
+
+int gpu_index_overflow(const Graph& g, const Stage& st) {
+  if (is_runtime_op(g.node(st.root).op)) return -1;  // a collective
+  std::vector<int> halide = st.inlined;  // what Halide computes, and the buffers of a Halide kernel
+  if (!st.library && !st.gemm) {
+    halide.insert(halide.end(), st.inputs.begin(), st.inputs.end());
+    halide.push_back(st.root);
+    halide.insert(halide.end(), st.extra_outputs.begin(), st.extra_outputs.end());
+  }
+  for (int id : halide)
+    if (g.node(id).type.numel() > kMax32Bit) return id;
+  return -1;
+}
+
 Partition partition(const Graph& g, const std::vector<int>& outputs, const Schedule& s) {
   const int n = g.size();
   // Nodes the outputs depend on, and their consumers among those.

@@ -96,6 +96,29 @@ struct ContractLayout {
 };
 ContractLayout contract_layout(const Graph& g, const Node& n, const std::vector<int>& stage_inputs);
 
+// A sum over tokens into fewer elements than a GPU has threads (a norm's or
+// a bias's weight gradient, the loss, the token count) would walk every
+// token in each of a few hundred threads: 12 ms a norm at 32,768 tokens on
+// an H200, one block busy. generators/schedule_gpu.cpp splits the longest
+// summed axis into chunks, one thread for each output element's partial sum
+// over one chunk (Halide's rfactor: an [outputs x chunks] f32 temporary,
+// at most 1 MiB), then sums the chunks. chunks == 0: the sum stays whole
+// (enough outputs to fill a GPU, or a short sum; for a node, also any other
+// op).
+struct GpuSumSplit {
+  int64_t chunks = 0, length = 0;  // length: a chunk's, the last one's may be shorter
+};
+GpuSumSplit gpu_sum_split(int64_t outputs, int64_t summed);
+GpuSumSplit gpu_sum_split(const Graph& g, const Node& n);
+
+// Halide's GPU kernels index in 32 bits (its CUDA code generator does not
+// widen indices for large_buffers), so a tensor of 2^31 elements or more
+// that a Halide kernel reads, writes or computes would wrap silently: a
+// [32768, 128256] block of logits, say. Library calls (cuBLAS, the CUDA
+// attention kernels) are exempt; Halide's copies of their operands are
+// not, nor are collectives. The first such tensor of a GPU stage, or -1.
+int gpu_index_overflow(const Graph& g, const Stage& st);
+
 struct Partition {
   std::vector<Stage> stages;           // in execution order
   std::vector<int> kernels;            // stage index of each distinct kernel's first use

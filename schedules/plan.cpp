@@ -58,6 +58,29 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
   auto copy_unless_buffer = [&](size_t k) {
     if (!is_buffer(st, n.inputs[k])) s.add(bytes_of(k));
   };
+  if (gpu) {
+    // generators/lower.cpp's per-token values, which schedule_gpu.cpp
+    // computes at root: a norm's sum of squares and scale (and its input
+    // gradient's sum of w dy x), RoPE's tables, the loss's max, sum of
+    // exps, log-sum-exp (and its total); and the partial sums of a long
+    // sum's chunks.
+    std::vector<int> nodes = st.inlined;
+    nodes.push_back(st.root);
+    nodes.insert(nodes.end(), st.extra_outputs.begin(), st.extra_outputs.end());
+    for (int id : nodes) {
+      const Node& x = g.node(id);
+      s.heap += 4 * x.type.numel() * gpu_sum_split(g, x).chunks;
+      if (x.op == Op::RmsNorm || x.op == Op::RmsNormGradX || x.op == Op::RmsNormGradW) {
+        const TensorType& t = g.node(x.inputs[0]).type;
+        const std::string axis = x.op == Op::RmsNormGradW ? x.attrs.axis : g.node(x.inputs[1]).type.axes[0].name;
+        s.heap += 4 * (t.numel() / t.size(axis)) * (x.op == Op::RmsNormGradX ? 3 : 2);
+      } else if (x.op == Op::Rope) {  // cos and sin at each position and frequency
+        s.heap += 2 * 4 * g.node(x.inputs[1]).type.numel() * (g.node(x.inputs[0]).type.size("head_dim") / 2);
+      } else if (x.op == Op::CrossEntropy || x.op == Op::CrossEntropyGrad) {
+        s.heap += 4 * 3 * g.node(x.inputs[1]).type.numel() + (x.op == Op::CrossEntropy ? 4 : 0);
+      }
+    }
+  }
   if (gpu && !st.library && (n.op == Op::Attention || n.op == Op::AttentionLse || n.op == Op::AttentionGradQ ||
               n.op == Op::AttentionGradK || n.op == Op::AttentionGradV)) {
     // generators/schedule_gpu.cpp keeps at root the operands computed inline,
@@ -298,6 +321,12 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   train_out.push_back(m.loss.id);
   p.train = partition(g, train_out, schedule);
   p.forward = partition(g, {m.loss.id}, schedule);
+  if (gpu)
+    for (const Partition* part : {&p.train, &p.forward})
+      for (const Stage& st : part->stages)
+        if (const int big = gpu_index_overflow(g, st); big >= 0 && p.gpu_unbuildable.empty())
+          p.gpu_unbuildable = "tensor \"" + g.node(big).name + "\" " + g.node(big).type.str() +
+                              " is beyond Halide's 32-bit GPU indexing";
   // Offloading moves values to the host and back over the cluster's host
   // link; CPU ranks have none (their memory is host memory).
   std::function<bool(const Node&)> offload;

@@ -114,6 +114,11 @@ struct Plan {
   double compute_s = 0, communication_s = 0, optimizer_s = 0;
   double offload_s = 0;  // offloaded values out to the host and back (not overlapped yet)
   double step_s = 0;  // predicted: train step plus the optimizer update
+  // On a GPU cluster, a Halide kernel's tensor beyond 32-bit indexing
+  // (partition.h: gpu_index_overflow), said as the generator refuses it;
+  // "" when the library would build. The search counts such a plan as not
+  // fitting.
+  std::string gpu_unbuildable;
 
   double flops() const;
   // Saved values the backward reads as bf16 copies (schedules/precision.h):

@@ -346,8 +346,12 @@ int run(int argc, char** argv) {
     for (const FamilyResult& f : table)
       if (f.family == "autosp") ours = f.longest;
     std::printf("longest trainable sequence, %lld ranks with %s each (predicted):\n", static_cast<long long>(ranks), mib(memory).c_str());
-    std::printf("  %-30s %-42s %9s %11s %10s %10s %9s\n", "family", "plan", "longest", "peak/rank", "step s", "tokens/s",
-                "autosp is");
+    // The plan column is as wide as its widest entry: bf16 marks lengthen a summary.
+    int plan_width = 42;
+    for (const FamilyResult& f : table)
+      if (f.applies) plan_width = std::max(plan_width, static_cast<int>(summary(f.schedule, nullptr).size()));
+    std::printf("  %-30s %-*s %9s %11s %10s %10s %9s\n", "family", plan_width, "plan", "longest", "peak/rank", "step s",
+                "tokens/s", "autosp is");
     nlohmann::json ft = nlohmann::json::array();
     for (const FamilyResult& f : table) {
       if (!f.applies) {
@@ -355,7 +359,7 @@ int run(int argc, char** argv) {
       } else {
         char ratio[32] = "";
         if (ours > 0 && f.family != "autosp") std::snprintf(ratio, sizeof ratio, "%.2fx", static_cast<double>(ours) / static_cast<double>(f.longest));
-        std::printf("  %-30s %-42s %9s %11s %10.3f %10.0f %9s\n", family_named(f.family).title.c_str(),
+        std::printf("  %-30s %-*s %9s %11s %10.3f %10.0f %9s\n", family_named(f.family).title.c_str(), plan_width,
                     summary(f.schedule, nullptr).c_str(), tokens(f.longest).c_str(), mib(f.peak_bytes).c_str(),
                     f.step_s, f.tokens_per_s, ratio);
       }

@@ -201,13 +201,23 @@ TEST(Cuda, TinyLlamaStepOnDeviceMatchesItsCpuLibrary) {
 
 // Mixed precision (examples/llama/schedules/bf16_mixed.json): every GEMM is
 // cuBLAS's with bf16 operands and f32 sums, and the saved values are bf16.
-// The CPU library of the same schedule rounds the same operands, so the
-// device's gradients must be nearer to its gradients than rounding moves
-// them from f32's (measured first, on the host, as root-mean-square
-// differences: rounding moves every element a little, where two orders of
-// summation differ only at the few elements whose f32 bits straddle a
-// bf16 rounding boundary; tests/generators/test_lowering.cpp measures
-// those: up to 3.3e-3 of the largest gradient on the micro Llama).
+// Gradients are compared as root-mean-square differences over all
+// parameters, against `gap`, how far rounding moves the CPU library's from
+// f32's (7.6e-3 here). Two libraries that round the same operands in other
+// orders do not agree to f32's precision: an order changes a value's last
+// bits, which flips its bf16 rounding now and then, and each flip feeds the
+// layers after it. Measured on the host (AMD EPYC, 2026-12-04), against the
+// CPU bf16 library:
+// - the same schedule with Halide's attention instead of the library's:
+//   3.0e-3 apart (0.39 of the gap), 1.01 of the gap from f32;
+// - the CUDA library's own stages built for the host (GEMMs through the
+//   runtime's reference, Halide's weight gradients): 3.3e-3 (0.43), 0.98;
+// - rounding only the contractions' operands: 0.83 and 0.93;
+// - rounding only the stored values: 1.06 and 0.42.
+// So a device that rounds what the CPU library rounds is under 0.7 of the
+// gap from it and within 15% of the gap from f32; one that skips either
+// kind of rounding fails one of the two. (The H200, with Halide's attention
+// on the device then: 4.39e-3, 0.58 of the gap.)
 TEST(Cuda, MixedPrecisionStepOnDeviceMatchesItsCpuLibrary) {
   EXPECT_NE(std::string(halyard_models::tiny_llama_cuda_bf16().schedule).find("contractions in bf16"), std::string::npos);
   runtime::Model f32(halyard_models::tiny_llama_cpu_s256()), cpu(halyard_models::tiny_llama_cpu_s256_bf16());
@@ -216,28 +226,31 @@ TEST(Cuda, MixedPrecisionStepOnDeviceMatchesItsCpuLibrary) {
   Batch b(cpu.tokens());
   const double loss_f32 = f32.train_step(b.ids.data(), b.labels.data(), b.pos.data());
   const double want = cpu.train_step(b.ids.data(), b.labels.data(), b.pos.data());
-  // Over all gradients: sqrt(sum (x - y)^2 / sum y^2).
-  auto rms = [&cpu](runtime::Model& x) {
+  // sqrt(sum (x - y)^2 / sum y^2) over all gradients
+  auto rms = [](runtime::Model& x, runtime::Model& y) {
     double d = 0, s = 0;
-    for (int i = 0; i < cpu.num_params(); ++i)
-      for (int64_t k = 0; k < cpu.param_spec(i).numel; ++k) {
-        const double y = cpu.grad(i)[k];
-        d += (x.grad(i)[k] - y) * (x.grad(i)[k] - y);
-        s += y * y;
+    for (int i = 0; i < y.num_params(); ++i)
+      for (int64_t k = 0; k < y.param_spec(i).numel; ++k) {
+        const double v = y.grad(i)[k];
+        d += (x.grad(i)[k] - v) * (x.grad(i)[k] - v);
+        s += v * v;
       }
     return std::sqrt(d / s);
   };
-  const double gap = rms(f32);
+  const double gap = rms(f32, cpu);
   std::printf("  tiny s256 on the host: bf16 mixed loss %.9f, f32 %.9f; gradients %.2e apart (rms)\n", want, loss_f32, gap);
   EXPECT_GT(gap, 1e-4);
   HALYARD_NEED_GPU();
   runtime::Model dev(halyard_models::tiny_llama_cuda_bf16());
   dev.init_params(7);
   const double got = dev.train_step(b.ids.data(), b.labels.data(), b.pos.data());
-  const double apart = rms(dev);
-  std::printf("  tiny s256 bf16 mixed: cuda loss %.9f vs cpu %.9f; gradients %.2e apart (rms)\n", got, want, apart);
+  const double apart = rms(dev, cpu), from_f32 = rms(dev, f32);
+  std::printf("  tiny s256 bf16 mixed: cuda loss %.9f vs cpu %.9f; gradients %.2e from the CPU's (%.2f of the gap), "
+              "%.2e from f32's (%.2f of the gap)\n",
+              got, want, apart, apart / gap, from_f32, from_f32 / gap);
   EXPECT_LE(std::abs(got - want) / want, 1e-4);
-  EXPECT_LE(apart, gap / 4);
+  EXPECT_LE(apart, 0.7 * gap);
+  EXPECT_NEAR(from_f32 / gap, 1.0, 0.15);
   // Where the two differ most, next to where rounding moves the CPU library
   // from f32: a parameter far apart on the device but not in f32 names the
   // operand that one side rounds and the other does not.

@@ -12,6 +12,7 @@
 // multiple of a block, and with column counts that are and are not a
 // multiple of the register tile (the latter keeps the unblocked schedule),
 // through Halide's kernels and the library's.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <HalideBuffer.h>
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <random>
 #include <regex>
+#include <set>
 #include <string>
 
 #include "dsl/autodiff.h"
@@ -428,12 +430,13 @@ TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
 
 // A plan on a GPU cluster counts the kernels a GPU library runs (the CUDA
 // attention kernels, contractions through cuBLAS; no CPU library kernel),
-// and for each attention stage what the lowering allocates on the device:
-// for the library's kernels, copies of operands computed inline; for
-// Halide's (generators/schedule_gpu.cpp, which a schedule may still ask
-// for), the tiny Llama's q and k after RoPE computed once, k (and v)
-// transposed, the row statistics. Before, such a plan counted the CPU
-// library's stages and scratch.
+// and for each kernel what the lowering allocates on the device: for the
+// library's attention, copies of operands computed inline; for Halide's
+// (generators/schedule_gpu.cpp, which a schedule may still ask for), the
+// tiny Llama's q and k after RoPE computed once, k (and v) transposed, the
+// row statistics; elsewhere per-token values (a norm's scale, the loss's
+// log-sum-exp), RoPE's tables and the partial sums of long sums. Before,
+// such a plan counted the CPU library's stages and scratch.
 TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
   Schedule halide = Schedule::named("default");
   halide.attention_kernel = "halide";
@@ -445,23 +448,114 @@ TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
     const Graph& g = *p.model.graph;
     const Halide::Target cuda("host-cuda-cuda_capability_80");
     std::vector<std::string> checked;
+    std::set<int> kernels;
     for (const StageCost& c : p.stages) {
       const Stage& st = p.train.stages[static_cast<size_t>(c.stage)];
       const bool attention = c.kind.rfind("attention", 0) == 0;
       EXPECT_EQ(st.library, attention && s.attention_kernel == "library") << c.label;
-      if (!attention || c.layer != "model.layers.0") continue;
+      // every kernel once with the library's attention, Halide's attention kernels with the other
+      if (s.attention_kernel == "library" ? st.kernel < 0 || !kernels.insert(st.kernel).second
+                                          : !attention || c.layer != "model.layers.0")
+        continue;
       const Allocated a = allocations_of(g, st, cuda);
       std::printf("  %-7s %-44s lowered for CUDA: %9lld bytes; plan: %9lld\n", s.attention_kernel.c_str(),
                   c.label.c_str(), static_cast<long long>(a.memory), static_cast<long long>(c.scratch_estimate));
       EXPECT_EQ(a.memory, c.scratch_estimate) << c.label;
       EXPECT_TRUE(a.unsized.empty()) << c.label;
-      checked.push_back(c.kind);
+      checked.push_back(op_name(g.node(st.root).op));
     }
-    if (s.attention_kernel == "library")
-      EXPECT_EQ(checked.size(), 2u) << "the forward with its log-sum-exp; dK with dV and dQ";
-    else
+    if (s.attention_kernel == "library") {
+      for (const char* kind : {"attention", "attention_grad_k", "rms_norm_grad_w", "rope", "cross_entropy", "token_count"})
+        EXPECT_NE(std::find(checked.begin(), checked.end(), kind), checked.end()) << kind;
+    } else
       EXPECT_EQ(checked.size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
   }
+}
+
+// Long sums into few elements on the GPU schedule (schedules/partition.h,
+// gpu_sum_split): a norm's and a bias's weight gradients, the token count
+// and the loss, over 2 x 1000 tokens (16 chunks of 63 along the sequence),
+// run by PoCL against the interpreter. Each is split (Halide's rfactor
+// names the partial sums "_intm"); the plan counts them
+// (GpuPlanCountsWhatTheGpuLoweringAllocates).
+TEST(Kernels, GpuLongSumsSplitIntoChunksOfTokens) {
+  Graph g;
+  const std::vector<Axis> tokens = {{"batch", 2}, {"seq", 1000}};
+  auto with = [&](const Axis& a) {
+    std::vector<Axis> axes = tokens;
+    axes.push_back(a);
+    return axes;
+  };
+  Value x = input(g, "x", DType::f32, with({"model", 24})), dy = input(g, "dy", DType::f32, with({"model", 24}));
+  Value logits = input(g, "logits", DType::f32, with({"vocab", 40}));
+  Value labels = input(g, "labels", DType::i32, tokens);
+  const std::vector<Value> sums = {rms_norm_grad_w(x, dy, "model", 1e-5), bias_add_grad(dy, {"model"}),
+                                   cross_entropy(logits, labels, -100)};
+  std::vector<int> outs;
+  for (const Value& v : sums) outs.push_back(v.id);
+  const Partition p = partition(g, outs, Schedule{});
+  Interpreter<double> ref(g);
+  std::map<int, Halide::Buffer<>> bufs;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (const Value& in : {x, dy, logits, labels}) {
+    Halide::Buffer<> b = buffer_of(in.type());
+    if (in.type().dtype == DType::i32) {
+      std::vector<int32_t> values;
+      for (int64_t e = 0; e < in.type().numel(); ++e)
+        values.push_back(static_cast<Halide::Buffer<int32_t>>(b).data()[e] = e % 7 == 3 ? -100 : static_cast<int32_t>(e % 40));
+      ref.set_int(in.node().name, values);
+    } else {
+      std::vector<double> values;
+      for (int64_t e = 0; e < in.type().numel(); ++e) values.push_back(static_cast<Halide::Buffer<float>>(b).data()[e] = normal(rng));
+      ref.set(in.node().name, values);
+    }
+    b.set_host_dirty();
+    bufs.emplace(in.id, b);
+  }
+  ref.run();
+  const Halide::Target opencl("host-opencl-cl_doubles");
+  std::vector<std::string> split;
+  for (const Stage& st : p.stages) {
+    const Node& root = g.node(st.root);
+    LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::Host, true);
+    schedule_gpu(ls, g, st, opencl);
+    const std::string stmt = testing::TempDir() + "/gpu_sum.stmt";
+    ls.pipeline.compile_to_lowered_stmt(stmt, ls.args, Halide::StmtOutputFormat::Text, opencl);
+    std::ifstream text(stmt);
+    const bool has_chunks = std::string(std::istreambuf_iterator<char>(text), {}).find("_intm") != std::string::npos;
+    EXPECT_EQ(has_chunks, gpu_sum_split(g, root).chunks > 0) << op_name(root.op);
+    if (has_chunks) split.push_back(op_name(root.op));
+    for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(bufs.at(st.inputs[i]));
+    std::vector<int> written = {st.root};
+    written.insert(written.end(), st.extra_outputs.begin(), st.extra_outputs.end());
+    std::vector<Halide::Buffer<>> results;
+    for (int id : written) results.push_back(bufs.emplace(id, buffer_of(g.node(id).type)).first->second);
+    try {
+      ls.pipeline.compile_jit(opencl);
+      ls.pipeline.realize(Halide::Realization(results), opencl);
+    } catch (const Halide::Error& e) {
+      FAIL() << op_name(root.op) << ": Halide: " << e.what();
+    }
+    for (size_t k = 0; k < written.size(); ++k) {
+      results[k].copy_to_host();
+      const std::vector<double>& want = ref.value(written[k]);
+      const float* got = static_cast<Halide::Buffer<float>>(results[k]).data();
+      double diff = 0, scale = 1e-300;
+      for (size_t e = 0; e < want.size(); ++e) {
+        diff = std::max(diff, std::abs(static_cast<double>(got[e]) - want[e]));
+        scale = std::max(scale, std::abs(want[e]));
+      }
+      std::printf("  %-16s %zu values: max |diff| / max |ref| = %.2e\n", op_name(g.node(written[k]).op), want.size(),
+                  diff / scale);
+      EXPECT_LE(diff / scale, 1e-5) << op_name(g.node(written[k]).op);
+    }
+  }
+  EXPECT_THAT(split, ::testing::UnorderedElementsAre("rms_norm_grad_w", "bias_add_grad", "token_count", "cross_entropy"));
+  // The tiny Llama's norms at 256 tokens split too: test_cuda's device steps
+  // (against the CPU library) run such kernels on a GPU.
+  EXPECT_EQ(gpu_sum_split(256, 256).chunks, 4);
+
 }
 
 // The library kernels (runtime/attention_cpu.h) on lengths that are not

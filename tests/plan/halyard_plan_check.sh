@@ -72,6 +72,11 @@ grep -q "ranks would fit" "$dir/err.txt" || fail "the infeasible build does not 
 expect_error "a Halide buffer's strides and extents hold at most" "$aot" --name big \
   --config "$src/examples/llama/configs/tiny.json" --batch 2 --seq 3000000 --out "$dir"
 grep -q 'fix: train one row per rank' "$dir/err.txt" || fail "the stride error names no fix"
+# Halide's GPU kernels index in 32 bits: Llama-3.2-1B's logits at 32,768
+# tokens (4.2G elements) are refused for CUDA, with the fix, before compiling.
+expect_error "Halide's GPU kernels index in 32 bits" "$aot" --name big1b \
+  --config "$src/examples/llama/configs/llama-3.2-1b.json" --seq 32768 --target host-cuda-cuda_capability_80 --plan-only
+grep -q 'fix: tile the loss and the MLP over the sequence' "$dir/err.txt" || fail "the GPU indexing error names no fix"
 # cuBLAS contractions are for CUDA targets only.
 echo '{"contract_kernel": "cublas"}' >"$dir/cublas.json"
 expect_error 'legal: "auto" or "halide" here' "$aot" --name x \

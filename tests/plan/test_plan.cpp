@@ -232,6 +232,34 @@ TEST(Plan, StagesOverValuesOf2GiBAndMoreNeed64BitAddressing) {
   for (const Stage& st : small.train.stages) EXPECT_FALSE(st.large_buffers);
 }
 
+// Halide's GPU kernels index in 32 bits: on a GPU cluster a plan whose
+// Halide kernel holds a tensor of 2^31 elements or more says so
+// (Plan::gpu_unbuildable; the generator refuses it and the search skips
+// it). Llama-3.2-1B at 32,768 tokens: whole, its logits hold 4.2G elements;
+// in loss tiles of 16,736 tokens none does. CPU kernels index in 64 bits
+// (large_buffers), and collectives and library calls are exempt.
+TEST(Plan, GpuPlansSayWhatIsBeyondHalidesGpuIndexing) {
+  const std::string one_b = HALYARD_SOURCE_DIR "/examples/llama/configs/llama-3.2-1b.json";
+  ModelRequest req{one_b, 1, 32768};
+  req.layers = 1;
+  const Plan whole = plan(llama::llama_builder(), req, Schedule::named("default"), Cluster::named("8xH200"));
+  EXPECT_NE(whole.gpu_unbuildable.find("beyond Halide's 32-bit GPU indexing"), std::string::npos) << whole.gpu_unbuildable;
+  EXPECT_NE(whole.gpu_unbuildable.find("vocab=128256"), std::string::npos) << whole.gpu_unbuildable;
+  Schedule tiled = Schedule::named("default");
+  tiled.loss_seq_tile = 16736;
+  tiled.values.push_back(recompute_seq_tiles_rule());
+  EXPECT_EQ(plan(llama::llama_builder(), req, tiled, Cluster::named("8xH200")).gpu_unbuildable, "");
+  EXPECT_EQ(plan(llama::llama_builder(), req, Schedule::named("default"), Cluster::named("local-cpu")).gpu_unbuildable, "");
+  int refused = 0;
+  for (const Stage& st : whole.train.stages) {
+    const int big = gpu_index_overflow(*whole.model.graph, st);
+    refused += big >= 0;
+    if (big >= 0) EXPECT_GT(whole.model.graph->node(big).type.numel(), kMax32Bit);
+    if (st.gemm) EXPECT_LT(big, 0) << "cuBLAS writes the logits: " << whole.model.graph->node(st.root).name;
+  }
+  EXPECT_GT(refused, 0);
+}
+
 // Ulysses: (2h + 2h_kv) N / P bytes per layer forward, (P-1)/P of it leaving the rank; the backward the same again.
 TEST(Plan, AllToAllBytesEqualUlyssesFormula) {
   const auto cfg = llama::LlamaConfig::load(kTiny);
