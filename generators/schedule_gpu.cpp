@@ -55,11 +55,11 @@ void tile_rows(S s, const std::vector<Var>& vars) {
   else s.gpu_tile(vars[0], vars[1], bx, by, tx, ty, 16, 16, TailStrategy::GuardWithIf);
 }
 
-// An update's longest sum split into chunks, each chunk's partial sums a
-// thread's, when `outputs` elements are too few to fill a GPU
-// (schedules/partition.h: gpu_sum_split). A scatter (an update that does
+// A long sum split into chunks of `split.length` along its longest summed
+// axis, each chunk's partial sums a thread's (schedules/partition.h:
+// gpu_sum_split decides which sums, and how). A scatter (an update that does
 // not write where its pure vars say) keeps its sum whole.
-void split_long_sums(Func f, int64_t outputs) {
+void split_long_sum(Func f, const GpuSumSplit& split) {
   for (int u = 0; u < f.num_update_definitions(); ++u) {
     if (pure_update_vars(f, u).size() != f.args().size()) continue;
     const auto rvars = f.update(u).get_schedule().rvars();
@@ -67,8 +67,7 @@ void split_long_sums(Func f, int64_t outputs) {
     int64_t summed = 0;
     for (size_t k = 0; k < rvars.size(); ++k)
       if (const auto e = Internal::as_const_int(rvars[k].extent); e && *e > summed) summed = *e, longest = k;
-    const GpuSumSplit split = gpu_sum_split(outputs, summed);
-    if (split.chunks == 0) continue;
+    if (summed <= split.length) continue;
     const std::string name = rvars[longest].var;
     RVar r(name), outer(name + "_chunk"), inner(name + "_in");
     f.update(u).split(r, outer, inner, static_cast<int>(split.length), TailStrategy::GuardWithIf);
@@ -79,9 +78,8 @@ void split_long_sums(Func f, int64_t outputs) {
   }
 }
 
-// `outputs`: how many elements f has, where the caller knows (else -1).
-void on_gpu(Func f, bool rows = false, int64_t outputs = -1) {
-  if (outputs >= 0) split_long_sums(f, outputs);
+void on_gpu(Func f, bool rows = false, const GpuSumSplit& split = {}) {
+  if (split.chunks > 0) split_long_sum(f, split);
   f.compute_root();
   auto place = [rows](auto stage, const std::vector<Var>& vars) { rows ? tile_rows(stage, vars) : tile(stage, vars); };
   place(f, f.args());
@@ -148,10 +146,13 @@ void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
   all.insert(all.end(), F.tables.begin(), F.tables.end());
   for (auto* list : {&F.staged, &F.root_copies}) all.insert(all.end(), list->begin(), list->end());
   if (F.contract_acc.defined()) all.push_back(F.contract_acc);
-  // (The loss's total over the tokens is a scalar among them.)
-  for (Func f : all) on_gpu(f, false, f.args().empty() ? 1 : -1);
+  // The loss's total over the tokens is the one scalar among them; its
+  // split is the loss node's.
+  const GpuSumSplit root_split = gpu_sum_split(g, g.node(st.root));
+  for (Func f : all) on_gpu(f, false, f.args().empty() ? root_split : GpuSumSplit{});
   auto extra_outs = [&] {
-    for (size_t k = 0; k < F.extra_outs.size(); ++k) on_gpu(F.extra_outs[k], false, g.node(st.extra_outputs.at(k)).type.numel());
+    for (size_t k = 0; k < F.extra_outs.size(); ++k)
+      on_gpu(F.extra_outs[k], false, gpu_sum_split(g, g.node(st.extra_outputs.at(k))));
   };
   if (F.attn.kind >= 0) {
     schedule_attention(F);
@@ -159,7 +160,7 @@ void schedule_gpu(LoweredStage& ls, const Graph& g, const Stage& st, const Targe
     return;
   }
   if (F.library) return;  // the runtime's GEMM, an extern stage on the device writing the output
-  on_gpu(F.out, false, g.node(st.root).type.numel());
+  on_gpu(F.out, false, root_split);
   extra_outs();
 }
 

@@ -130,6 +130,16 @@ std::vector<int64_t> tile_options(int64_t local, int64_t cap) {
   return t;
 }
 
+// `s` with the MLP region in tiles of `mlp` tokens and the LM head + loss in
+// tiles of `loss` (0: whole), the tiles recomputed in the backward.
+Schedule with_tiles(Schedule s, int64_t mlp, int64_t loss) {
+  s.seq_tile = mlp;
+  s.loss_seq_tile = loss > 0 && loss != mlp ? loss : 0;
+  if (mlp == 0 && loss > 0) s.seq_tile = 0, s.loss_seq_tile = loss;
+  if (mlp > 0 || loss > 0) s.values.push_back(recompute_seq_tiles_rule());
+  return s;
+}
+
 // On a GPU cluster, the most tokens a sequence tile may hold so that its
 // widest tensor (a tile of logits: the vocabulary per token) stays within
 // Halide's 32-bit GPU indexing (partition.h, gpu_index_overflow); 0
@@ -587,9 +597,7 @@ FamilyResult family_longest(const std::string& family, const ModelBuilder& build
   auto indexable = [&](Schedule s, int64_t seq) {
     if (fit < 64 || local_seq(seq, sp, s.sequence_layout == "zigzag") <= fit || (s.loss_tile() > 0 && s.loss_tile() <= fit))
       return s;
-    s.loss_seq_tile = fit;
-    s.values.push_back(recompute_seq_tiles_rule());
-    return s;
+    return with_tiles(s, s.seq_tile, fit);
   };
   auto longest = [&] {
     return longest_fitting_seq(
@@ -658,13 +666,6 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
         }
     }
   }
-  auto with_tiles = [](Schedule s, int64_t mlp, int64_t loss) {
-    s.seq_tile = mlp;
-    s.loss_seq_tile = loss > 0 && loss != mlp ? loss : 0;
-    if (mlp == 0 && loss > 0) s.seq_tile = 0, s.loss_seq_tile = loss;
-    if (mlp > 0 || loss > 0) s.values.push_back(recompute_seq_tiles_rule());
-    return s;
-  };
   // The least-memory schedules of a configuration: every layer checkpointed
   // (lean_rules, below), with both regions in sixteenths or whole (tiles cost
   // a partial weight gradient per tile, which short sequences of wide models
