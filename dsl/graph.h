@@ -100,6 +100,13 @@ struct Attrs {
   // ring, offset = how many ranks back the block came from (0: its own),
   // layout = how the sequence is placed on them ("contiguous" or "zigzag").
   std::string layout;
+  // Attention and its gradients: the products in bf16 (mixed precision,
+  // schedules/precision.h's round_contractions): q, k, v and dO rounded to
+  // bf16 (nearest, ties to even) before the products that read them, the
+  // probabilities before P V and P^T dO, dS before dS K and dS^T Q; every
+  // sum, the softmax's and D_i = dO_i . O_i included, in f32 (what
+  // tensor-core attention kernels compute).
+  bool bf16 = false;
   bool operator==(const Attrs&) const = default;
 };
 

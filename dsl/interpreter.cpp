@@ -29,6 +29,19 @@ float round_to_bf16(float x) {
 
 template <class T>
 using Mat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// x rounded to bf16 elementwise where bf16 (Attrs::bf16's products), else x.
+template <class X>
+X bf16_if(X x, bool bf16) {
+  if (bf16)
+    for (auto& e : x) e = static_cast<std::remove_reference_t<decltype(e)>>(round_to_bf16(static_cast<float>(e)));
+  return x;
+}
+template <class T>
+Mat<T> bf16_if(Mat<T> x, bool bf16) {
+  if (bf16) x = x.unaryExpr([](T e) { return static_cast<T>(round_to_bf16(static_cast<float>(e))); });
+  return x;
+}
 template <class T>
 using StridedMap = Eigen::Map<Mat<T>, 0, Eigen::OuterStride<>>;
 template <class T>
@@ -265,9 +278,15 @@ Mat<T> attention_probs(const Mat<T>& scores_in, const Mask& visible, int64_t S) 
   return p;
 }
 
+// With bf16 (Attrs::bf16) the probabilities are rounded before P V as the
+// kernels round them: unnormalized, exp(s - the row's max) (the largest
+// exactly 1), the sum of the unrounded ones dividing the product. (Kernels
+// with an online softmax round a key block against the running max, which
+// is the row's from the block that holds it on.)
 template <class T>
-std::vector<T> attention(const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
-                         const MaskOperands& mask, const AttentionShape<T>& sh) {
+std::vector<T> attention(const std::vector<T>& q_in, const std::vector<T>& k_in, const std::vector<T>& v_in,
+                         const MaskOperands& mask, const AttentionShape<T>& sh, bool bf16) {
+  const std::vector<T> q = bf16_if(q_in, bf16), k = bf16_if(k_in, bf16), v = bf16_if(v_in, bf16);
   std::vector<T> out(q.size());
   const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
   for (int64_t b = 0; b < sh.B; ++b)
@@ -275,6 +294,11 @@ std::vector<T> attention(const std::vector<T>& q, const std::vector<T>& k, const
       int64_t g = h / (sh.H / sh.KV);
       Mat<T> s = (sh.view(q, b, h, sh.H) * sh.view(k, b, g, sh.KV).transpose()) * scale;
       Mat<T> p = attention_probs<T>(s, mask.row(b, sh.S), sh.S);
+      if (bf16)
+        for (int64_t i = 0; i < sh.S; ++i) {
+          const T top = p.row(i).maxCoeff();  // p = exp(s - max) / sum: the largest is 1 / sum
+          if (top > 0) p.row(i) = bf16_if<T>(p.row(i) / top, true) * top;
+        }
       sh.view(out, b, h, sh.H).noalias() = p * sh.view(v, b, g, sh.KV);
     }
   return out;
@@ -286,8 +310,9 @@ inline constexpr double kNoKeysLse = -1e30;
 
 // lse[b, i, h] = log sum over visible keys j of exp(q_i . k_j / sqrt(d)).
 template <class T>
-std::vector<T> attention_lse(const std::vector<T>& q, const std::vector<T>& k, const MaskOperands& mask,
-                             const AttentionShape<T>& sh) {
+std::vector<T> attention_lse(const std::vector<T>& q_in, const std::vector<T>& k_in, const MaskOperands& mask,
+                             const AttentionShape<T>& sh, bool bf16) {
+  const std::vector<T> q = bf16_if(q_in, bf16), k = bf16_if(k_in, bf16);
   std::vector<T> out(static_cast<size_t>(sh.B * sh.S * sh.H));
   const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
   for (int64_t b = 0; b < sh.B; ++b)
@@ -309,10 +334,12 @@ std::vector<T> attention_lse(const std::vector<T>& q, const std::vector<T>& k, c
 // dq, dk, dv of attention from dout, the forward output (D_i = rowsum(dO*O))
 // and the row log-sum-exps (P = exp(S - lse) on visible keys).
 template <class T>
-std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q, const std::vector<T>& k,
-                                                 const std::vector<T>& v, const MaskOperands& mask,
-                                                 const std::vector<T>& o, const std::vector<T>& dout,
-                                                 const std::vector<T>& lse, const AttentionShape<T>& sh) {
+std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q_in, const std::vector<T>& k_in,
+                                                 const std::vector<T>& v_in, const MaskOperands& mask,
+                                                 const std::vector<T>& o, const std::vector<T>& dout_in,
+                                                 const std::vector<T>& lse, const AttentionShape<T>& sh, bool bf16) {
+  const std::vector<T> q = bf16_if(q_in, bf16), k = bf16_if(k_in, bf16), v = bf16_if(v_in, bf16),
+                       dout = bf16_if(dout_in, bf16);
   std::array<std::vector<T>, 3> d{std::vector<T>(q.size(), T(0)), std::vector<T>(k.size(), T(0)),
                                   std::vector<T>(v.size(), T(0))};
   const T scale = T(1) / std::sqrt(static_cast<T>(sh.D));
@@ -330,10 +357,10 @@ std::array<std::vector<T>, 3> attention_backward(const std::vector<T>& q, const 
           p(i, j) = visible(i, j) ? std::exp(p(i, j) - lse[static_cast<size_t>((b * sh.S + i) * sh.H + h)]) : T(0);
       Mat<T> dp = dO * V.transpose();
       Eigen::Matrix<T, Eigen::Dynamic, 1> rows = dO.cwiseProduct(sh.view(o, b, h, sh.H)).rowwise().sum();
-      Mat<T> ds = p.cwiseProduct(dp.colwise() - rows) * scale;
+      const Mat<T> ds = bf16_if<T>(p.cwiseProduct(dp.colwise() - rows) * scale, bf16);
       sh.view(d[0], b, h, sh.H).noalias() = ds * K;
       sh.view(d[1], b, g, sh.KV).noalias() += ds.transpose() * Q;
-      sh.view(d[2], b, g, sh.KV).noalias() += p.transpose() * dO;
+      sh.view(d[2], b, g, sh.KV).noalias() += bf16_if(p, bf16).transpose() * dO;
     }
   return d;
 }
@@ -521,15 +548,16 @@ void Interpreter<T>::eval(const Node& n) {
       out = rope(F(0), type(0), I(1), type(1), n.attrs);
       return;
     case Op::Attention:
-      out = attention(F(0), F(1), F(2), mask(3), AttentionShape<T>(type(0), type(1)));
+      out = attention(F(0), F(1), F(2), mask(3), AttentionShape<T>(type(0), type(1)), n.attrs.bf16);
       return;
     case Op::AttentionLse:
-      out = attention_lse(F(0), F(1), mask(2), AttentionShape<T>(type(0), type(1)));
+      out = attention_lse(F(0), F(1), mask(2), AttentionShape<T>(type(0), type(1)), n.attrs.bf16);
       return;
     case Op::AttentionGradQ:
     case Op::AttentionGradK:
     case Op::AttentionGradV: {
-      auto d = attention_backward(F(0), F(1), F(2), mask(3), F(4), F(5), F(6), AttentionShape<T>(type(0), type(1)));
+      auto d = attention_backward(F(0), F(1), F(2), mask(3), F(4), F(5), F(6), AttentionShape<T>(type(0), type(1)),
+                                  n.attrs.bf16);
       out = std::move(d[n.op == Op::AttentionGradQ ? 0 : n.op == Op::AttentionGradK ? 1 : 2]);
       return;
     }

@@ -551,10 +551,15 @@ void Ctx::attention(int id, Func out) {
   A.S = S;
   A.D = D;
   A.grp = grp;
-  // Operands that are inlined expressions (e.g. rope of a projection) are computed once.
-  auto operand = [&](int vid4, const std::string& heads_axis, const std::string& name) {
+  // Attrs::bf16: q, k, v, dO, the probabilities and dS rounded to bf16
+  // before the products that read them (the sums stay f32).
+  auto bf16_if = [&](Expr x) { return n.attrs.bf16 ? cast(T, bf16_decode(bf16_encode(cast<float>(x)))) : x; };
+  // Operands that are inlined expressions (e.g. rope of a projection) are
+  // computed once; a product's operand (not O) rounded as bf16_if says.
+  auto operand = [&](int vid4, const std::string& heads_axis, const std::string& name, bool product = true) {
     Func f(name);
-    f(d, h, i, b) = at(vid4, Env{{"head_dim", d}, {heads_axis, h}, {"seq", i}, {"batch", b}});
+    Expr x = at(vid4, Env{{"head_dim", d}, {heads_axis, h}, {"seq", i}, {"batch", b}});
+    f(d, h, i, b) = product ? bf16_if(x) : x;
     if (std::find(st.inputs.begin(), st.inputs.end(), vid4) == st.inputs.end()) ls.funcs.root_copies.push_back(f);
     return f;
   };
@@ -662,7 +667,7 @@ void Ctx::attention(int id, Func out) {
   if (n.op == Op::Attention) {
     auto [m, l] = row_stats();
     Func p("p"), o_acc("o_acc");
-    p(j, i, h, b) = select(visible, exp(s(j, i, h, b) - m(i, h, b)), cast(T, 0));
+    p(j, i, h, b) = bf16_if(select(visible, exp(s(j, i, h, b) - m(i, h, b)), cast(T, 0)));
     o_acc(d, h, i, b) = cast(T, 0);
     o_acc(d, h, i, b) += p(rj, i, h, b) * v(d, h / grp, rj, b);
     if (ring) out(d, h, i, b) = select(l(i, h, b) > 0, o_acc(d, h, i, b) / l(i, h, b), cast(T, 0));
@@ -680,7 +685,7 @@ void Ctx::attention(int id, Func out) {
     return;
   }
   // Gradients: P = exp(S - lse) from the saved statistics, D_i = rowsum(dO * O).
-  Func o = operand(n.inputs[4], "heads", "o_s"), dO = operand(n.inputs[5], "heads", "do_s");
+  Func o = operand(n.inputs[4], "heads", "o_s", false), dO = operand(n.inputs[5], "heads", "do_s");
   Func lse("lse_s");
   lse(i, h, b) = at(n.inputs[6], Env{{"batch", b}, {"seq", i}, {"heads", h}});
   Func p("p");
@@ -698,7 +703,7 @@ void Ctx::attention(int id, Func out) {
     dp_acc(j, i, h, b) += dO(rd, h, i, b) * vT(j, rd, h / grp, b);
     dp(j, i, h, b) = dp_acc(j, i, h, b);
     A.products.push_back({dp, dp_acc, j, i});
-    ds(j, i, h, b) = p(j, i, h, b) * (dp(j, i, h, b) - dsum(i, h, b)) * scale;
+    ds(j, i, h, b) = bf16_if(p(j, i, h, b) * (dp(j, i, h, b) - dsum(i, h, b)) * scale);
     A.pointwise.push_back(ds);
   }
   Func acc("grad_acc");
@@ -721,13 +726,13 @@ void Ctx::attention(int id, Func out) {
       // dK and dV together (the stage's second output): p is computed once per tile.
       acc(d, gk, j, b) = Tuple(cast(T, 0), cast(T, 0));
       acc(d, gk, j, b) = Tuple(acc(d, gk, j, b)[0] + ds(j, ri.y, hh, b) * q(d, hh, ri.y, b),
-                               acc(d, gk, j, b)[1] + p(j, ri.y, hh, b) * dO(d, hh, ri.y, b));
+                               acc(d, gk, j, b)[1] + bf16_if(p(j, ri.y, hh, b)) * dO(d, hh, ri.y, b));
       out(d, gk, j, b) = Tuple(acc(d, gk, j, b)[0], acc(d, gk, j, b)[1]);
     } else {
-      Func src = n.op == Op::AttentionGradK ? ds : p;
+      Expr src = n.op == Op::AttentionGradK ? ds(j, ri.y, hh, b) : bf16_if(p(j, ri.y, hh, b));
       Func other = n.op == Op::AttentionGradK ? q : dO;
       acc(d, gk, j, b) = cast(T, 0);
-      acc(d, gk, j, b) += src(j, ri.y, hh, b) * other(d, hh, ri.y, b);
+      acc(d, gk, j, b) += src * other(d, hh, ri.y, b);
       out(d, gk, j, b) = acc(d, gk, j, b);
     }
     A.tile_var = j;
@@ -780,7 +785,8 @@ void Ctx::library_attention(int id, Func out) {
       HALYARD_CHECK(g.node(e).op == Op::AttentionLse, "the library forward writes the log-sum-exp only");
       args.push_back(written_beside(e, "lse_out"));
     }
-    args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
+    args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
+                             Expr(n.attrs.bf16 ? 1 : 0)});
     out.define_extern((st.extra_outputs.empty() ? "halyard_attention_forward" : "halyard_attention_forward_lse") + device,
                       args, Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
   } else {
@@ -788,7 +794,8 @@ void Ctx::library_attention(int id, Func out) {
     for (int k = 4; k <= 6; ++k) args.push_back(buffer(n.inputs[static_cast<size_t>(k)], "attention_operand" + std::to_string(k)));
     args.push_back(written_beside(st.extra_outputs[0], "dv_out"));
     args.push_back(written_beside(st.extra_outputs[1], "dq_out"));
-    args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys)});
+    args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
+                             Expr(n.attrs.bf16 ? 1 : 0)});
     out.define_extern("halyard_attention_backward" + device, args, Float(32), vars(n.type.axis_names()),
                       NameMangling::C, library_device);
   }

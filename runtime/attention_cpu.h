@@ -15,6 +15,13 @@
 //   forward:  out is the output o; _lse also writes the log-sum-exp into lse
 //   backward: out is dK, and the call writes dV and dQ [head_dim, heads,
 //             seq, batch] beside it, the stage's other two outputs
+// bf16 (0 or 1; the attention node's Attrs::bf16, dsl/graph.h):
+// the products read bf16 roundings (nearest, ties to even) of q, k, v and
+// dO, of the probabilities before P V and P^T dO, and of dS before dS K and
+// dS^T Q, and sum in f32: what the CUDA kernels compute on tensor cores
+// (attention_cuda.cu), so that both libraries run one algorithm. The
+// softmax's sums, D_i = dO_i . O_i (with the rounded dO) and dS = P (dP -
+// D_i) itself are f32.
 // An output that another call writes is Halide's extern stage
 // halyard_written_beside, which does nothing.
 #pragma once
@@ -25,14 +32,14 @@ struct halide_buffer_t;
 
 extern "C" {
 int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                              int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                              int heads, int kv_heads, int head_dim, int query_block, int key_block, int bf16,
                               halide_buffer_t* out);
 int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                   halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block,
-                                  int key_block, halide_buffer_t* out);
+                                  int key_block, int bf16, halide_buffer_t* out);
 int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
-                               halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
+                               halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block, int bf16,
                                halide_buffer_t* out);
 int halyard_written_beside(halide_buffer_t* out);
 }
@@ -44,6 +51,7 @@ namespace halyard::runtime::attention_cpu {
 struct KeyRows {
   int64_t S = 0;
   int D = 0, query_block = 0, key_block = 0;  // blocks: 0 for the defaults
+  bool bf16 = false;  // the products in bf16 (the entry points' bf16)
   float scale = 1;
   const float *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0;

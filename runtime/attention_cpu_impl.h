@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "runtime/attention_cpu.h"
+#include "runtime/bf16.h"
 #include "runtime/cpu_vector.h"
 
 #ifndef HALYARD_ISA
@@ -91,6 +92,15 @@ inline __attribute__((always_inline)) v16 exp2v(v16 x) {
   v16 out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
+}
+
+// x rounded to bf16 (nearest, ties to even; x finite), as an f32.
+inline __attribute__((always_inline)) v16 round_bf16(v16 x) {
+  u16 u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
 }
 
 // C[r][c] = sum_k A[r*lda + k] * B[k*ldb + c] for r < R, c < NV * W:
@@ -205,7 +215,9 @@ std::vector<BlockBounds> block_bounds(const int32_t* pos, int64_t S, int Br) {
 // (log2 units) and lane sums l move on, the output rows o rescale with them.
 // Masked: the block has masked (-inf) scores, whose probabilities are 0
 // (exp2v would give 2^-126); in a block without, nothing is compared.
-template <bool Masked>
+// Bf16: the probabilities are left rounded to bf16 for P V (the sums are
+// the f32 ones).
+template <bool Masked, bool Bf16>
 void softmax_rows(float* s, int Bc, int rows, float c, float* m, RowSum* l, float* o, int Dp) {
   const v16 cv = splat(c);
   for (int r = 0; r < rows; ++r) {
@@ -234,7 +246,7 @@ void softmax_rows(float* s, int Bc, int rows, float c, float* m, RowSum* l, floa
         v16 e = exp2v(x * cv - mv);
         if constexpr (Masked) e = x == -INFINITY ? v16{} : e;
         sum.part[p] += e;
-        store(sr + cc + p * W, e);
+        store(sr + cc + p * W, Bf16 ? round_bf16(e) : e);
       }
     }
     if (alpha != 1.0f) {
@@ -246,8 +258,9 @@ void softmax_rows(float* s, int Bc, int rows, float c, float* m, RowSum* l, floa
 
 // The backward's scores s[rows][Bc] made into probabilities P (in place,
 // from each row's lse2, log2 units) and dP[rows][Bc] = dO V^T into dS =
-// P (dP - D_i) scale. Masked as in softmax_rows.
-template <bool Masked>
+// P (dP - D_i) scale. Masked as in softmax_rows; Bf16: P and dS are left
+// rounded to bf16 for their products (dS from the f32 P).
+template <bool Masked, bool Bf16>
 void probabilities_and_ds(float* p, float* ds, int Bc, int rows, float c, float scale, const float* lse2, const float* dsum) {
   const v16 cv = splat(c), sc = splat(scale);
   for (int r = 0; r < rows; ++r) {
@@ -258,19 +271,25 @@ void probabilities_and_ds(float* p, float* ds, int Bc, int rows, float c, float 
       const v16 x = load(pr + cc);
       v16 e = exp2v(x * cv - lv);
       if constexpr (Masked) e = x == -INFINITY ? v16{} : e;
-      store(pr + cc, e);
-      store(dr + cc, e * (load(dr + cc) - dv0) * sc);
+      const v16 ds = e * (load(dr + cc) - dv0) * sc;
+      store(pr + cc, Bf16 ? round_bf16(e) : e);
+      store(dr + cc, Bf16 ? round_bf16(ds) : ds);
     }
   }
 }
 
+inline float rounded(float x, bool bf16) { return bf16 ? bf16_value(bf16_bits(x)) : x; }
+
 // Packs rows [r0, r0 + rows) of a [S, D] operand (row stride ld) into
-// dst[rows_pad][Dp], zeros past the rows and past D.
-void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad, int D, int Dp, float* dst) {
+// dst[rows_pad][Dp], zeros past the rows and past D; rounded to bf16 when
+// bf16.
+void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad, int D, int Dp, float* dst, bool bf16) {
   for (int r = 0; r < rows_pad; ++r) {
     float* d = dst + static_cast<int64_t>(r) * Dp;
     if (r0 + r < S) {
       std::memcpy(d, src + (r0 + r) * ld, sizeof(float) * static_cast<size_t>(D));
+      if (bf16)
+        for (int x = 0; x < D; ++x) d[x] = rounded(d[x], true);
       std::fill(d + D, d + Dp, 0.0f);
     } else {
       std::fill(d, d + Dp, 0.0f);
@@ -281,11 +300,11 @@ void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad
 // dst[(j / Bc) * D * Bc + d * Bc + j % Bc] = src[j * ld + d], zeros past S.
 // (One [D][S] transpose would put a block's D rows a power of two apart, on
 // the same few L1 sets: 4x slower at seq 4096.)
-void pack_transposed(const float* src, int64_t ld, int64_t S, int64_t Sp, int D, int Bc, float* dst) {
+void pack_transposed(const float* src, int64_t ld, int64_t S, int64_t Sp, int D, int Bc, float* dst, bool bf16) {
   std::fill(dst, dst + static_cast<int64_t>(D) * Sp, 0.0f);
   for (int64_t j = 0; j < S; ++j) {
     float* blk = dst + j / Bc * D * Bc + j % Bc;
-    for (int d = 0; d < D; ++d) blk[d * Bc] = src[j * ld + d];
+    for (int d = 0; d < D; ++d) blk[d * Bc] = rounded(src[j * ld + d], bf16);
   }
 }
 
@@ -298,25 +317,25 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
   std::vector<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp * Dp)), q(static_cast<size_t>(Br * Dp)),
       o(static_cast<size_t>(Br * Dp)), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br));
   std::vector<RowSum> l(static_cast<size_t>(Br));
-  pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data());
-  pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data());
+  pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data(), a.bf16);
+  pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data(), a.bf16);
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   const auto bounds = block_bounds(a.pos, S, Br);
   for (int64_t i0 = 0; i0 < S; i0 += Br) {
     const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
     const BlockBounds bb = bounds[static_cast<size_t>(i0 / Br)];
-    pack_rows(a.q, a.q_ld, S, i0, Br, D, Dp, q.data());
+    pack_rows(a.q, a.q_ld, S, i0, Br, D, Dp, q.data(), a.bf16);
     std::fill(o.begin(), o.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), RowSum{});
     for (int64_t j0 = bb.lo_min / Bc * Bc; j0 < i0 + rows; j0 += Bc) {
       gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, s.data(), Bc, rows, Bc, D);
       const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
-      if (full) softmax_rows<false>(s.data(), Bc, rows, c, m.data(), l.data(), o.data(), Dp);
-      else {
+      if (!full)
         for (int r = 0; r < rows; ++r) mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
-        softmax_rows<true>(s.data(), Bc, rows, c, m.data(), l.data(), o.data(), Dp);
-      }
+      (full ? (a.bf16 ? softmax_rows<false, true> : softmax_rows<false, false>)
+            : (a.bf16 ? softmax_rows<true, true> : softmax_rows<true, false>))(s.data(), Bc, rows, c, m.data(), l.data(),
+                                                                                o.data(), Dp);
       gemm_nn_acc(s.data(), Bc, 1, v.data() + j0 * Dp, Dp, o.data(), Dp, rows, Bc, Dp);
     }
     for (int r = 0; r < rows; ++r) {
@@ -343,9 +362,9 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
       q(static_cast<size_t>(Br * Dp)), dO(static_cast<size_t>(Br * Dp)), dqb(static_cast<size_t>(Br * Dp)),
       p(static_cast<size_t>(Br * Bc)), ds(static_cast<size_t>(Br * Bc)), lse2(static_cast<size_t>(Br)),
       dsum(static_cast<size_t>(Br)), pads(direct ? 0 : static_cast<size_t>(2 * Sp * Dp));
-  pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data());
-  pack_transposed(a.v, a.v_ld, S, Sp, D, Bc, vT.data());
-  pack_rows(a.k, a.k_ld, S, 0, static_cast<int>(Sp), D, Dp, kr.data());
+  pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data(), a.bf16);
+  pack_transposed(a.v, a.v_ld, S, Sp, D, Bc, vT.data(), a.bf16);
+  pack_rows(a.k, a.k_ld, S, 0, static_cast<int>(Sp), D, Dp, kr.data(), a.bf16);
   float* dka = direct ? dk : pads.data();
   float* dva = direct ? dv : pads.data() + Sp * Dp;
   const int64_t dka_ld = direct ? dk_ld : Dp, dva_ld = direct ? dv_ld : Dp;
@@ -359,8 +378,8 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
     for (int64_t i0 = 0; i0 < S; i0 += Br) {
       const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
       const BlockBounds bb = bounds[static_cast<size_t>(i0 / Br)];
-      pack_rows(a.q[w], a.q_ld, S, i0, Br, D, Dp, q.data());
-      pack_rows(a.dO[w], a.dO_ld, S, i0, Br, D, Dp, dO.data());
+      pack_rows(a.q[w], a.q_ld, S, i0, Br, D, Dp, q.data(), a.bf16);
+      pack_rows(a.dO[w], a.dO_ld, S, i0, Br, D, Dp, dO.data(), a.bf16);
       std::fill(dqb.begin(), dqb.end(), 0.0f);
       for (int r = 0; r < rows; ++r) {  // lse in log2 units; D_i = dO_i . O_i
         const int64_t i = i0 + r;
@@ -375,12 +394,11 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
         gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, p.data(), Bc, rows, Bc, D);
         gemm_nt(dO.data(), Dp, vT.data() + j0 * D, Bc, ds.data(), Bc, rows, Bc, D);
         const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
-        if (full) {
-          probabilities_and_ds<false>(p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());
-        } else {
+        if (!full)
           for (int r = 0; r < rows; ++r) mask_row(p.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
-          probabilities_and_ds<true>(p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());
-        }
+        (full ? (a.bf16 ? probabilities_and_ds<false, true> : probabilities_and_ds<false, false>)
+              : (a.bf16 ? probabilities_and_ds<true, true> : probabilities_and_ds<true, false>))(
+            p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());
         // dV += P^T dO, dK += dS^T Q over this block's queries; dQ += dS K.
         gemm_nn_acc(p.data(), 1, Bc, dO.data(), Dp, dva + j0 * dva_ld, dva_ld, keys, rows, Dp);
         gemm_nn_acc(ds.data(), 1, Bc, q.data(), Dp, dka + j0 * dka_ld, dka_ld, keys, rows, Dp);

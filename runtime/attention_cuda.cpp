@@ -23,7 +23,6 @@ extern "C" const unsigned char halyard_attention_fatbin[];
 namespace halyard::runtime::attention_cuda {
 namespace {
 
-constexpr int kKernels = sizeof(kPaddedHeadDims) / sizeof(kPaddedHeadDims[0]);
 constexpr int kRows = 64;  // rows per block (Shape<D>::R in attention_cuda.cu)
 
 int fail(const std::string& why) {
@@ -31,20 +30,28 @@ int fail(const std::string& why) {
   return -1;
 }
 
-// The kernel a head_dim runs in: the least padded head_dim that holds it.
-int slot(int head_dim) {
-  for (int x = 0; x < kKernels; ++x)
-    if (head_dim >= 1 && head_dim <= kPaddedHeadDims[x]) return x;
+// The kernel a head_dim runs in: the least padded head_dim that holds it
+// (of the bf16 kernels' where bf16).
+int padded(int head_dim, bool bf16) {
+  if (bf16) {
+    for (int d : kBf16HeadDims)
+      if (head_dim >= 1 && head_dim <= d) return d;
+    return -1;
+  }
+  for (int d : kPaddedHeadDims)
+    if (head_dim >= 1 && head_dim <= d) return d;
   return -1;
 }
 
-std::string kernel_name(const char* what, int head_dim) {
-  return std::string("halyard_attention_") + what + "_" + std::to_string(kPaddedHeadDims[slot(head_dim)]);
+std::string kernel_name(const char* what, int head_dim, bool bf16) {
+  return std::string("halyard_attention_") + what + (bf16 ? "_bf16_" : "_") + std::to_string(padded(head_dim, bf16));
 }
 
-unsigned threads_for(int head_dim) {
-  const int padded = kPaddedHeadDims[slot(head_dim)];
-  return static_cast<unsigned>(kRows * (padded > 32 ? padded / 32 : 1));
+// Threads per block: the f32 kernels' rows take head_dim / 32 threads each
+// from 64; the bf16 ones are 4 warps.
+unsigned threads_for(int head_dim, bool bf16) {
+  const int p = padded(head_dim, false);
+  return bf16 ? 128u : static_cast<unsigned>(kRows * (p > 32 ? p / 32 : 1));
 }
 
 // The functions of the loaded fatbin, by kernel name.
@@ -75,13 +82,15 @@ const Kernels& kernels() {
     drv.ctx_push(ctx.context);
     void* module = nullptr;
     int rc = drv.module_load_data(&module, halyard_attention_fatbin);
-    for (int x = 0; rc == 0 && x < kKernels; ++x)
-      for (const char* what : {"fwd", "dq", "dkdv"}) {
-        const std::string name = kernel_name(what, kPaddedHeadDims[x]);
-        void* f = nullptr;
-        if (rc == 0) rc = drv.module_get_function(&f, module, name.c_str());
-        out.functions.emplace_back(name, f);
-      }
+    for (bool bf16 : {false, true})
+      for (int d : kPaddedHeadDims)
+        for (const char* what : {"fwd", "dq", "dkdv"}) {
+          if (bf16 && d < kBf16HeadDims[0]) continue;
+          const std::string name = kernel_name(what, d, bf16);
+          void* f = nullptr;
+          if (rc == 0) rc = drv.module_get_function(&f, module, name.c_str());
+          out.functions.emplace_back(name, f);
+        }
     void* popped = nullptr;
     drv.ctx_pop(&popped);
     if (rc != 0) out.error = "loading the CUDA attention kernels failed: " + drv.text(rc);
@@ -113,7 +122,7 @@ bool covers(const halide_buffer_t* x, int d, int min, int extent) {
 }
 
 std::string check(int heads, int kv_heads, int head_dim, int S) {
-  if (slot(head_dim) < 0)
+  if (padded(head_dim, false) < 0)
     return "head_dim " + std::to_string(head_dim) + " is over the " + std::to_string(kMaxHeadDim) +
            " the CUDA kernels hold; choose \"attention_kernel\": \"halide\" in the schedule";
   if (kv_heads < 1 || heads % kv_heads) return "kv_heads must divide heads";
@@ -181,19 +190,19 @@ int call(const char* who, int heads, int kv_heads, int D, int S, std::initialize
 }
 
 int forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, halide_buffer_t* lse,
-            int heads, int kv_heads, int D, halide_buffer_t* out) {
+            int heads, int kv_heads, int D, int bf16, halide_buffer_t* out) {
   if (out->is_bounds_query()) return attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out);
   return call(lse ? "halyard_attention_forward_lse_cuda" : "halyard_attention_forward_cuda", heads, kv_heads, D,
               out->dim[2].extent, {q, k, v, pos},
               lse ? std::vector<halide_buffer_t*>{out, lse} : std::vector<halide_buffer_t*>{out},
               [&](std::vector<Launch>* launches) {
-                return forward_launches(q, k, v, pos, lse, heads, kv_heads, D, out, launches);
+                return forward_launches(q, k, v, pos, lse, heads, kv_heads, D, bf16 != 0, out, launches);
               });
 }
 
 }  // namespace
 
-bool supports_head_dim(int head_dim) { return slot(head_dim) >= 0; }
+bool supports_head_dim(int head_dim) { return padded(head_dim, false) >= 0; }
 
 std::string why_unusable() { return kernels().error; }
 
@@ -202,7 +211,7 @@ namespace {
 // What every launch of a call shares: the operands, the output (the
 // forward's, or dK), the sizes, and a grid over row blocks and batch rows.
 Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
-              int kv_heads, int D, halide_buffer_t* out) {
+              int kv_heads, int D, bool bf16, halide_buffer_t* out) {
   const int S = out->dim[2].extent, b0 = out->dim[3].min;
   Launch l;
   Args& a = l.args;
@@ -215,14 +224,14 @@ Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   l.grid[0] = static_cast<unsigned>((S + kRows - 1) / kRows);
   l.grid[2] = static_cast<unsigned>(out->dim[3].extent);
-  l.threads = threads_for(D);
+  l.threads = threads_for(D, bf16);
   return l;
 }
 
 }  // namespace
 
 std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                             halide_buffer_t* lse, int heads, int kv_heads, int D, halide_buffer_t* out,
+                             halide_buffer_t* lse, int heads, int kv_heads, int D, bool bf16, halide_buffer_t* out,
                              std::vector<Launch>* launches) {
   const int S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
@@ -231,11 +240,11 @@ std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buff
     if (x->dim[0].stride != 1) return "head_dim must be dense";
   if (lse && (!covers(lse, 0, out->dim[1].min, out->dim[1].extent) || !covers(lse, 1, 0, S) || !covers(lse, 2, b0, nb)))
     return "the log-sum-exp must cover the output's heads and rows";
-  Launch l = common(q, k, v, pos, heads, kv_heads, D, out);
+  Launch l = common(q, k, v, pos, heads, kv_heads, D, bf16, out);
   Args& a = l.args;
   if (lse) a.lse_out = origin<float>(lse, b0), a.lse_out_st = stats(lse);
   a.h0 = out->dim[1].min;
-  l.kernel = kernel_name("fwd", D);
+  l.kernel = kernel_name("fwd", D, bf16);
   l.grid[1] = static_cast<unsigned>(out->dim[1].extent);
   launches->assign(1, l);
   return "";
@@ -243,7 +252,7 @@ std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buff
 
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
-                              halide_buffer_t* dq, int heads, int kv_heads, halide_buffer_t* out,
+                              halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
                               std::vector<Launch>* launches) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
@@ -254,17 +263,17 @@ std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buf
   if (!covers(dv, 1, g0, ng) || !covers(dv, 2, 0, S) || !covers(dv, 3, b0, nb) || !covers(dq, 1, g0 * grp, ng * grp) ||
       !covers(dq, 2, 0, S) || !covers(dq, 3, b0, nb))
     return "dV and dQ must cover dK's groups and rows";
-  Launch l = common(q, k, v, pos, heads, kv_heads, D, out);
+  Launch l = common(q, k, v, pos, heads, kv_heads, D, bf16, out);
   Args& a = l.args;
   a.o = origin<const float>(o, b0), a.dO = origin<const float>(dO, b0), a.lse = origin<const float>(lse, b0);
   a.o_st = rows(o), a.dO_st = rows(dO), a.lse_st = stats(lse);
   a.dv = origin<float>(dv, b0), a.dv_st = rows(dv);
   a.dq = origin<float>(dq, b0), a.dq_st = rows(dq);
   Launch for_q = l, for_kv = l;  // dQ over the groups' query heads; dK and dV over the kv heads
-  for_q.kernel = kernel_name("dq", D);
+  for_q.kernel = kernel_name("dq", D, bf16);
   for_q.args.h0 = g0 * grp;
   for_q.grid[1] = static_cast<unsigned>(ng * grp);
-  for_kv.kernel = kernel_name("dkdv", D);
+  for_kv.kernel = kernel_name("dkdv", D, bf16);
   for_kv.args.h0 = g0;
   for_kv.grid[1] = static_cast<unsigned>(ng);
   *launches = {for_q, for_kv};
@@ -277,25 +286,25 @@ using namespace halyard::runtime::attention_cuda;
 
 extern "C" int halyard_attention_forward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                               halide_buffer_t* pos, int heads, int kv_heads, int head_dim, int,
-                                              int, halide_buffer_t* out) {
-  return forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, out);
+                                              int, int bf16, halide_buffer_t* out) {
+  return forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, bf16, out);
 }
 
 extern "C" int halyard_attention_forward_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                                   halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
-                                                  int head_dim, int, int, halide_buffer_t* out) {
-  return forward(q, k, v, pos, lse, heads, kv_heads, head_dim, out);
+                                                  int head_dim, int, int, int bf16, halide_buffer_t* out) {
+  return forward(q, k, v, pos, lse, heads, kv_heads, head_dim, bf16, out);
 }
 
 extern "C" int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                                halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
                                                halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq,
-                                               int heads, int kv_heads, int, int, halide_buffer_t* out) {
+                                               int heads, int kv_heads, int, int, int bf16, halide_buffer_t* out) {
   const int D = out->dim[0].extent;
   if (out->is_bounds_query())
     return halyard::runtime::attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
   return call("halyard_attention_backward_cuda", heads, kv_heads, D, out->dim[2].extent, {q, k, v, pos, o, dO, lse},
               {out, dv, dq}, [&](std::vector<Launch>* launches) {
-                return backward_launches(q, k, v, pos, o, dO, lse, dv, dq, heads, kv_heads, out, launches);
+                return backward_launches(q, k, v, pos, o, dO, lse, dv, dq, heads, kv_heads, bf16 != 0, out, launches);
               });
 }

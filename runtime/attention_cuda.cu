@@ -329,6 +329,489 @@ __device__ void grad_kv(const Args& a) {
   store_slice<D>(a.dv + g * a.dv_st.h + j * a.dv_st.s + b * a.dv_st.b, a.D, t, dv, 1.f);
 }
 
+// ---------------------------------------------------------------------------
+// The same three kernels in bf16 on tensor cores (the entry points' bf16,
+// the attention node's Attrs::bf16): q, k, v and dO rounded to bf16 as they are
+// loaded, the probabilities and dS rounded before their products, f32
+// sums; the CPU library's bf16 (attention_cpu.h) rounds the same values.
+// FlashAttention-2's layout: a block is 4 warps, each owning 16 rows of its
+// side (queries; keys in dK/dV) as mma.sync m16n8k16 A fragments in
+// registers; tiles of the other side's rows are staged in shared memory as
+// bf16, row-major for products over head_dim and transposed for products
+// over rows. A score tile's accumulators (the C fragment) are laid out as
+// the A fragment of the next product wants them, so P and dS never leave
+// registers. Padded head_dims DP 16, 32, 64 and 128 (one of 8 runs in 16).
+
+#ifndef HALYARD_CUDA_EMULATION
+// d (16 x 8, f32) += a (16 x 16, bf16, row-major) b (16 x 8, bf16,
+// column-major), over one warp; the fragments are PTX's for m16n8k16.
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// x rounded to bf16 (nearest, ties to even; x finite): its 16 bits.
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return bf16_bits(lo) | bf16_bits(hi) << 16; }
+__device__ __forceinline__ float bf16_lo(uint32_t p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t p) { return __uint_as_float(p & 0xffff0000u); }
+
+template <int DP>
+struct Tc {
+  static constexpr int R = 64;                   // rows per block: 4 warps of 16
+  static constexpr int B = DP >= 128 ? 32 : 64;  // staged rows of the other side per tile
+  static constexpr int KS = DP / 16;             // k-steps over head_dim
+  static constexpr int NT = B / 8;               // score tiles of 8 per staged tile
+  static constexpr int DT = DP / 8;              // output tiles of 8 along head_dim
+  // Strides of the staged tiles (bf16 elements): rows 4 banks apart, so a
+  // fragment's 8 rows x 4 pairs fall on 32 banks.
+  static constexpr int LR = DP + 8, LC = B + 8;
+  static_assert(DP % 16 == 0 && DP <= 128, "tensor-core head_dims are 16, 32, 64 or 128");
+};
+
+// The lane's coordinates in its warp's fragments: group g (row) and t (pair).
+struct Lane {
+  int g, t;
+};
+__device__ __forceinline__ Lane lane() { return {static_cast<int>(threadIdx.x & 31) >> 2, static_cast<int>(threadIdx.x & 3)}; }
+
+// The warp's A fragments of rows [r0, r0 + 16) of a [seq, hd] f32 slab (row
+// stride ld), one per k-step of 16 along head_dim, rounded to bf16; zeros
+// past S rows and past hd. Register e holds row g + 8 (e & 1), columns
+// 16 ks + 2t + 8 (e >> 1) and the next.
+template <int DP>
+__device__ __forceinline__ void load_a(uint32_t (*frag)[4], const float* src, int64_t ld, int r0, int S, int hd) {
+  const Lane l = lane();
+#pragma unroll
+  for (int ks = 0; ks < Tc<DP>::KS; ++ks)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = r0 + l.g + 8 * (e & 1), d = 16 * ks + 2 * l.t + 8 * (e >> 1);
+      float lo = 0, hi = 0;
+      if (r < S) {
+        const float* p = src + static_cast<int64_t>(r) * ld + d;
+        if (d < hd) lo = p[0];
+        if (d + 1 < hd) hi = p[1];
+      }
+      frag[ks][e] = pack_bf16(lo, hi);
+    }
+}
+
+// The B fragment (16 x 8) whose column n is row n0 + n of a staged tile
+// (row stride ld), over elements [k0, k0 + 16) of those rows.
+__device__ __forceinline__ void load_b(uint32_t* b, const uint16_t* tile, int ld, int n0, int k0) {
+  const Lane l = lane();
+  const uint16_t* p = tile + (n0 + l.g) * ld + k0 + 2 * l.t;
+  b[0] = *reinterpret_cast<const uint32_t*>(p);
+  b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
+}
+
+// The A fragment of a product over 16 staged rows from two score tiles'
+// accumulators (columns 16 kk to 16 kk + 15), rounded to bf16.
+__device__ __forceinline__ void scores_as_a(uint32_t* a, const float (*s)[4], int kk) {
+  a[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Rows [r0, r0 + n) of a [seq, hd] f32 slab into a tile of B rows as bf16,
+// where given: row-major (rows[r * LR + d]) and transposed (cols[d * LC +
+// r]); zeros past n rows and past hd.
+template <int DP>
+__device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const float* src, int64_t ld, int r0, int n,
+                                           int hd) {
+  using T = Tc<DP>;
+  for (int x = threadIdx.x; x < T::B * DP / 2; x += blockDim.x) {
+    const int r = x / (DP / 2), d = 2 * (x % (DP / 2));
+    float lo = 0, hi = 0;
+    if (r < n) {
+      const float* p = src + static_cast<int64_t>(r0 + r) * ld + d;
+      if (d < hd) lo = p[0];
+      if (d + 1 < hd) hi = p[1];
+    }
+    const uint32_t pair = pack_bf16(lo, hi);
+    if (rows) *reinterpret_cast<uint32_t*>(rows + r * T::LR + d) = pair;
+    if (cols) {
+      cols[d * T::LC + r] = static_cast<uint16_t>(pair & 0xffffu);
+      cols[(d + 1) * T::LC + r] = static_cast<uint16_t>(pair >> 16);
+    }
+  }
+}
+
+// The warp's query rows (the forward and dQ): absolute head h, its rows
+// row[0] = r0 + g and row[1] = r0 + g + 8, their positions, and the least
+// document start of the block's rows (block_min).
+struct TcRows {
+  int h, b, kvh, r0, row[2], pos[2];
+  bool valid[2];
+};
+__device__ __forceinline__ TcRows tc_rows(const Args& a, int rows_per_block) {
+  const Lane l = lane();
+  TcRows r;
+  r.h = a.h0 + blockIdx.y, r.b = blockIdx.z, r.kvh = r.h / (a.H / a.KV);
+  r.r0 = blockIdx.x * rows_per_block + (threadIdx.x >> 5) * 16;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    r.row[e] = r.r0 + l.g + 8 * e;
+    r.valid[e] = r.row[e] < a.S;
+    r.pos[e] = r.valid[e] ? a.pos[r.row[e] * a.pos_s + r.b * a.pos_b] : -1;
+  }
+  return r;
+}
+__device__ __forceinline__ int tc_first_key(int* slot, const TcRows& r) {
+  int lo = INT_MAX;
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    if (r.valid[e]) lo = min(lo, max(0, r.row[e] - r.pos[e]));
+  return block_min(slot, lo != INT_MAX, lo);
+}
+
+// Whether score (e of tile nt) of a warp's row r (0: g, 1: g + 8) against
+// staged row u = 8 nt + 2t + (e & 1) of n is visible: query i sees key j when
+// 0 <= i - j <= pos[i].
+__device__ __forceinline__ bool tc_visible(int i, int j, int pos_i) { return j <= i && i - j <= pos_i; }
+
+template <int DP>
+__device__ void forward_bf16(const Args& a) {
+  using T = Tc<DP>;
+  constexpr int B = T::B;
+  __shared__ __align__(16) uint16_t ks[B * T::LR];
+  __shared__ __align__(16) uint16_t vt[DP * T::LC];
+  __shared__ int lo_slot;
+  const Lane l = lane();
+  const TcRows r = tc_rows(a, T::R);
+  uint32_t qa[T::KS][4];
+  load_a<DP>(qa, a.q + r.h * a.q_st.h + r.b * a.q_st.b, a.q_st.s, r.r0, a.S, a.D);
+  const int lo = tc_first_key(&lo_slot, r), hi = min(a.S, static_cast<int>(blockIdx.x + 1) * T::R);
+  const float* kb = a.k + r.kvh * a.k_st.h + r.b * a.k_st.b;
+  const float* vb = a.v + r.kvh * a.v_st.h + r.b * a.v_st.b;
+  const float c = a.scale * kLog2e;
+  float acc[T::DT][4], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
+#pragma unroll
+  for (int dt = 0; dt < T::DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] = 0;
+  for (int j0 = lo; j0 < hi; j0 += B) {
+    const int n = min(B, hi - j0);
+    __syncthreads();
+    stage_bf16<DP>(ks, nullptr, kb, a.k_st.s, j0, n, a.D);
+    stage_bf16<DP>(nullptr, vt, vb, a.v_st.s, j0, n, a.D);
+    __syncthreads();
+    float s[T::NT][4];
+#pragma unroll
+    for (int nt = 0; nt < T::NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0;
+#pragma unroll
+      for (int k = 0; k < T::KS; ++k) {
+        uint32_t bf[2];
+        load_b(bf, ks, T::LR, 8 * nt, 16 * k);
+        mma_bf16(s[nt], qa[k], bf);
+      }
+    }
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int nt = 0; nt < T::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
+        const bool vis = r.valid[w] && u < n && tc_visible(r.row[w], j0 + u, r.pos[w]);
+        s[nt][e] = vis ? s[nt][e] * c : -INFINITY;
+        mx[w] = fmaxf(mx[w], s[nt][e]);
+      }
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      mx[w] = fmaxf(mx[w], __shfl_xor_sync(0xffffffffu, mx[w], 1));
+      mx[w] = fmaxf(mx[w], __shfl_xor_sync(0xffffffffu, mx[w], 2));
+      // exp2(-inf - finite) = 0 drops an empty past; with nothing seen yet
+      // (mx = -inf) nothing changes.
+      const float alpha = mx[w] == -INFINITY ? 1.f : exp2f(m[w] - mx[w]);
+      sum[w] *= alpha;
+      m[w] = mx[w];
+#pragma unroll
+      for (int dt = 0; dt < T::DT; ++dt) {
+        acc[dt][2 * w] *= alpha;
+        acc[dt][2 * w + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < T::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = s[nt][e] == -INFINITY ? 0.f : exp2f(s[nt][e] - m[e >> 1]);
+        sum[e >> 1] += p;
+        s[nt][e] = p;
+      }
+#pragma unroll
+    for (int kk = 0; kk < B / 16; ++kk) {
+      uint32_t pa[4];
+      scores_as_a(pa, s, kk);
+#pragma unroll
+      for (int dt = 0; dt < T::DT; ++dt) {
+        uint32_t bf[2];
+        load_b(bf, vt, T::LC, 8 * dt, 16 * kk);
+        mma_bf16(acc[dt], pa, bf);
+      }
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    sum[w] += __shfl_xor_sync(0xffffffffu, sum[w], 1);
+    sum[w] += __shfl_xor_sync(0xffffffffu, sum[w], 2);
+    if (!r.valid[w]) continue;
+    const float inv = sum[w] > 0 ? 1.f / sum[w] : 0.f;
+    float* out = a.out + r.h * a.out_st.h + r.row[w] * a.out_st.s + r.b * a.out_st.b;
+#pragma unroll
+    for (int dt = 0; dt < T::DT; ++dt)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int d = 8 * dt + 2 * l.t + x;
+        if (d < a.D) out[d] = acc[dt][2 * w + x] * inv;
+      }
+    if (a.lse_out && l.t == 0)
+      a.lse_out[r.h * a.lse_out_st.h + r.row[w] * a.lse_out_st.s + r.b * a.lse_out_st.b] =
+          sum[w] > 0 ? (m[w] + log2f(sum[w])) * kLn2 : -INFINITY;
+  }
+}
+
+// D_i = dO_i . O_i of the warp's rows w (0, 1) from the lane's elements of
+// dO's A fragments (rounded) and O, summed over the row's 4 lanes.
+template <int DP>
+__device__ __forceinline__ void tc_dsum(float* di, const uint32_t (*da)[4], const float* o, const Args& a,
+                                        const TcRows& r) {
+  const Lane l = lane();
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    float x = 0;
+    if (r.valid[w]) {
+      const float* orow = o + r.row[w] * a.o_st.s;
+#pragma unroll
+      for (int k = 0; k < Tc<DP>::KS; ++k)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int d = 16 * k + 2 * l.t + 8 * h;
+          const uint32_t p = da[k][w + 2 * h];
+          if (d < a.D) x = fmaf(bf16_lo(p), orow[d], x);
+          if (d + 1 < a.D) x = fmaf(bf16_hi(p), orow[d + 1], x);
+        }
+    }
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    di[w] = x;
+  }
+}
+
+// dQ: dS = P (dP - D_i) scale, rounded; dQ = dS K. Grid and block as the
+// forward's.
+template <int DP>
+__device__ void grad_q_bf16(const Args& a) {
+  using T = Tc<DP>;
+  constexpr int B = T::B;
+  __shared__ __align__(16) uint16_t ks[B * T::LR];
+  __shared__ __align__(16) uint16_t vs[B * T::LR];
+  __shared__ __align__(16) uint16_t kt[DP * T::LC];
+  __shared__ int lo_slot;
+  const Lane l = lane();
+  const TcRows r = tc_rows(a, T::R);
+  uint32_t qa[T::KS][4], da[T::KS][4];
+  load_a<DP>(qa, a.q + r.h * a.q_st.h + r.b * a.q_st.b, a.q_st.s, r.r0, a.S, a.D);
+  load_a<DP>(da, a.dO + r.h * a.dO_st.h + r.b * a.dO_st.b, a.dO_st.s, r.r0, a.S, a.D);
+  float di[2], lse2[2];
+  tc_dsum<DP>(di, da, a.o + r.h * a.o_st.h + r.b * a.o_st.b, a, r);
+#pragma unroll
+  for (int w = 0; w < 2; ++w)
+    lse2[w] = r.valid[w] ? a.lse[r.h * a.lse_st.h + r.row[w] * a.lse_st.s + r.b * a.lse_st.b] * kLog2e : 0.f;
+  const int lo = tc_first_key(&lo_slot, r), hi = min(a.S, static_cast<int>(blockIdx.x + 1) * T::R);
+  const float* kb = a.k + r.kvh * a.k_st.h + r.b * a.k_st.b;
+  const float* vb = a.v + r.kvh * a.v_st.h + r.b * a.v_st.b;
+  const float c = a.scale * kLog2e;
+  float dq[T::DT][4];
+#pragma unroll
+  for (int dt = 0; dt < T::DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0;
+  for (int j0 = lo; j0 < hi; j0 += B) {
+    const int n = min(B, hi - j0);
+    __syncthreads();
+    stage_bf16<DP>(ks, kt, kb, a.k_st.s, j0, n, a.D);
+    stage_bf16<DP>(vs, nullptr, vb, a.v_st.s, j0, n, a.D);
+    __syncthreads();
+    float s[T::NT][4], dp[T::NT][4];
+#pragma unroll
+    for (int nt = 0; nt < T::NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0;
+#pragma unroll
+      for (int k = 0; k < T::KS; ++k) {
+        uint32_t bf[2];
+        load_b(bf, ks, T::LR, 8 * nt, 16 * k);
+        mma_bf16(s[nt], qa[k], bf);
+        load_b(bf, vs, T::LR, 8 * nt, 16 * k);
+        mma_bf16(dp[nt], da[k], bf);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < T::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
+        const bool vis = r.valid[w] && u < n && tc_visible(r.row[w], j0 + u, r.pos[w]);
+        const float p = vis ? exp2f(s[nt][e] * c - lse2[w]) : 0.f;
+        s[nt][e] = p * (dp[nt][e] - di[w]) * a.scale;
+      }
+#pragma unroll
+    for (int kk = 0; kk < B / 16; ++kk) {
+      uint32_t sa[4];
+      scores_as_a(sa, s, kk);
+#pragma unroll
+      for (int dt = 0; dt < T::DT; ++dt) {
+        uint32_t bf[2];
+        load_b(bf, kt, T::LC, 8 * dt, 16 * kk);
+        mma_bf16(dq[dt], sa, bf);
+      }
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    if (!r.valid[w]) continue;
+    float* out = a.dq + r.h * a.dq_st.h + r.row[w] * a.dq_st.s + r.b * a.dq_st.b;
+#pragma unroll
+    for (int dt = 0; dt < T::DT; ++dt)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int d = 8 * dt + 2 * l.t + x;
+        if (d < a.D) out[d] = dq[dt][2 * w + x];
+      }
+  }
+}
+
+// dK (into out) and dV: grid (key row blocks, kv heads from h0, batch
+// rows); each warp owns 16 key rows, walking every query head of the kv
+// head and every query tile that can see the block's keys. The transposed
+// products: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+template <int DP>
+__device__ void grad_kv_bf16(const Args& a) {
+  using T = Tc<DP>;
+  constexpr int B = T::B;
+  __shared__ __align__(16) uint16_t qs[B * T::LR];
+  __shared__ __align__(16) uint16_t dos[B * T::LR];
+  __shared__ __align__(16) uint16_t qt[DP * T::LC];
+  __shared__ __align__(16) uint16_t dot[DP * T::LC];
+  __shared__ float lse2s[B], dis[B];
+  __shared__ int poss[B];
+  __shared__ int lo_slot;
+  const Lane l = lane();
+  const int kvh = a.h0 + blockIdx.y, b = blockIdx.z, grp = a.H / a.KV;
+  const int r0 = blockIdx.x * T::R + (threadIdx.x >> 5) * 16;
+  int j[2];
+  bool valid[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) j[w] = r0 + l.g + 8 * w, valid[w] = j[w] < a.S;
+  uint32_t ka[T::KS][4], va[T::KS][4];
+  load_a<DP>(ka, a.k + kvh * a.k_st.h + b * a.k_st.b, a.k_st.s, r0, a.S, a.D);
+  load_a<DP>(va, a.v + kvh * a.v_st.h + b * a.v_st.b, a.v_st.s, r0, a.S, a.D);
+  const float c = a.scale * kLog2e;
+  float dk[T::DT][4], dv[T::DT][4];
+#pragma unroll
+  for (int dt = 0; dt < T::DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0;
+  const int j_first = blockIdx.x * T::R, j_last = min(a.S, j_first + T::R) - 1;
+  for (int hw = 0; hw < grp; ++hw) {
+    const int h = kvh * grp + hw;
+    const float* qh = a.q + h * a.q_st.h + b * a.q_st.b;
+    const float* dOh = a.dO + h * a.dO_st.h + b * a.dO_st.b;
+    for (int i0 = j_first; i0 < a.S; i0 += B) {
+      const int n = min(B, a.S - i0);
+      __syncthreads();
+      if (threadIdx.x == 0) lo_slot = INT_MAX;
+      __syncthreads();
+      for (int x = threadIdx.x; x < B; x += blockDim.x) {
+        const int i = i0 + x;
+        const int p = x < n ? a.pos[i * a.pos_s + b * a.pos_b] : -1;
+        poss[x] = p;
+        if (x < n) atomicMin(&lo_slot, i - p);
+      }
+      __syncthreads();
+      if (lo_slot > j_last) continue;  // no query of the tile sees a key of the block
+      stage_bf16<DP>(qs, qt, qh, a.q_st.s, i0, n, a.D);
+      stage_bf16<DP>(dos, dot, dOh, a.dO_st.s, i0, n, a.D);
+      __syncthreads();
+      for (int x = threadIdx.x; x < B; x += blockDim.x) {
+        float di = 0, l2 = 0;
+        if (x < n) {
+          const int i = i0 + x;
+          const float* o = a.o + h * a.o_st.h + i * a.o_st.s + b * a.o_st.b;
+          for (int d = 0; d < a.D; ++d) di = fmaf(__uint_as_float(static_cast<uint32_t>(dos[x * T::LR + d]) << 16), o[d], di);
+          l2 = a.lse[h * a.lse_st.h + i * a.lse_st.s + b * a.lse_st.b] * kLog2e;
+        }
+        dis[x] = di;
+        lse2s[x] = l2;
+      }
+      __syncthreads();
+      float s[T::NT][4], dp[T::NT][4];
+#pragma unroll
+      for (int nt = 0; nt < T::NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0;
+#pragma unroll
+        for (int k = 0; k < T::KS; ++k) {
+          uint32_t bf[2];
+          load_b(bf, qs, T::LR, 8 * nt, 16 * k);
+          mma_bf16(s[nt], ka[k], bf);
+          load_b(bf, dos, T::LR, 8 * nt, 16 * k);
+          mma_bf16(dp[nt], va[k], bf);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < T::NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
+          const bool vis = valid[w] && u < n && tc_visible(i0 + u, j[w], poss[u]);
+          const float p = vis ? exp2f(s[nt][e] * c - lse2s[u]) : 0.f;
+          dp[nt][e] = p * (dp[nt][e] - dis[u]) * a.scale;
+          s[nt][e] = p;
+        }
+#pragma unroll
+      for (int kk = 0; kk < B / 16; ++kk) {
+        uint32_t pa[4], sa[4];
+        scores_as_a(pa, s, kk);
+        scores_as_a(sa, dp, kk);
+#pragma unroll
+        for (int dt = 0; dt < T::DT; ++dt) {
+          uint32_t bf[2];
+          load_b(bf, dot, T::LC, 8 * dt, 16 * kk);
+          mma_bf16(dv[dt], pa, bf);
+          load_b(bf, qt, T::LC, 8 * dt, 16 * kk);
+          mma_bf16(dk[dt], sa, bf);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    if (!valid[w]) continue;
+    float* ok = a.out + kvh * a.out_st.h + j[w] * a.out_st.s + b * a.out_st.b;
+    float* ov = a.dv + kvh * a.dv_st.h + j[w] * a.dv_st.s + b * a.dv_st.b;
+#pragma unroll
+    for (int dt = 0; dt < T::DT; ++dt)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int d = 8 * dt + 2 * l.t + x;
+        if (d < a.D) ok[d] = dk[dt][2 * w + x], ov[d] = dv[dt][2 * w + x];
+      }
+  }
+}
+
 }  // namespace
 
 // The entry points the launcher looks up by name, one per padded head_dim.
@@ -344,3 +827,13 @@ HALYARD_ATTENTION_KERNELS(16)
 HALYARD_ATTENTION_KERNELS(32)
 HALYARD_ATTENTION_KERNELS(64)
 HALYARD_ATTENTION_KERNELS(128)
+
+// The bf16 ones (4 warps a block), one per tensor-core head_dim.
+#define HALYARD_ATTENTION_BF16_KERNELS(D)                                                                       \
+  extern "C" __global__ void __launch_bounds__(128) halyard_attention_fwd_bf16_##D(Args a) { forward_bf16<D>(a); } \
+  extern "C" __global__ void __launch_bounds__(128) halyard_attention_dq_bf16_##D(Args a) { grad_q_bf16<D>(a); }  \
+  extern "C" __global__ void __launch_bounds__(128) halyard_attention_dkdv_bf16_##D(Args a) { grad_kv_bf16<D>(a); }
+HALYARD_ATTENTION_BF16_KERNELS(16)
+HALYARD_ATTENTION_BF16_KERNELS(32)
+HALYARD_ATTENTION_BF16_KERNELS(64)
+HALYARD_ATTENTION_BF16_KERNELS(128)

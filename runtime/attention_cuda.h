@@ -2,8 +2,9 @@
 // kernels (Schedule::attention_kernel = "library") of a CUDA target.
 // generators/lower.cpp calls these entry points as Halide extern stages on
 // the device, with the arguments and buffers of their CPU twins
-// (attention_cpu.h), so both libraries run one algorithm: FlashAttention-2
-// in f32, O(S) memory (attention_cuda.cu). They launch on the runtime's
+// (attention_cpu.h), so both libraries run one algorithm: FlashAttention-2,
+// O(S) memory (attention_cuda.cu), in f32 on CUDA cores, or with bf16 (the
+// node's Attrs::bf16) in bf16 on tensor cores. They launch on the runtime's
 // compute stream (cuda_context.h) and return without waiting for it.
 //
 // Buffers a call reads that the host wrote last go up first; outputs it
@@ -20,15 +21,15 @@ struct halide_buffer_t;
 
 extern "C" {
 int halyard_attention_forward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                                   int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                                   int heads, int kv_heads, int head_dim, int query_block, int key_block, int bf16,
                                    halide_buffer_t* out);
 int halyard_attention_forward_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                        halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
-                                       int head_dim, int query_block, int key_block, halide_buffer_t* out);
+                                       int head_dim, int query_block, int key_block, int bf16, halide_buffer_t* out);
 int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                     halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                                     halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
-                                    halide_buffer_t* out);
+                                    int bf16, halide_buffer_t* out);
 }
 
 namespace halyard::runtime::attention_cuda {
@@ -53,11 +54,11 @@ struct Launch {
 // the buffers. The entry points launch these; the tests also run them
 // through an emulator on the CPU (tests/runtime/cuda_emulation.h).
 std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                             halide_buffer_t* lse, int heads, int kv_heads, int head_dim, halide_buffer_t* out,
-                             std::vector<Launch>* launches);
+                             halide_buffer_t* lse, int heads, int kv_heads, int head_dim, bool bf16,
+                             halide_buffer_t* out, std::vector<Launch>* launches);
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
-                              halide_buffer_t* dq, int heads, int kv_heads, halide_buffer_t* out,
+                              halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
                               std::vector<Launch>* launches);
 
 }  // namespace halyard::runtime::attention_cuda

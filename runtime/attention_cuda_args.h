@@ -12,6 +12,8 @@ namespace halyard::runtime::attention_cuda {
 // them that holds it (kMaxHeadDim at most).
 constexpr int kPaddedHeadDims[] = {8, 16, 32, 64, 128};
 constexpr int kMaxHeadDim = 128;
+// Those of the bf16 kernels on tensor cores (products over 16 elements).
+constexpr int kBf16HeadDims[] = {16, 32, 64, 128};
 
 // Element strides of a tensor's (head, seq, batch) dimensions; head_dim is
 // dense (stride 1). The log-sum-exp [heads, seq, batch] has no head_dim.

@@ -234,12 +234,13 @@ int default_query_block() { return 2 * 256 * 128 * 4 <= l2_bytes() / 4 ? 256 : 1
 
 // The kv head g of row b, as every task reads it.
 KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, int g, int b, int S,
-                 int D, int query_block, int key_block) {
+                 int D, int query_block, int key_block, int bf16) {
   KeyRows a;
   a.S = S;
   a.D = D;
   a.query_block = query_block > 0 ? query_block : default_query_block();
   a.key_block = key_block;
+  a.bf16 = bf16 != 0;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   a.k = at<const float>(k, {0, g, 0, b});
   a.v = at<const float>(v, {0, g, 0, b});
@@ -412,7 +413,7 @@ namespace {
 // [head_dim, heads, seq, batch], lse (where the stage writes it) the
 // log-sum-exp [heads, seq, batch], both the stage's own buffers.
 int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                      halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                      halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block, int key_block, int bf16,
                       halide_buffer_t* out) {
   const int D = head_dim, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out);
@@ -426,7 +427,7 @@ int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
-      static_cast<KeyRows&>(a) = key_rows(k, v, pos, h / (heads / kv_heads), b, S, D, query_block, key_block);
+      static_cast<KeyRows&>(a) = key_rows(k, v, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
       a.q = at<const float>(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
       std::vector<float> unused(lse ? 0 : static_cast<size_t>(S));
@@ -440,20 +441,22 @@ int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v
 
 extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                          int heads, int kv_heads, int head_dim, int query_block, int key_block,
-                                         halide_buffer_t* out) {
-  return attention_forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, query_block, key_block, out);
+                                         int bf16, halide_buffer_t* out) {
+  return attention_forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, query_block, key_block, bf16, out);
 }
 
 extern "C" int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                              halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
-                                             int head_dim, int query_block, int key_block, halide_buffer_t* out) {
-  return attention_forward(q, k, v, pos, lse, heads, kv_heads, head_dim, query_block, key_block, out);
+                                             int head_dim, int query_block, int key_block, int bf16,
+                                             halide_buffer_t* out) {
+  return attention_forward(q, k, v, pos, lse, heads, kv_heads, head_dim, query_block, key_block, bf16, out);
 }
 
 extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                           halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
                                           halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
-                                          int kv_heads, int query_block, int key_block, halide_buffer_t* out) {
+                                          int kv_heads, int query_block, int key_block, int bf16,
+                                          halide_buffer_t* out) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
   const int grp = kv_heads < 1 ? 0 : heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
@@ -467,7 +470,7 @@ extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k
   par_for(nb * ng, [&](int task) {
       const int b = b0 + task / ng, g = g0 + task % ng;
       Group a;
-      static_cast<KeyRows&>(a) = key_rows(k, v, pos, g, b, S, D, query_block, key_block);
+      static_cast<KeyRows&>(a) = key_rows(k, v, pos, g, b, S, D, query_block, key_block, bf16);
       a.heads = grp;
       float* dqs[Group::kMaxHeads];
       for (int w = 0; w < grp; ++w) {

@@ -30,6 +30,11 @@ std::string attrs_key(const Node& n) {
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad:
     case Op::EmbeddingGrad: break;
+    case Op::Attention:
+    case Op::AttentionLse:
+    case Op::AttentionGradQ:
+    case Op::AttentionGradK:
+    case Op::AttentionGradV: return n.attrs.bf16 ? "bf16" : "";
     default: return {};
   }
   std::ostringstream os;

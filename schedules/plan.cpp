@@ -351,7 +351,8 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   // Time: each stage of the train program by its kind's coefficients.
   // A cluster with a bf16 peak and an f32 one (the GPU presets) prices its
   // kinds' FLOPs at the bf16 peak (tensor cores). In an f32 plan only the
-  // contractions that read bf16 copies (contract_precision "bf16") compute
+  // contractions that read bf16 copies (contract_precision "bf16") and
+  // attention multiplying in bf16 (its Attrs::bf16, set with them) compute
   // in bf16; every other kernel runs at the f32 peak: its FLOPs count
   // peak_bf16 / peak_f32 times (14.8 on an H200).
   const auto bf16_peak = cluster.peak_flops.find("bf16"), f32_peak = cluster.peak_flops.find("f32");
@@ -411,7 +412,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
       for (int x : st.extra_outputs)
         if (g.node(x).op == Op::AttentionGradQ) sc.flops += 2 * extra_output_flops(g, g.node(x));
     sc.bytes = stored(bytes);
-    sc.time_s = cluster.kernel_time(sc.kind, sc.flops * (reads_bf16(root) ? 1.0 : f32_flops), static_cast<double>(sc.bytes));
+    sc.time_s = cluster.kernel_time(sc.kind, sc.flops * (reads_bf16(root) || root.attrs.bf16 ? 1.0 : f32_flops), static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
     const Scratch k =
         kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16, gpu);

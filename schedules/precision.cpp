@@ -131,7 +131,12 @@ StoredGraph round_contractions(const Graph& src, const Schedule& s) {
   StoredGraph out;
   if (s.contract_precision != "bf16") return out;
   const int n = src.size();
+  auto attention = [](Op op) {
+    return op == Op::Attention || op == Op::AttentionLse || op == Op::AttentionGradQ || op == Op::AttentionGradK ||
+           op == Op::AttentionGradV;
+  };
   auto rounds = [&](const Node& x) {
+    if (attention(x.op)) return true;
     if (x.op != Op::Contract) return false;
     for (int i : x.inputs)
       if (src.node(i).type.dtype == DType::f32 && src.node(i).op != Op::LoadBf16) return true;
@@ -173,8 +178,10 @@ StoredGraph round_contractions(const Graph& src, const Schedule& s) {
     std::vector<Value> in;
     for (int i : node.inputs)
       in.push_back(g.value(node.op == Op::Contract ? operand(i, node.backward) : out.id_of[static_cast<size_t>(i)]));
-    made = op_info(node.op).cls == OpClass::Leaf ? g.add_leaf(node.op, node.type, node.attrs, node.name).id
-                                                 : g.add(node.op, in, node.attrs, node.name).id;
+    Attrs attrs = node.attrs;
+    attrs.bf16 = attrs.bf16 || attention(node.op);  // attention's products in bf16 too (Attrs::bf16)
+    made = op_info(node.op).cls == OpClass::Leaf ? g.add_leaf(node.op, node.type, attrs, node.name).id
+                                                 : g.add(node.op, in, attrs, node.name).id;
   }
   g.set_building_backward(false);
   verify(g);

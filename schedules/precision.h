@@ -49,7 +49,9 @@ StoredGraph store_saved(const Graph& src, const Schedule& s);
 // value stored in bf16 already (store_saved, run before this) is read
 // through its copy: a value has one copy, whoever made it.
 // The gradient is the gradient at the rounded operands (the rounding's own
-// derivative taken as 1, as autocast's casts do).
+// derivative taken as 1, as autocast's casts do). Attention and its
+// gradients multiply in bf16 too (Attrs::bf16, dsl/graph.h: what SDPA
+// computes under autocast): their rounding is inside their kernels.
 StoredGraph round_contractions(const Graph& src, const Schedule& s);
 
 }  // namespace halyard

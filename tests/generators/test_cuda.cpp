@@ -94,23 +94,26 @@ TEST(Cuda, AttentionKernelsMatchTheCpuLibrary) {
   ASSERT_EQ(runtime::attention_cuda::why_unusable(), "");
   using Halide::Runtime::Buffer;
   const int H = 4, KV = 2;
+  // f32 on CUDA cores; bf16 on tensor cores, against the CPU's bf16 (as
+  // tests/runtime/test_attention_cuda_emulated.cpp checks in the emulator).
+  for (const bool bf16 : {false, true})
   for (int D : {8, 16, 24, 32, 48, 64, 80, 128}) {
     // Outputs marked clean: their device copies get written, and come home.
     auto home = [](std::initializer_list<Buffer<float>*> xs) {
       for (Buffer<float>* x : xs) ASSERT_EQ(x->copy_to_host(), 0);
     };
     testing::check_attention_against_cpu(
-        D, H, KV, 200, 77, 1e-4,
+        D, H, KV, 200, 77, bf16 ? 1e-3 : 1e-4, bf16,
         [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& lse,
             Buffer<float>& o) {
           for (Buffer<float>* x : {&lse, &o}) x->set_host_dirty(false);
-          ASSERT_EQ(halyard_attention_forward_lse_cuda(q, k, v, pos, lse, H, KV, D, 0, 0, o), 0);
+          ASSERT_EQ(halyard_attention_forward_lse_cuda(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o), 0);
           home({&lse, &o});
         },
         [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& o,
             Buffer<float>& dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
           for (Buffer<float>* x : {&dv, &dq, &dk}) x->set_host_dirty(false);
-          ASSERT_EQ(halyard_attention_backward_cuda(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, dk), 0);
+          ASSERT_EQ(halyard_attention_backward_cuda(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk), 0);
           home({&dv, &dq, &dk});
         });
   }
@@ -122,7 +125,7 @@ TEST(Cuda, AttentionKernelsMatchTheCpuLibrary) {
   pos.fill(0);
   static std::string said;
   halide_error_handler_t before = halide_set_error_handler([](void*, const char* msg) { said += msg; });
-  EXPECT_NE(halyard_attention_forward_cuda(q, k, v, pos, H, KV, D, 0, 0, o), 0);
+  EXPECT_NE(halyard_attention_forward_cuda(q, k, v, pos, H, KV, D, 0, 0, 0, o), 0);
   halide_set_error_handler(before);
   EXPECT_NE(said.find("head_dim 256 is over the 128"), std::string::npos) << said;
   EXPECT_NE(said.find("\"attention_kernel\": \"halide\""), std::string::npos) << said;

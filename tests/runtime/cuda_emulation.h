@@ -5,16 +5,24 @@
 // runtime/attention_cuda.cu's do), and returns only at their end. Blocks run
 // one after another, so a __shared__ variable (a static here) belongs to the
 // block that runs.
+// mma.sync (runtime/attention_cuda.cu's mma_bf16) is a collective of the
+// block too: each lane leaves its fragments, and computes its own output
+// elements from its warp's, PTX's m16n8k16 layouts read back.
 // Include it before the .cu file, which is then compiled as C++.
 #pragma once
+
+#define HALYARD_CUDA_EMULATION 1
 
 #include <math.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <barrier>
+#include <bit>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <thread>
 #include <vector>
 
@@ -27,6 +35,7 @@ inline thread_local Dim3 thread_idx, block_idx;
 inline Dim3 block_dim;
 inline std::barrier<>* block_barrier = nullptr;
 inline std::vector<float> lanes;  // a shuffle's values, one per thread
+inline std::vector<std::array<uint32_t, 6>> fragments;  // an mma's A and B registers, one per thread
 
 // kernel(args...) over grid (gx, gy, gz), `threads` threads per block.
 template <class Kernel, class... Args>
@@ -35,6 +44,7 @@ void launch(Kernel kernel, unsigned gx, unsigned gy, unsigned gz, unsigned threa
   std::barrier<> barrier(threads);
   block_barrier = &barrier;
   lanes.assign(threads, 0.f);
+  fragments.assign(threads, {});
   // One std::thread per thread of a block, which runs every block in turn,
   // all meeting between blocks.
   std::vector<std::thread> block;
@@ -90,3 +100,34 @@ inline int atomicMin(int* p, int v) {
 
 using std::max;
 using std::min;
+
+inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
+inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
+
+// d (16 x 8) += a (16 x 16) b (16 x 8) over the calling thread's warp, the
+// operands bf16 pairs in PTX's m16n8k16 fragments: lane l = 4 g + t holds
+// a's rows g and g + 8 at columns 2t, 2t + 1 (registers 0, 1) and 2t + 8,
+// 2t + 9 (registers 2, 3); b's column g at rows 2t, 2t + 1 and 2t + 8, 2t + 9;
+// d's rows g and g + 8 at columns 2t, 2t + 1.
+inline void mma_bf16(float* d, const uint32_t* a, const uint32_t* b) {
+  const unsigned t = threadIdx.x, warp = t & ~31u;
+  cuda_emulation::fragments[t] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  __syncthreads();
+  auto half = [](uint32_t pair, int k) { return __uint_as_float(k & 1 ? pair & 0xffff0000u : pair << 16); };
+  auto A = [&](int r, int k) {
+    const auto& f = cuda_emulation::fragments[warp + 4 * (r % 8) + (k % 8) / 2];
+    return half(f[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k);
+  };
+  auto B = [&](int k, int n) {
+    const auto& f = cuda_emulation::fragments[warp + 4 * n + (k % 8) / 2];
+    return half(f[4 + (k >= 8 ? 1 : 0)], k);
+  };
+  const int g = static_cast<int>(t & 31) / 4, tq = static_cast<int>(t & 3);
+  for (int e = 0; e < 4; ++e) {
+    const int r = g + 8 * (e >> 1), n = 2 * tq + (e & 1);
+    float sum = d[e];
+    for (int k = 0; k < 16; ++k) sum += A(r, k) * B(k, n);
+    d[e] = sum;
+  }
+  __syncthreads();
+}
