@@ -422,6 +422,51 @@ __device__ __forceinline__ void scores_as_a(uint32_t* a, const float (*s)[4], in
   a[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// s[nt] (tile nt: staged rows 8 nt to 8 nt + 7) = the warp's 16 rows (A
+// fragments over head_dim) times the staged rows of `rows` (row-major).
+template <int DP>
+__device__ __forceinline__ void products_over_head_dim(float (*s)[4], const uint32_t (*a)[4], const uint16_t* rows) {
+  using T = Tc<DP>;
+#pragma unroll
+  for (int nt = 0; nt < T::NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = 0;
+#pragma unroll
+    for (int k = 0; k < T::KS; ++k) {
+      uint32_t b[2];
+      load_b(b, rows, T::LR, 8 * nt, 16 * k);
+      mma_bf16(s[nt], a[k], b);
+    }
+  }
+}
+
+// acc (the warp's 16 rows over head_dim) += s (their scores against the
+// staged rows, rounded to bf16) times the staged rows of `cols`
+// (transposed).
+template <int DP>
+__device__ __forceinline__ void accumulate_over_rows(float (*acc)[4], const float (*s)[4], const uint16_t* cols) {
+  using T = Tc<DP>;
+#pragma unroll
+  for (int kk = 0; kk < T::B / 16; ++kk) {
+    uint32_t a[4];
+    scores_as_a(a, s, kk);
+#pragma unroll
+    for (int dt = 0; dt < T::DT; ++dt) {
+      uint32_t b[2];
+      load_b(b, cols, T::LC, 8 * dt, 16 * kk);
+      mma_bf16(acc[dt], a, b);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (*x)[4]) {
+#pragma unroll
+  for (int t = 0; t < N; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[t][e] = 0;
+}
+
 // Rows [r0, r0 + n) of a [seq, hd] f32 slab into a tile of B rows as bf16,
 // where given: row-major (rows[r * LR + d]) and transposed (cols[d * LC +
 // r]); zeros past n rows and past hd.
@@ -495,10 +540,7 @@ __device__ void forward_bf16(const Args& a) {
   const float* vb = a.v + r.kvh * a.v_st.h + r.b * a.v_st.b;
   const float c = a.scale * kLog2e;
   float acc[T::DT][4], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
-#pragma unroll
-  for (int dt = 0; dt < T::DT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[dt][e] = 0;
+  zero<T::DT>(acc);
   for (int j0 = lo; j0 < hi; j0 += B) {
     const int n = min(B, hi - j0);
     __syncthreads();
@@ -506,17 +548,7 @@ __device__ void forward_bf16(const Args& a) {
     stage_bf16<DP>(nullptr, vt, vb, a.v_st.s, j0, n, a.D);
     __syncthreads();
     float s[T::NT][4];
-#pragma unroll
-    for (int nt = 0; nt < T::NT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0;
-#pragma unroll
-      for (int k = 0; k < T::KS; ++k) {
-        uint32_t bf[2];
-        load_b(bf, ks, T::LR, 8 * nt, 16 * k);
-        mma_bf16(s[nt], qa[k], bf);
-      }
-    }
+    products_over_head_dim<DP>(s, qa, ks);
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int nt = 0; nt < T::NT; ++nt)
@@ -550,17 +582,7 @@ __device__ void forward_bf16(const Args& a) {
         sum[e >> 1] += p;
         s[nt][e] = p;
       }
-#pragma unroll
-    for (int kk = 0; kk < B / 16; ++kk) {
-      uint32_t pa[4];
-      scores_as_a(pa, s, kk);
-#pragma unroll
-      for (int dt = 0; dt < T::DT; ++dt) {
-        uint32_t bf[2];
-        load_b(bf, vt, T::LC, 8 * dt, 16 * kk);
-        mma_bf16(acc[dt], pa, bf);
-      }
-    }
+    accumulate_over_rows<DP>(acc, s, vt);
   }
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
@@ -634,10 +656,7 @@ __device__ void grad_q_bf16(const Args& a) {
   const float* vb = a.v + r.kvh * a.v_st.h + r.b * a.v_st.b;
   const float c = a.scale * kLog2e;
   float dq[T::DT][4];
-#pragma unroll
-  for (int dt = 0; dt < T::DT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dq[dt][e] = 0;
+  zero<T::DT>(dq);
   for (int j0 = lo; j0 < hi; j0 += B) {
     const int n = min(B, hi - j0);
     __syncthreads();
@@ -645,19 +664,8 @@ __device__ void grad_q_bf16(const Args& a) {
     stage_bf16<DP>(vs, nullptr, vb, a.v_st.s, j0, n, a.D);
     __syncthreads();
     float s[T::NT][4], dp[T::NT][4];
-#pragma unroll
-    for (int nt = 0; nt < T::NT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0;
-#pragma unroll
-      for (int k = 0; k < T::KS; ++k) {
-        uint32_t bf[2];
-        load_b(bf, ks, T::LR, 8 * nt, 16 * k);
-        mma_bf16(s[nt], qa[k], bf);
-        load_b(bf, vs, T::LR, 8 * nt, 16 * k);
-        mma_bf16(dp[nt], da[k], bf);
-      }
-    }
+    products_over_head_dim<DP>(s, qa, ks);
+    products_over_head_dim<DP>(dp, da, vs);
 #pragma unroll
     for (int nt = 0; nt < T::NT; ++nt)
 #pragma unroll
@@ -667,17 +675,7 @@ __device__ void grad_q_bf16(const Args& a) {
         const float p = vis ? exp2f(s[nt][e] * c - lse2[w]) : 0.f;
         s[nt][e] = p * (dp[nt][e] - di[w]) * a.scale;
       }
-#pragma unroll
-    for (int kk = 0; kk < B / 16; ++kk) {
-      uint32_t sa[4];
-      scores_as_a(sa, s, kk);
-#pragma unroll
-      for (int dt = 0; dt < T::DT; ++dt) {
-        uint32_t bf[2];
-        load_b(bf, kt, T::LC, 8 * dt, 16 * kk);
-        mma_bf16(dq[dt], sa, bf);
-      }
-    }
+    accumulate_over_rows<DP>(dq, s, kt);
   }
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
@@ -720,10 +718,8 @@ __device__ void grad_kv_bf16(const Args& a) {
   load_a<DP>(va, a.v + kvh * a.v_st.h + b * a.v_st.b, a.v_st.s, r0, a.S, a.D);
   const float c = a.scale * kLog2e;
   float dk[T::DT][4], dv[T::DT][4];
-#pragma unroll
-  for (int dt = 0; dt < T::DT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0;
+  zero<T::DT>(dk);
+  zero<T::DT>(dv);
   const int j_first = blockIdx.x * T::R, j_last = min(a.S, j_first + T::R) - 1;
   for (int hw = 0; hw < grp; ++hw) {
     const int h = kvh * grp + hw;
@@ -758,19 +754,8 @@ __device__ void grad_kv_bf16(const Args& a) {
       }
       __syncthreads();
       float s[T::NT][4], dp[T::NT][4];
-#pragma unroll
-      for (int nt = 0; nt < T::NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0;
-#pragma unroll
-        for (int k = 0; k < T::KS; ++k) {
-          uint32_t bf[2];
-          load_b(bf, qs, T::LR, 8 * nt, 16 * k);
-          mma_bf16(s[nt], ka[k], bf);
-          load_b(bf, dos, T::LR, 8 * nt, 16 * k);
-          mma_bf16(dp[nt], va[k], bf);
-        }
-      }
+      products_over_head_dim<DP>(s, ka, qs);
+      products_over_head_dim<DP>(dp, va, dos);
 #pragma unroll
       for (int nt = 0; nt < T::NT; ++nt)
 #pragma unroll
@@ -781,20 +766,8 @@ __device__ void grad_kv_bf16(const Args& a) {
           dp[nt][e] = p * (dp[nt][e] - dis[u]) * a.scale;
           s[nt][e] = p;
         }
-#pragma unroll
-      for (int kk = 0; kk < B / 16; ++kk) {
-        uint32_t pa[4], sa[4];
-        scores_as_a(pa, s, kk);
-        scores_as_a(sa, dp, kk);
-#pragma unroll
-        for (int dt = 0; dt < T::DT; ++dt) {
-          uint32_t bf[2];
-          load_b(bf, dot, T::LC, 8 * dt, 16 * kk);
-          mma_bf16(dv[dt], pa, bf);
-          load_b(bf, qt, T::LC, 8 * dt, 16 * kk);
-          mma_bf16(dk[dt], sa, bf);
-        }
-      }
+      accumulate_over_rows<DP>(dv, s, dot);
+      accumulate_over_rows<DP>(dk, dp, qt);
     }
   }
 #pragma unroll
