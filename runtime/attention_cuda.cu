@@ -741,16 +741,22 @@ __device__ void grad_kv_bf16(const Args& a) {
       stage_bf16<DP>(qs, qt, qh, a.q_st.s, i0, n, a.D);
       stage_bf16<DP>(dos, dot, dOh, a.dO_st.s, i0, n, a.D);
       __syncthreads();
-      for (int x = threadIdx.x; x < B; x += blockDim.x) {
-        float di = 0, l2 = 0;
+      // D_i of the tile's queries, a warp a row: its lanes read the row of O
+      // side by side (coalesced) and sum over their 32.
+      for (int x = threadIdx.x >> 5; x < B; x += 4) {
+        float di = 0;
+        const int lane32 = threadIdx.x & 31;
         if (x < n) {
-          const int i = i0 + x;
-          const float* o = a.o + h * a.o_st.h + i * a.o_st.s + b * a.o_st.b;
-          for (int d = 0; d < a.D; ++d) di = fmaf(__uint_as_float(static_cast<uint32_t>(dos[x * T::LR + d]) << 16), o[d], di);
-          l2 = a.lse[h * a.lse_st.h + i * a.lse_st.s + b * a.lse_st.b] * kLog2e;
+          const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b;
+          for (int d = lane32; d < a.D; d += 32)
+            di = fmaf(__uint_as_float(static_cast<uint32_t>(dos[x * T::LR + d]) << 16), o[d], di);
         }
-        dis[x] = di;
-        lse2s[x] = l2;
+#pragma unroll
+        for (int m = 16; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
+        if (lane32 == 0) {
+          dis[x] = di;
+          lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
+        }
       }
       __syncthreads();
       float s[T::NT][4], dp[T::NT][4];
