@@ -112,6 +112,25 @@ __device__ __forceinline__ int block_min(int* slot, bool valid, int value) {
   return *slot;
 }
 
+// For the dK/dV kernels, with the whole block: the positions of query tile
+// [i0, i0 + n) of batch row b into poss[0, B) (-1 past n), and whether any
+// of those queries sees a key at or before j_last (its document starts, at
+// i - pos[i], by then).
+template <int B>
+__device__ __forceinline__ bool query_tile_sees(const Args& a, int b, int i0, int n, int j_last, int* poss, int* slot) {
+  __syncthreads();
+  if (threadIdx.x == 0) *slot = INT_MAX;
+  __syncthreads();
+  for (int x = threadIdx.x; x < B; x += blockDim.x) {
+    const int i = i0 + x;
+    const int p = x < n ? a.pos[i * a.pos_s + b * a.pos_b] : -1;
+    poss[x] = p;
+    if (x < n) atomicMin(slot, i - p);
+  }
+  __syncthreads();
+  return *slot <= j_last;
+}
+
 // A query row's thread in a grid of (row blocks, heads from h0, batch rows):
 // its lane t of the row's T, row i of head h of batch row b, the kv head,
 // and the row's position (-1 past the rows).
@@ -287,17 +306,7 @@ __device__ void grad_kv(const Args& a) {
     const int h = g * grp + w;
     for (int i0 = j_first; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
-      __syncthreads();
-      if (threadIdx.x == 0) lo_slot = INT_MAX;
-      __syncthreads();
-      for (int x = threadIdx.x; x < B; x += blockDim.x) {
-        const int i = i0 + x;
-        const int p = x < n ? a.pos[i * a.pos_s + b * a.pos_b] : -1;
-        poss[x] = p;
-        if (x < n) atomicMin(&lo_slot, i - p);
-      }
-      __syncthreads();
-      if (lo_slot > j_last) continue;  // no query of the tile sees a key of the block
+      if (!query_tile_sees<B>(a, b, i0, n, j_last, poss, &lo_slot)) continue;
       stage<D>(qs, a.q + h * a.q_st.h + b * a.q_st.b, a.q_st.s, i0, n, a.D);
       stage<D>(ds_, a.dO + h * a.dO_st.h + b * a.dO_st.b, a.dO_st.s, i0, n, a.D);
       __syncthreads();
@@ -459,6 +468,26 @@ __device__ __forceinline__ void accumulate_over_rows(float (*acc)[4], const floa
   }
 }
 
+// The backward's scores s of the warp's 16 rows against the staged rows
+// made into probabilities P (in s) and dP into dS = P (dP - D_i) scale (in
+// dp): at(w, u, &lse2, &di) says whether score (row w of the lane's two, 0
+// or 1; staged row u) is visible, and gives its query's log-sum-exp (log2
+// units) and D_i.
+template <int DP, class At>
+__device__ __forceinline__ void probabilities_and_ds(float (*s)[4], float (*dp)[4], float c, float scale, At at) {
+  const Lane l = lane();
+#pragma unroll
+  for (int nt = 0; nt < Tc<DP>::NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float lse2, di;
+      const bool vis = at(e >> 1, 8 * nt + 2 * l.t + (e & 1), &lse2, &di);
+      const float p = vis ? exp2f(s[nt][e] * c - lse2) : 0.f;
+      dp[nt][e] = p * (dp[nt][e] - di) * scale;
+      s[nt][e] = p;
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void zero(float (*x)[4]) {
 #pragma unroll
@@ -492,8 +521,7 @@ __device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const
 }
 
 // The warp's query rows (the forward and dQ): absolute head h, its rows
-// row[0] = r0 + g and row[1] = r0 + g + 8, their positions, and the least
-// document start of the block's rows (block_min).
+// row[0] = r0 + g and row[1] = r0 + g + 8, and their positions.
 struct TcRows {
   int h, b, kvh, r0, row[2], pos[2];
   bool valid[2];
@@ -511,17 +539,37 @@ __device__ __forceinline__ TcRows tc_rows(const Args& a, int rows_per_block) {
   }
   return r;
 }
-__device__ __forceinline__ int tc_first_key(int* slot, const TcRows& r) {
+// The keys the block's rows see, from their least document start
+// (block_min) to its last row, and their kv head's rows of k and v.
+struct TcKeys {
+  int lo, hi;
+  const float *k, *v;
+};
+__device__ __forceinline__ TcKeys tc_keys(const Args& a, int* slot, const TcRows& r, int rows_per_block) {
   int lo = INT_MAX;
 #pragma unroll
   for (int e = 0; e < 2; ++e)
     if (r.valid[e]) lo = min(lo, max(0, r.row[e] - r.pos[e]));
-  return block_min(slot, lo != INT_MAX, lo);
+  lo = block_min(slot, lo != INT_MAX, lo);
+  return {lo, min(a.S, static_cast<int>(blockIdx.x + 1) * rows_per_block), a.k + r.kvh * a.k_st.h + r.b * a.k_st.b,
+          a.v + r.kvh * a.v_st.h + r.b * a.v_st.b};
 }
 
-// Whether score (e of tile nt) of a warp's row r (0: g, 1: g + 8) against
-// staged row u = 8 nt + 2t + (e & 1) of n is visible: query i sees key j when
-// 0 <= i - j <= pos[i].
+// Keys [j0, j0 + B) (n of them, returned) and their values as bf16 into
+// the tiles given (row-major, transposed; null for none), for the whole
+// block.
+template <int DP>
+__device__ __forceinline__ int stage_keys_bf16(const Args& a, const TcKeys& keys, int j0, uint16_t* k_rows,
+                                               uint16_t* k_cols, uint16_t* v_rows, uint16_t* v_cols) {
+  const int n = min(Tc<DP>::B, keys.hi - j0);
+  __syncthreads();
+  stage_bf16<DP>(k_rows, k_cols, keys.k, a.k_st.s, j0, n, a.D);
+  stage_bf16<DP>(v_rows, v_cols, keys.v, a.v_st.s, j0, n, a.D);
+  __syncthreads();
+  return n;
+}
+
+// Whether query i sees key j: 0 <= i - j <= pos[i] (dsl/ops.h).
 __device__ __forceinline__ bool tc_visible(int i, int j, int pos_i) { return j <= i && i - j <= pos_i; }
 
 template <int DP>
@@ -535,18 +583,12 @@ __device__ void forward_bf16(const Args& a) {
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4];
   load_a<DP>(qa, a.q + r.h * a.q_st.h + r.b * a.q_st.b, a.q_st.s, r.r0, a.S, a.D);
-  const int lo = tc_first_key(&lo_slot, r), hi = min(a.S, static_cast<int>(blockIdx.x + 1) * T::R);
-  const float* kb = a.k + r.kvh * a.k_st.h + r.b * a.k_st.b;
-  const float* vb = a.v + r.kvh * a.v_st.h + r.b * a.v_st.b;
+  const TcKeys keys = tc_keys(a, &lo_slot, r, T::R);
   const float c = a.scale * kLog2e;
   float acc[T::DT][4], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
   zero<T::DT>(acc);
-  for (int j0 = lo; j0 < hi; j0 += B) {
-    const int n = min(B, hi - j0);
-    __syncthreads();
-    stage_bf16<DP>(ks, nullptr, kb, a.k_st.s, j0, n, a.D);
-    stage_bf16<DP>(nullptr, vt, vb, a.v_st.s, j0, n, a.D);
-    __syncthreads();
+  for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
+    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, vt);
     float s[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
     float mx[2] = {m[0], m[1]};
@@ -651,31 +693,20 @@ __device__ void grad_q_bf16(const Args& a) {
 #pragma unroll
   for (int w = 0; w < 2; ++w)
     lse2[w] = r.valid[w] ? a.lse[r.h * a.lse_st.h + r.row[w] * a.lse_st.s + r.b * a.lse_st.b] * kLog2e : 0.f;
-  const int lo = tc_first_key(&lo_slot, r), hi = min(a.S, static_cast<int>(blockIdx.x + 1) * T::R);
-  const float* kb = a.k + r.kvh * a.k_st.h + r.b * a.k_st.b;
-  const float* vb = a.v + r.kvh * a.v_st.h + r.b * a.v_st.b;
+  const TcKeys keys = tc_keys(a, &lo_slot, r, T::R);
   const float c = a.scale * kLog2e;
   float dq[T::DT][4];
   zero<T::DT>(dq);
-  for (int j0 = lo; j0 < hi; j0 += B) {
-    const int n = min(B, hi - j0);
-    __syncthreads();
-    stage_bf16<DP>(ks, kt, kb, a.k_st.s, j0, n, a.D);
-    stage_bf16<DP>(vs, nullptr, vb, a.v_st.s, j0, n, a.D);
-    __syncthreads();
+  for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
+    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, kt, vs, nullptr);
     float s[T::NT][4], dp[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
     products_over_head_dim<DP>(dp, da, vs);
-#pragma unroll
-    for (int nt = 0; nt < T::NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
-        const bool vis = r.valid[w] && u < n && tc_visible(r.row[w], j0 + u, r.pos[w]);
-        const float p = vis ? exp2f(s[nt][e] * c - lse2[w]) : 0.f;
-        s[nt][e] = p * (dp[nt][e] - di[w]) * a.scale;
-      }
-    accumulate_over_rows<DP>(dq, s, kt);
+    probabilities_and_ds<DP>(s, dp, c, a.scale, [&](int w, int u, float* lse2_wu, float* di_wu) {
+      *lse2_wu = lse2[w], *di_wu = di[w];
+      return r.valid[w] && u < n && tc_visible(r.row[w], j0 + u, r.pos[w]);
+    });
+    accumulate_over_rows<DP>(dq, dp, kt);
   }
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
@@ -727,17 +758,7 @@ __device__ void grad_kv_bf16(const Args& a) {
     const float* dOh = a.dO + h * a.dO_st.h + b * a.dO_st.b;
     for (int i0 = j_first; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
-      __syncthreads();
-      if (threadIdx.x == 0) lo_slot = INT_MAX;
-      __syncthreads();
-      for (int x = threadIdx.x; x < B; x += blockDim.x) {
-        const int i = i0 + x;
-        const int p = x < n ? a.pos[i * a.pos_s + b * a.pos_b] : -1;
-        poss[x] = p;
-        if (x < n) atomicMin(&lo_slot, i - p);
-      }
-      __syncthreads();
-      if (lo_slot > j_last) continue;  // no query of the tile sees a key of the block
+      if (!query_tile_sees<B>(a, b, i0, n, j_last, poss, &lo_slot)) continue;
       stage_bf16<DP>(qs, qt, qh, a.q_st.s, i0, n, a.D);
       stage_bf16<DP>(dos, dot, dOh, a.dO_st.s, i0, n, a.D);
       __syncthreads();
@@ -762,16 +783,10 @@ __device__ void grad_kv_bf16(const Args& a) {
       float s[T::NT][4], dp[T::NT][4];
       products_over_head_dim<DP>(s, ka, qs);
       products_over_head_dim<DP>(dp, va, dos);
-#pragma unroll
-      for (int nt = 0; nt < T::NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
-          const bool vis = valid[w] && u < n && tc_visible(i0 + u, j[w], poss[u]);
-          const float p = vis ? exp2f(s[nt][e] * c - lse2s[u]) : 0.f;
-          dp[nt][e] = p * (dp[nt][e] - dis[u]) * a.scale;
-          s[nt][e] = p;
-        }
+      probabilities_and_ds<DP>(s, dp, c, a.scale, [&](int w, int u, float* lse2_wu, float* di_wu) {
+        *lse2_wu = lse2s[u], *di_wu = dis[u];
+        return valid[w] && u < n && tc_visible(i0 + u, j[w], poss[u]);
+      });
       accumulate_over_rows<DP>(dv, s, dot);
       accumulate_over_rows<DP>(dk, dp, qt);
     }
