@@ -131,6 +131,32 @@ __device__ __forceinline__ bool query_tile_sees(const Args& a, int b, int i0, in
   return *slot <= j_last;
 }
 
+// For the dK/dV kernels, with the whole block: D_i = dO_i . O_i of query
+// tile [i0, i0 + n) of head h, batch row b (dO_i from the staged tile,
+// dO_at(x, d)) into dis[0, rows), and the queries' log-sum-exps (log2
+// units) into lse2s; zeros past n. A warp a row: its lanes read the row of
+// O side by side (coalesced) and sum over their 32. (rows is a multiple of
+// the block's warps, so that every lane meets every shuffle.)
+template <class DoAt>
+__device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, int n, int rows, DoAt dO_at, float* dis,
+                                          float* lse2s) {
+  const int lane32 = threadIdx.x & 31, warps = blockDim.x / 32;
+  for (int x = threadIdx.x >> 5; x < rows; x += warps) {
+    float di = 0;
+    if (x < n) {
+      const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b;
+      for (int d = lane32; d < a.D; d += 32) di = fmaf(dO_at(x, d), o[d], di);
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
+    if (lane32 == 0) {
+      dis[x] = di;
+      lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
+    }
+  }
+  __syncthreads();
+}
+
 // A query row's thread in a grid of (row blocks, heads from h0, batch rows):
 // its lane t of the row's T, row i of head h of batch row b, the kv head,
 // and the row's position (-1 past the rows).
@@ -310,18 +336,7 @@ __device__ void grad_kv(const Args& a) {
       stage<D>(qs, a.q + h * a.q_st.h + b * a.q_st.b, a.q_st.s, i0, n, a.D);
       stage<D>(ds_, a.dO + h * a.dO_st.h + b * a.dO_st.b, a.dO_st.s, i0, n, a.D);
       __syncthreads();
-      for (int x = threadIdx.x; x < B; x += blockDim.x) {
-        float di = 0, l2 = 0;
-        if (x < n) {
-          const int i = i0 + x;
-          const float* o = a.o + h * a.o_st.h + i * a.o_st.s + b * a.o_st.b;
-          for (int d = 0; d < a.D; ++d) di = fmaf(ds_[x * D + d], o[d], di);
-          l2 = a.lse[h * a.lse_st.h + i * a.lse_st.s + b * a.lse_st.b] * kLog2e;
-        }
-        dis[x] = di;
-        lse2s[x] = l2;
-      }
-      __syncthreads();
+      tile_dsum(a, h, b, i0, n, B, [&](int x, int d) { return ds_[x * D + d]; }, dis, lse2s);
       for (int u = 0; u < n; ++u) {
         const float s = lanes_sum<T>(dot_shared<D>(qs + u * D, k, t));
         const float dp = lanes_sum<T>(dot_shared<D>(ds_ + u * D, v, t));
@@ -762,24 +777,9 @@ __device__ void grad_kv_bf16(const Args& a) {
       stage_bf16<DP>(qs, qt, qh, a.q_st.s, i0, n, a.D);
       stage_bf16<DP>(dos, dot, dOh, a.dO_st.s, i0, n, a.D);
       __syncthreads();
-      // D_i of the tile's queries, a warp a row: its lanes read the row of O
-      // side by side (coalesced) and sum over their 32.
-      for (int x = threadIdx.x >> 5; x < B; x += 4) {
-        float di = 0;
-        const int lane32 = threadIdx.x & 31;
-        if (x < n) {
-          const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b;
-          for (int d = lane32; d < a.D; d += 32)
-            di = fmaf(__uint_as_float(static_cast<uint32_t>(dos[x * T::LR + d]) << 16), o[d], di);
-        }
-#pragma unroll
-        for (int m = 16; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
-        if (lane32 == 0) {
-          dis[x] = di;
-          lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
-        }
-      }
-      __syncthreads();
+      tile_dsum(a, h, b, i0, n, B,
+                [&](int x, int d) { return __uint_as_float(static_cast<uint32_t>(dos[x * T::LR + d]) << 16); }, dis,
+                lse2s);
       float s[T::NT][4], dp[T::NT][4];
       products_over_head_dim<DP>(s, ka, qs);
       products_over_head_dim<DP>(dp, va, dos);
