@@ -29,6 +29,8 @@
 #include <set>
 #include <string>
 
+#include <unistd.h>
+
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
 #include "dsl/interpreter.h"
@@ -378,6 +380,20 @@ struct Allocated {
   std::vector<std::string> unsized;
 };
 
+// A lowered stage's statement text for target t. The file is this
+// process's own: ctest runs this binary's tests in parallel processes, and
+// one shared name let a test read another's half-written file.
+std::string lowered_stmt(LoweredStage& ls, const Halide::Target& t) {
+  static int calls = 0;
+  const std::string path =
+      testing::TempDir() + "/stage." + std::to_string(getpid()) + "." + std::to_string(calls++) + ".stmt";
+  ls.pipeline.compile_to_lowered_stmt(path, ls.args, Halide::StmtOutputFormat::Text, t);
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(path.c_str());
+  return text;
+}
+
 Allocated allocations_of(const Graph& g, const Stage& st, const Halide::Target& t) {
   LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::Host, t.has_gpu_feature());
   if (t.has_gpu_feature()) schedule_gpu(ls, g, st, t);
@@ -406,10 +422,7 @@ Allocated allocations_of(const Graph& g, const Stage& st, const Halide::Target& 
   } walk;
   // Kernels are offloaded by now: the walk sees the host's code, their code is text.
   for (const auto& f : ls.pipeline.compile_to_module(ls.args, "attention_stage", t).functions()) f.body.accept(&walk);
-  const std::string stmt = testing::TempDir() + "/gpu_attention.stmt";
-  ls.pipeline.compile_to_lowered_stmt(stmt, ls.args, Halide::StmtOutputFormat::Text, t);
-  std::ifstream in(stmt);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = lowered_stmt(ls, t);
   const std::regex arrays(R"((float|int|uint|double) _\w+\[(\d+)\];|\.local \.align \d+ \.b8\s+\w+\[(\d+)\];)");
   for (auto it = std::sregex_iterator(text.begin(), text.end(), arrays); it != std::sregex_iterator(); ++it) {
     const auto& m = *it;
@@ -549,10 +562,7 @@ TEST(Kernels, GpuLongSumsSplitIntoChunksOfTokens) {
     const Node& root = g.node(st.root);
     LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::Host, true);
     schedule_gpu(ls, g, st, opencl);
-    const std::string stmt = testing::TempDir() + "/gpu_sum.stmt";
-    ls.pipeline.compile_to_lowered_stmt(stmt, ls.args, Halide::StmtOutputFormat::Text, opencl);
-    std::ifstream text(stmt);
-    const bool has_chunks = std::string(std::istreambuf_iterator<char>(text), {}).find("_intm") != std::string::npos;
+    const bool has_chunks = lowered_stmt(ls, opencl).find("_intm") != std::string::npos;
     EXPECT_EQ(has_chunks, gpu_sum_split(g, root).chunks > 0) << op_name(root.op);
     if (has_chunks) split.push_back(op_name(root.op));
     for (size_t i = 0; i < st.inputs.size(); ++i) ls.inputs[i].set(bufs.at(st.inputs[i]));
