@@ -33,14 +33,12 @@ int fail(const std::string& why) {
 // The kernel a head_dim runs in: the least padded head_dim that holds it
 // (of the bf16 kernels' where bf16).
 int padded(int head_dim, bool bf16) {
-  if (bf16) {
-    for (int d : kBf16HeadDims)
+  auto least = [head_dim](const auto& dims) {
+    for (int d : dims)
       if (head_dim >= 1 && head_dim <= d) return d;
     return -1;
-  }
-  for (int d : kPaddedHeadDims)
-    if (head_dim >= 1 && head_dim <= d) return d;
-  return -1;
+  };
+  return bf16 ? least(kBf16HeadDims) : least(kPaddedHeadDims);
 }
 
 std::string kernel_name(const char* what, int head_dim, bool bf16) {
@@ -82,15 +80,17 @@ const Kernels& kernels() {
     drv.ctx_push(ctx.context);
     void* module = nullptr;
     int rc = drv.module_load_data(&module, halyard_attention_fatbin);
-    for (bool bf16 : {false, true})
-      for (int d : kPaddedHeadDims)
+    auto find_all = [&](const auto& dims, bool bf16) {
+      for (int d : dims)
         for (const char* what : {"fwd", "dq", "dkdv"}) {
-          if (bf16 && d < kBf16HeadDims[0]) continue;
           const std::string name = kernel_name(what, d, bf16);
           void* f = nullptr;
           if (rc == 0) rc = drv.module_get_function(&f, module, name.c_str());
           out.functions.emplace_back(name, f);
         }
+    };
+    find_all(kPaddedHeadDims, false);
+    find_all(kBf16HeadDims, true);
     void* popped = nullptr;
     drv.ctx_pop(&popped);
     if (rc != 0) out.error = "loading the CUDA attention kernels failed: " + drv.text(rc);
