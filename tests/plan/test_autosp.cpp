@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
+#include <unistd.h>
 #include <cstdio>
 
 #include "dsl/error.h"
@@ -249,10 +250,12 @@ TEST(Autosp, LongestSequenceFits) {
 // offloading what full checkpointing keeps (each layer's input) to host
 // memory: longer than the same cluster without the link reaches, with a plan
 // that fits and says so in its rules. A CPU cluster never offloads.
-// The tiny Llama 16 layers deep (a config file written once): checkpoints
-// add up, as in real models.
+// The tiny Llama 16 layers deep (a config file of this process's own:
+// ctest runs this binary's tests in parallel processes, and one shared file
+// let a test read another's half-written copy): checkpoints add up, as in
+// real models.
 std::string deep_tiny() {
-  const std::string deep = ::testing::TempDir() + "tiny_16_layers.json";
+  const std::string deep = ::testing::TempDir() + "tiny_16_layers." + std::to_string(getpid()) + ".json";
   std::ifstream in(kTiny);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::string key = "\"num_hidden_layers\": 2";
