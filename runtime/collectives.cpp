@@ -20,127 +20,168 @@ int64_t first_head(int r, int p, int64_t heads, int64_t per_rank) {
   return per_rank * p == heads ? r * per_rank : r * heads / p;
 }
 
-void check(bool ok, const BufferSpec& in, const BufferSpec& out, const Communicator& comm, const char* what) {
+void check(bool ok, const BufferSpec& in, const BufferSpec& out, int ranks, const char* backend, const char* what) {
   if (!ok)
     throw Error(std::string("error: collective ") + what + " from \"" + in.name + "\" to \"" + out.name +
-                "\" does not fit " + std::to_string(comm.size()) + " ranks (" + comm.backend() +
+                "\" does not fit " + std::to_string(ranks) + " ranks (" + backend +
                 ").\nthe library was generated for another mesh; rebuild it for this one.");
 }
 
-void seq_to_heads(const BufferSpec& in, const float* x, const BufferSpec& out, float* y, Communicator& comm,
-                  std::vector<float>& scratch) {
-  const int p = comm.size();
+CollectivePlan seq_to_heads(const BufferSpec& in, const BufferSpec& out, int p) {
   const int64_t b = in.shape[0], sl = in.shape[1], h = in.shape[2], d = in.shape[3], hr = out.shape[2];
-  check(in.rank == 4 && out.rank == 4 && out.shape[1] == sl * p && (hr * p == h || (hr == 1 && p % h == 0)), in, out,
-        comm, "seq_to_heads");
   const int64_t block = b * sl * hr * d;  // elements to each rank
-  scratch.resize(static_cast<size_t>(2 * block * p));
-  float* send = scratch.data();
-  float* recv = send + block * p;
-  for (int r = 0; r < p; ++r) {
-    const int64_t h0 = first_head(r, p, h, hr);
-    float* dst = send + r * block;
-    for (int64_t t = 0; t < b * sl; ++t)
-      std::memcpy(dst + t * hr * d, x + (t * h + h0) * d, static_cast<size_t>(hr * d) * sizeof(float));
-  }
-  std::vector<int64_t> counts(static_cast<size_t>(p), block);
+  CollectivePlan plan;
+  plan.staging = (b == 1 ? 1 : 2) * block * p;
+  for (int r = 0; r < p; ++r)
+    plan.pack.push_back({Area::In, Area::Staging, first_head(r, p, h, hr) * d, h * d, r * block, hr * d, hr * d, b * sl});
+  plan.transfer = Transfer::AllToAll;
+  plan.count = block;
+  plan.from = Area::Staging;
   // One row: rank q's block is exactly y's tokens [q*sl, (q+1)*sl), so it lands in place.
-  float* target = b == 1 ? y : recv;
-  comm.all_to_all_v(send, counts.data(), target, counts.data());
-  if (b == 1) return;
+  if (b == 1) return plan.to = Area::Out, plan;
+  plan.to = Area::Staging;
+  plan.to_offset = block * p;
   const int64_t row = sl * hr * d;
   for (int q = 0; q < p; ++q)
-    for (int64_t i = 0; i < b; ++i)
-      std::memcpy(y + (i * sl * p + q * sl) * hr * d, recv + q * block + i * row, static_cast<size_t>(row) * sizeof(float));
+    plan.unpack.push_back({Area::Staging, Area::Out, block * p + q * block, row, q * row, sl * p * hr * d, row, b});
+  return plan;
 }
 
-void heads_to_seq(const BufferSpec& in, const float* y, const BufferSpec& out, float* x, Communicator& comm,
-                  std::vector<float>& scratch) {
-  const int p = comm.size();
+CollectivePlan heads_to_seq(const BufferSpec& in, const BufferSpec& out, int p) {
   const int64_t b = in.shape[0], s = in.shape[1], hr = in.shape[2], d = in.shape[3], h = out.shape[2];
-  const int64_t sl = s / p;
-  check(in.rank == 4 && out.rank == 4 && out.shape[1] * p == s && (hr * p == h || (hr == 1 && p % h == 0)), in, out,
-        comm, "heads_to_seq");
-  const int64_t block = b * sl * hr * d, row = sl * hr * d;
-  scratch.resize(static_cast<size_t>(2 * block * p));
-  float* send = scratch.data();
-  float* recv = send + block * p;
-  const float* src = y;
-  if (b != 1) {
+  const int64_t sl = s / p, block = b * sl * hr * d, row = sl * hr * d;
+  CollectivePlan plan;
+  plan.transfer = Transfer::AllToAll;
+  plan.count = block;
+  plan.to = Area::Staging;
+  if (b == 1) {  // rank q's block is y's tokens [q*sl, (q+1)*sl) as they stand
+    plan.staging = block * p;
+  } else {
+    plan.staging = 2 * block * p;
     for (int q = 0; q < p; ++q)
-      for (int64_t i = 0; i < b; ++i)
-        std::memcpy(send + q * block + i * row, y + (i * s + q * sl) * hr * d, static_cast<size_t>(row) * sizeof(float));
-    src = send;
+      plan.pack.push_back({Area::In, Area::Staging, q * row, s * hr * d, q * block, row, row, b});
+    plan.from = Area::Staging;
+    plan.to_offset = block * p;
   }
-  std::vector<int64_t> counts(static_cast<size_t>(p), block);
-  comm.all_to_all_v(src, counts.data(), recv, counts.data());
-  const bool replicated = hr * p != h;
-  if (replicated) std::memset(x, 0, static_cast<size_t>(numel(out)) * sizeof(float));
-  for (int q = 0; q < p; ++q) {
-    const int64_t h0 = first_head(q, p, h, hr);
-    const float* blk = recv + q * block;
-    for (int64_t t = 0; t < b * sl; ++t) {
-      float* dst = x + (t * h + h0) * d;
-      const float* from = blk + t * hr * d;
-      if (!replicated) {
-        std::memcpy(dst, from, static_cast<size_t>(hr * d) * sizeof(float));
-      } else {
-        for (int64_t k = 0; k < d; ++k) dst[k] += from[k];
-      }
-    }
-  }
+  const bool replicated = hr * p != h;  // replicas of a head are summed
+  if (replicated) plan.zero_out = numel(out);
+  for (int q = 0; q < p; ++q)
+    plan.unpack.push_back({Area::Staging, Area::Out, plan.to_offset + q * block, hr * d, first_head(q, p, h, hr) * d,
+                           h * d, hr * d, b * sl, replicated});
+  return plan;
 }
 
-void gather_seq(const BufferSpec& in, const int32_t* x, const BufferSpec& out, int32_t* y, Communicator& comm,
-                std::vector<float>& scratch) {
-  const int p = comm.size();
+CollectivePlan gather_seq(const BufferSpec& in, int p) {
   const int64_t b = in.shape[0], sl = in.shape[1];
-  check(in.rank == 2 && out.rank == 2 && out.shape[1] == sl * p, in, out, comm, "gather_seq");
-  if (b == 1) {
-    comm.all_gather(x, sl, y);
-    return;
-  }
-  scratch.resize(static_cast<size_t>(b * sl * p));
-  auto* recv = reinterpret_cast<int32_t*>(scratch.data());
-  comm.all_gather(x, b * sl, recv);
-  for (int q = 0; q < p; ++q)
-    for (int64_t i = 0; i < b; ++i)
-      std::memcpy(y + i * sl * p + q * sl, recv + (q * b + i) * sl, static_cast<size_t>(sl) * sizeof(int32_t));
+  CollectivePlan plan;
+  plan.type = CommType::I32;
+  plan.transfer = Transfer::AllGather;
+  plan.count = b * sl;
+  if (b == 1) return plan.to = Area::Out, plan;
+  plan.to = Area::Staging;
+  plan.staging = b * sl * p;
+  for (int q = 0; q < p; ++q) plan.unpack.push_back({Area::Staging, Area::Out, q * b * sl, sl, q * sl, sl * p, sl, b});
+  return plan;
 }
 
 }  // namespace
 
-void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,
-                    Communicator& comm, std::vector<float>& scratch) {
+CollectivePlan plan_collective(CallKind kind, const BufferSpec& in, const BufferSpec& out, int p, const char* backend) {
   const bool f32 = in.type == ElemType::F32 && out.type == ElemType::F32;
   switch (kind) {
     case CallKind::SeqToHeads:
-      check(f32, in, out, comm, "seq_to_heads");
-      seq_to_heads(in, static_cast<const float*>(in_data), out, static_cast<float*>(out_data), comm, scratch);
-      return;
+      check(f32 && in.rank == 4 && out.rank == 4 && out.shape[1] == in.shape[1] * p &&
+                (out.shape[2] * p == in.shape[2] || (out.shape[2] == 1 && p % in.shape[2] == 0)),
+            in, out, p, backend, "seq_to_heads");
+      return seq_to_heads(in, out, p);
     case CallKind::HeadsToSeq:
-      check(f32, in, out, comm, "heads_to_seq");
-      heads_to_seq(in, static_cast<const float*>(in_data), out, static_cast<float*>(out_data), comm, scratch);
-      return;
+      check(f32 && in.rank == 4 && out.rank == 4 && out.shape[1] * p == in.shape[1] &&
+                (in.shape[2] * p == out.shape[2] || (in.shape[2] == 1 && p % out.shape[2] == 0)),
+            in, out, p, backend, "heads_to_seq");
+      return heads_to_seq(in, out, p);
     case CallKind::GatherSeq:
-      check(in.type == ElemType::I32, in, out, comm, "gather_seq");
-      gather_seq(in, static_cast<const int32_t*>(in_data), out, static_cast<int32_t*>(out_data), comm, scratch);
-      return;
+      check(in.type == ElemType::I32 && out.type == ElemType::I32 && in.rank == 2 && out.rank == 2 &&
+                out.shape[1] == in.shape[1] * p,
+            in, out, p, backend, "gather_seq");
+      return gather_seq(in, p);
     case CallKind::AllReduce: {
       const int64_t n = numel(in);
-      check(numel(out) == n && in.type == out.type && in.type != ElemType::I32, in, out, comm, "all_reduce");
-      if (in.type == ElemType::F64) {
-        if (out_data != in_data) std::memcpy(out_data, in_data, static_cast<size_t>(n) * sizeof(double));
-        comm.all_reduce_sum(static_cast<double*>(out_data), n);
-      } else {
-        if (out_data != in_data) std::memcpy(out_data, in_data, static_cast<size_t>(n) * sizeof(float));
-        comm.all_reduce_sum(static_cast<float*>(out_data), n);
-      }
-      return;
+      check(numel(out) == n && in.type == out.type && (in.type == ElemType::F32 || in.type == ElemType::F64), in, out,
+            p, backend, "all_reduce");
+      CollectivePlan plan;
+      plan.type = in.type == ElemType::F64 ? CommType::F64 : CommType::F32;
+      plan.pack.push_back({Area::In, Area::Out, 0, n, 0, n, n, 1});  // (nothing to copy when in is out)
+      plan.from = plan.to = Area::Out;
+      plan.count = n;
+      return plan;
     }
     default:
       throw Error("error: call kind " + std::to_string(static_cast<int>(kind)) + " is not a buffer collective.");
   }
+}
+
+void* HostCollectiveMemory::staging(int64_t bytes) {
+  const auto floats = static_cast<size_t>((bytes + 3) / 4);
+  if (staging_.size() < floats) staging_.resize(floats);
+  return staging_.data();
+}
+
+void HostCollectiveMemory::rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) {
+  const auto* s = static_cast<const char*>(src);
+  auto* t = static_cast<char*>(dst);
+  for (int64_t i = 0; i < r.count; ++i) {
+    const char* from = s + (r.src_offset + i * r.src_pitch) * elem_bytes;
+    char* to = t + (r.dst_offset + i * r.dst_pitch) * elem_bytes;
+    if (!r.add) {
+      std::memcpy(to, from, static_cast<size_t>(r.width * elem_bytes));
+      continue;
+    }
+    const auto* a = reinterpret_cast<const float*>(from);
+    auto* y = reinterpret_cast<float*>(to);
+    for (int64_t k = 0; k < r.width; ++k) y[k] += a[k];
+  }
+}
+
+void HostCollectiveMemory::zero(void* dst, int64_t bytes) { std::memset(dst, 0, static_cast<size_t>(bytes)); }
+
+void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory) {
+  const int64_t esize = comm_type_size(plan.type);
+  void* staging = plan.staging ? memory.staging(plan.staging * esize) : nullptr;
+  auto at = [&](Area a) -> char* {
+    return static_cast<char*>(a == Area::In ? const_cast<void*>(in) : a == Area::Out ? out : staging);
+  };
+  auto run = [&](const Rows& r) {
+    // A sum over ranks in place of its input has nothing to copy.
+    if (!r.add && at(r.src) + r.src_offset * esize == at(r.dst) + r.dst_offset * esize) return;
+    memory.rows(r, at(r.src), at(r.dst), esize);
+  };
+  for (const Rows& r : plan.pack) run(r);
+  char* from = at(plan.from) + plan.from_offset * esize;
+  char* to = at(plan.to) + plan.to_offset * esize;
+  if (!comm) {  // one rank: what it sends itself is what it receives, and a sum of one is the value
+    if (plan.transfer != Transfer::AllReduce) run({plan.from, plan.to, plan.from_offset, plan.count, plan.to_offset,
+                                                   plan.count, plan.count, 1});
+  } else if (plan.transfer == Transfer::AllToAll) {
+    const std::vector<int64_t> counts(static_cast<size_t>(comm->size()), plan.count);
+    if (plan.type != CommType::F32) throw Error("error: an all-to-all of a step moves f32 only.");
+    comm->all_to_all_v(reinterpret_cast<const float*>(from), counts.data(), reinterpret_cast<float*>(to), counts.data());
+  } else if (plan.transfer == Transfer::AllGather) {
+    if (plan.type == CommType::I32)
+      comm->all_gather(reinterpret_cast<const int32_t*>(from), plan.count, reinterpret_cast<int32_t*>(to));
+    else
+      comm->all_gather(reinterpret_cast<const float*>(from), plan.count, reinterpret_cast<float*>(to));
+  } else if (plan.type == CommType::F64) {
+    comm->all_reduce_sum(reinterpret_cast<double*>(to), plan.count);
+  } else {
+    comm->all_reduce_sum(reinterpret_cast<float*>(to), plan.count);
+  }
+  if (plan.zero_out) memory.zero(out, plan.zero_out * esize);
+  for (const Rows& r : plan.unpack) run(r);
+}
+
+void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,
+                    Communicator& comm, HostCollectiveMemory& memory) {
+  run_plan(plan_collective(kind, in, out, comm.size(), comm.backend()), in_data, out_data, &comm, memory);
 }
 
 }  // namespace halyard::runtime

@@ -12,11 +12,17 @@
 //   gather_seq: i32 p[B, S/P] -> [B, S].
 //   all_reduce: the sum over ranks, in place of a copy.
 //
-// `scratch` grows to the largest message and is reused; buffers are host
-// memory (the executor copies device data home first).
+// Each is planned once, as data (plan_collective): runs of rows copied into
+// a staging area, one transfer over the ranks, and runs copied (or summed)
+// out of it. The plan depends on the shapes and the number of ranks only,
+// so every memory runs the same one: the host's (memcpy and a Communicator
+// on host memory), or a GPU's (a CUDA model with an NCCL communicator:
+// copies and sums on its compute stream, the transfer on device buffers;
+// runtime/collectives_cuda.cpp).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "runtime/comm.h"
@@ -24,7 +30,75 @@
 
 namespace halyard::runtime {
 
+// Where a run of rows is read or written: the call's input, its output, or
+// the staging area (the blocks sent, then the blocks received).
+enum class Area : uint8_t { In, Out, Staging };
+
+// `count` runs of `width` elements: run i from src_offset + i * src_pitch of
+// `src` to dst_offset + i * dst_pitch of `dst` (elements), copied, or added
+// to what `dst` holds (f32 only: replicated heads).
+struct Rows {
+  Area src, dst;
+  int64_t src_offset, src_pitch, dst_offset, dst_pitch, width, count;
+  bool add = false;
+};
+
+// The transfer: an all-to-all of equal blocks of `count` elements, an
+// all-gather of `count` elements from each rank, or a sum over the ranks of
+// `count` elements in place (`to` at to_offset; from == to).
+enum class Transfer : uint8_t { AllToAll, AllGather, AllReduce };
+
+struct CollectivePlan {
+  CommType type = CommType::F32;
+  int64_t staging = 0;       // elements of the staging area
+  std::vector<Rows> pack;    // before the transfer
+  Transfer transfer = Transfer::AllReduce;
+  Area from = Area::In, to = Area::Out;
+  int64_t from_offset = 0, to_offset = 0, count = 0;
+  int64_t zero_out = 0;      // elements of `out` made zeros before the unpack's sums
+  std::vector<Rows> unpack;  // after it
+};
+
+// The plan of a collective from `in` to `out` over `ranks` ranks; throws
+// Error when the buffers do not fit (a library generated for another mesh).
+// `backend` names the communicator in that error.
+CollectivePlan plan_collective(CallKind kind, const BufferSpec& in, const BufferSpec& out, int ranks,
+                               const char* backend);
+
+// The memory a plan runs in. Pointers are into that memory (host pointers,
+// or device addresses); offsets and sizes in the plan are elements of
+// elem_bytes each.
+class CollectiveMemory {
+ public:
+  virtual ~CollectiveMemory() = default;
+  virtual void* staging(int64_t bytes) = 0;  // at least `bytes`, kept for the next call
+  virtual void rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) = 0;  // src, dst: the areas' starts
+  virtual void zero(void* dst, int64_t bytes) = 0;
+};
+
+// Host memory: memcpy, plain sums, a staging vector.
+class HostCollectiveMemory final : public CollectiveMemory {
+ public:
+  void* staging(int64_t bytes) override;
+  void rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) override;
+  void zero(void* dst, int64_t bytes) override;
+
+ private:
+  std::vector<float> staging_;
+};
+
+// Runs `plan` from `in` to `out` (in `memory`) over `comm`, whose buffers
+// must be of that memory; without one (a single rank) the transfer is a copy.
+void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory);
+
+// plan_collective and run_plan on host buffers.
 void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,
-                    Communicator& comm, std::vector<float>& scratch);
+                    Communicator& comm, HostCollectiveMemory& memory);
+
+// The runtime's CUDA memory (runtime/cuda_context.h): copies and zeros on
+// the compute stream (cuMemcpy2DAsync, cuMemsetD8Async), sums through
+// cuBLAS on it (runtime/gemm.h), a staging allocation grown as needed and
+// kept. Methods throw Error naming the driver's error.
+std::unique_ptr<CollectiveMemory> make_cuda_collective_memory();
 
 }  // namespace halyard::runtime

@@ -76,6 +76,17 @@ class Communicator {
   // does, to run collectives under the kernels. MPI says so only when it was
   // initialized with MPI_THREAD_SERIALIZED or more.
   virtual bool other_threads_may_call() const { return true; }
+  // Whether the buffers of this backend's calls are device memory (NCCL).
+  virtual bool moves_device_memory() const { return false; }
+  // Backends on device memory: later calls run on `stream` (a CUstream of
+  // the communicator's device and context, e.g. a model's communication
+  // stream) instead of their own, each after the work queued on `after` (a
+  // model's compute stream) before the call: an event recorded there that
+  // `stream` waits for, so the caller need not wait for its kernels first.
+  // Each call still returns once its work is done, or throws at the timeout.
+  // nullptr for either: the backend's own stream, no ordering. Host backends
+  // ignore it.
+  virtual void use_streams(void* stream, void* after) {}
 
   // How long any call waits for its peers before throwing. Must be a positive,
   // finite number of seconds: a dead or stuck peer must never hang the others.
@@ -227,7 +238,9 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s = kDefaultC
 // - Buffers are DEVICE memory on this rank's GPU (cudaMalloc or managed); a host
 //   or other-GPU buffer is a user mistake and throws before anything is sent.
 //   The scalar all_reduce_sum overloads still take and return host values, and
-//   the array all_reduce_sum accepts host memory too (staged through the GPU).
+//   the array all_reduce_sum, and all_gather with host buffers on both sides,
+//   accept host memory too (staged through the GPU). split() is ncclCommSplit:
+//   its groups share the device and the streams (use_streams) of this one.
 // - One GPU per rank: the device is the node-local rank (OMPI_COMM_WORLD_LOCAL_RANK,
 //   else the rank in MPI_Comm_split_type(SHARED)) modulo cudaGetDeviceCount(), so
 //   CUDA_VISIBLE_DEVICES with one GPU per rank works too. The factory makes it

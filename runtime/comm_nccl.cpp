@@ -95,18 +95,22 @@ class NcclCommunicator final : public Communicator {
       comm_ = nullptr;
     }
     if (done_ != nullptr) cudaEventDestroy(done_);
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (scratch_ != nullptr) cudaFree(scratch_);
   }
 
   const char* backend() const override { return "NCCL"; }
+  bool moves_device_memory() const override { return true; }
 
-  // Makes the stream, the event, the scratch buffer and the NCCL communicator
-  // on `device`; every rank passes the same id.
-  void open(int device, const ncclUniqueId& id) {
+  void use_streams(void* stream, void* after) override {
+    run_on_ = static_cast<cudaStream_t>(stream);
+    after_ = static_cast<cudaStream_t>(after);
+  }
+
+  // Makes the stream, the events and the scratch buffer on `device`.
+  void prepare(int device, const std::string& who) {
     device_ = device;
-    const std::string who = "make_nccl_communicator on rank " + std::to_string(rank()) + " of " +
-                            std::to_string(size());
     auto cuda = [&](cudaError_t rc, const char* call) {
       if (rc == cudaSuccess) return;
       on_failure_();
@@ -119,8 +123,18 @@ class NcclCommunicator final : public Communicator {
     // serialize with ours.
     cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     cuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    cuda(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     cuda(cudaMalloc(&scratch_, kMinScratch), "cudaMalloc");
     scratch_bytes_ = kMinScratch;
+  }
+
+  // Makes the stream, the event, the scratch buffer and the NCCL communicator
+  // on `device`; every rank passes the same id.
+  void open(int device, const ncclUniqueId& id) {
+    const std::string who = "make_nccl_communicator on rank " + std::to_string(rank()) + " of " +
+                            std::to_string(size());
+    prepare(device, who);
+    DeviceScope on(device_);
 
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -172,6 +186,7 @@ class NcclCommunicator final : public Communicator {
     check_device_buffer(op, "recv", recv);
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
+    order_after_compute(op);
 
     const int64_t esize = comm_type_size(type);
     auto send_at = [&](int64_t elements) { return static_cast<const char*>(send) + elements * esize; };
@@ -180,7 +195,7 @@ class NcclCommunicator final : public Communicator {
     for (int p = 0; p < me; ++p) send_offset += send_counts[p], recv_offset += recv_counts[p];
     if (send_counts[me] > 0)
       check_cuda(cudaMemcpyAsync(recv_at(recv_offset), send_at(send_offset),
-                                 static_cast<size_t>(send_counts[me] * esize), cudaMemcpyDeviceToDevice, stream_),
+                                 static_cast<size_t>(send_counts[me] * esize), cudaMemcpyDeviceToDevice, stream()),
                  op, "cudaMemcpyAsync");
 
     // Zero blocks are skipped on both sides alike: recv_counts[p] here is
@@ -190,11 +205,11 @@ class NcclCommunicator final : public Communicator {
     for (int p = 0; p < size(); ++p) {
       if (p != me && send_counts[p] > 0)
         check_nccl(ncclSend(send_at(send_offset), static_cast<size_t>(send_counts[p]), nccl_type(type), p, comm_,
-                            stream_),
+                            stream()),
                    op, "ncclSend");
       if (p != me && recv_counts[p] > 0)
         check_nccl(ncclRecv(recv_at(recv_offset), static_cast<size_t>(recv_counts[p]), nccl_type(type), p, comm_,
-                            stream_),
+                            stream()),
                    op, "ncclRecv");
       send_offset += send_counts[p];
       recv_offset += recv_counts[p];
@@ -210,14 +225,15 @@ class NcclCommunicator final : public Communicator {
     const bool on_host = !is_device_buffer(op, "data", data);
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
+    order_after_compute(op);
     const size_t bytes = static_cast<size_t>(n * comm_type_size(type));
     void* buffer = data;
     if (on_host) {  // the scalar overloads, and callers that summed on the CPU
       reserve_scratch(op, bytes);
       buffer = scratch_;
-      check_cuda(cudaMemcpyAsync(buffer, data, bytes, cudaMemcpyHostToDevice, stream_), op, "cudaMemcpyAsync");
+      check_cuda(cudaMemcpyAsync(buffer, data, bytes, cudaMemcpyHostToDevice, stream()), op, "cudaMemcpyAsync");
     }
-    check_nccl(ncclAllReduce(buffer, buffer, static_cast<size_t>(n), nccl_type(type), ncclSum, comm_, stream_), op,
+    check_nccl(ncclAllReduce(buffer, buffer, static_cast<size_t>(n), nccl_type(type), ncclSum, comm_, stream()), op,
                "ncclAllReduce");
     wait(op, "ncclAllReduce");
     // Only now, with the stream idle: a copy queued behind a collective that
@@ -229,13 +245,29 @@ class NcclCommunicator final : public Communicator {
     const CommOp op = CommOp::AllGather;
     throw_if_broken(op);
     if (n == 0) return;
-    check_device_buffer(op, "send", send);
-    check_device_buffer(op, "recv", recv);
+    // Host buffers on both sides are staged through the GPU (split() gathers
+    // the world ranks of its group so); one of each is a mistake.
+    const bool on_host = !is_device_buffer(op, "send", send) && !is_device_buffer(op, "recv", recv);
+    if (!on_host) {
+      check_device_buffer(op, "send", send);
+      check_device_buffer(op, "recv", recv);
+    }
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
-    check_nccl(ncclAllGather(send, recv, static_cast<size_t>(n), nccl_type(type), comm_, stream_), op,
+    order_after_compute(op);
+    const size_t bytes = static_cast<size_t>(n * comm_type_size(type));
+    const void* from = send;
+    void* to = recv;
+    if (on_host) {
+      reserve_scratch(op, bytes * static_cast<size_t>(size() + 1));
+      from = scratch_;
+      to = static_cast<char*>(scratch_) + bytes;
+      check_cuda(cudaMemcpyAsync(scratch_, send, bytes, cudaMemcpyHostToDevice, stream()), op, "cudaMemcpyAsync");
+    }
+    check_nccl(ncclAllGather(from, to, static_cast<size_t>(n), nccl_type(type), comm_, stream()), op,
                "ncclAllGather");
     wait(op, "ncclAllGather");
+    if (on_host) check_cuda(cudaMemcpy(recv, to, bytes * static_cast<size_t>(size()), cudaMemcpyDeviceToHost), op, "cudaMemcpy");
   }
 
   void do_reduce_scatter_sum(const void* send, void* recv, int64_t n_per_rank, CommType type) override {
@@ -246,8 +278,9 @@ class NcclCommunicator final : public Communicator {
     check_device_buffer(op, "recv", recv);
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
+    order_after_compute(op);
     check_nccl(ncclReduceScatter(send, recv, static_cast<size_t>(n_per_rank), nccl_type(type), ncclSum, comm_,
-                                 stream_),
+                                 stream()),
                op, "ncclReduceScatter");
     wait(op, "ncclReduceScatter");
   }
@@ -260,7 +293,8 @@ class NcclCommunicator final : public Communicator {
     check_device_buffer(op, "data", data);
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
-    check_nccl(ncclSend(data, static_cast<size_t>(n), nccl_type(type), peer, comm_, stream_), op, "ncclSend");
+    order_after_compute(op);
+    check_nccl(ncclSend(data, static_cast<size_t>(n), nccl_type(type), peer, comm_, stream()), op, "ncclSend");
     wait(op, "ncclSend",
          "rank " + std::to_string(peer) + " did not receive the message (" + std::to_string(n) + " " +
              comm_type_name(type) + ", tag " + std::to_string(tag) +
@@ -274,10 +308,51 @@ class NcclCommunicator final : public Communicator {
     check_device_buffer(op, "data", data);
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
-    check_nccl(ncclRecv(data, static_cast<size_t>(n), nccl_type(type), peer, comm_, stream_), op, "ncclRecv");
+    order_after_compute(op);
+    check_nccl(ncclRecv(data, static_cast<size_t>(n), nccl_type(type), peer, comm_, stream()), op, "ncclRecv");
     wait(op, "ncclRecv",
          "no message (" + std::to_string(n) + " " + comm_type_name(type) + ", tag " + std::to_string(tag) +
              ") came from rank " + std::to_string(peer) + ".");
+  }
+
+  // ncclCommSplit: the group shares this one's device and streams (an sp
+  // group of a dp x sp mesh). Every rank of this communicator calls it.
+  std::unique_ptr<Communicator> do_split(int color, int key) override {
+    const CommOp op = CommOp::Barrier;  // (how errors name this communicator's state)
+    throw_if_broken(op);
+    const std::string who = "split on rank " + std::to_string(rank()) + " of " + std::to_string(size()) + " (NCCL)";
+    DeviceScope on(device_);
+    check_cuda(on.result(), op, "cudaSetDevice");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t made = nullptr;
+    ncclResult_t state = ncclCommSplit(comm_, color, key, &made, &config);
+    if (state == ncclInProgress || state == ncclSuccess) {
+      ncclComm_t asked = made != nullptr ? made : comm_;
+      const bool finished = poll_until(deadline_after(timeout_s()), [&] {
+        const ncclResult_t query = ncclCommGetAsyncError(asked, &state);
+        if (query != ncclSuccess) state = query;
+        return state != ncclInProgress;
+      });
+      if (!finished) {
+        if (made != nullptr) ncclCommAbort(made);
+        fail(timeout_message(op, {}, "ncclCommSplit was still in progress; every rank must split in the same order."),
+             who + " timed out");
+      }
+    }
+    if (state != ncclSuccess) {
+      if (made != nullptr) ncclCommAbort(made);
+      fail("error: " + who + ": ncclCommSplit failed: " + ncclGetErrorString(state) + last_error(),
+           who + ": ncclCommSplit failed");
+    }
+    int sub_rank = 0, sub_size = 1;
+    ncclCommUserRank(made, &sub_rank);
+    ncclCommCount(made, &sub_size);
+    auto sub = std::make_unique<NcclCommunicator>(sub_rank, sub_size, timeout_s(), on_failure_);
+    sub->comm_ = made;  // (its destructor finalizes it, after any failure below)
+    sub->prepare(device_, who);
+    sub->use_streams(run_on_, after_);
+    return sub;
   }
 
   void do_barrier() override {
@@ -285,7 +360,8 @@ class NcclCommunicator final : public Communicator {
     throw_if_broken(op);
     DeviceScope on(device_);
     check_cuda(on.result(), op, "cudaSetDevice");
-    check_nccl(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_), op, "ncclAllReduce");
+    order_after_compute(op);
+    check_nccl(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream()), op, "ncclAllReduce");
     wait(op, "ncclAllReduce");
   }
 
@@ -361,6 +437,17 @@ class NcclCommunicator final : public Communicator {
     scratch_bytes_ = bytes;
   }
 
+  // The stream calls run on: the caller's (use_streams), or our own.
+  cudaStream_t stream() const { return run_on_ != nullptr ? run_on_ : stream_; }
+
+  // The caller's compute stream's work so far happens before what is
+  // queued next on stream().
+  void order_after_compute(CommOp op) {
+    if (after_ == nullptr) return;
+    check_cuda(cudaEventRecord(ready_, after_), op, "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream(), ready_, 0), op, "cudaStreamWaitEvent");
+  }
+
   // Waits until the work just issued by `call` is done on the GPU, at most
   // timeout_s() from now. `detail` explains a timeout of send or recv.
   void wait(CommOp op, const char* call, const std::string& detail = "") {
@@ -374,7 +461,7 @@ class NcclCommunicator final : public Communicator {
                   });
     if (queued && state != ncclSuccess) check_nccl(state, op, call);
     if (queued) {
-      check_cuda(cudaEventRecord(done_, stream_), op, "cudaEventRecord");
+      check_cuda(cudaEventRecord(done_, stream()), op, "cudaEventRecord");
       if (poll_until(deadline, [&] {
             cudaError_t rc = cudaEventQuery(done_);
             if (rc == cudaSuccess) return true;
@@ -396,6 +483,9 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t done_ = nullptr;
+  cudaEvent_t ready_ = nullptr;         // recorded on after_ before each call
+  cudaStream_t run_on_ = nullptr;       // use_streams: the caller's stream, or ours
+  cudaStream_t after_ = nullptr;        // use_streams: the caller's compute stream
   void* scratch_ = nullptr;  // device: barrier operand, staging of host all_reduce_sum
   size_t scratch_bytes_ = 0;
   ncclResult_t last_result_ = ncclSuccess;  // of the latest NCCL call

@@ -49,6 +49,10 @@ CudaDriver load() {
   get(d.stream_synchronize, "cuStreamSynchronize");
   get(d.memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
   get(d.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
+  get(d.mem_alloc, "cuMemAlloc_v2");
+  get(d.mem_free, "cuMemFree_v2");
+  get(d.memcpy_2d_async, "cuMemcpy2DAsync_v2");
+  get(d.memset_d8_async, "cuMemsetD8Async");
   get(d.module_load_data, "cuModuleLoadData");
   get(d.module_get_function, "cuModuleGetFunction");
   get(d.launch_kernel, "cuLaunchKernel");

@@ -33,6 +33,12 @@ struct CudaDriver {
   CUresult (*stream_synchronize)(void*) = nullptr;
   CUresult (*memcpy_dtoh_async)(void*, unsigned long long, size_t, void*) = nullptr;
   CUresult (*memcpy_htod_async)(unsigned long long, const void*, size_t, void*) = nullptr;
+  // Device memory of the runtime's own (a collective's staging), and copies
+  // of strided rows within device memory (a collective's packing).
+  CUresult (*mem_alloc)(unsigned long long*, size_t) = nullptr;
+  CUresult (*mem_free)(unsigned long long) = nullptr;
+  CUresult (*memcpy_2d_async)(const void*, void*) = nullptr;  // (const CUDA_MEMCPY2D*, CUstream)
+  CUresult (*memset_d8_async)(unsigned long long, unsigned char, size_t, void*) = nullptr;
   // The runtime's own kernels (attention_cuda.cpp): a fatbin loaded into the
   // current context, and launches with their arguments as kernelParams.
   CUresult (*module_load_data)(void**, const void*) = nullptr;
@@ -47,6 +53,26 @@ struct CudaDriver {
   bool usable() const { return why_unusable.empty(); }
   std::string text(CUresult rc) const;  // the driver's name for an error
 };
+
+// CUDA_MEMCPY2D of cuda.h, field for field (the runtime is built without
+// the CUDA headers; tests/runtime/test_nccl_single_rank.cpp checks the
+// layout against them where they exist).
+struct CudaMemcpy2D {
+  size_t src_x_bytes = 0, src_y = 0;
+  int src_memory_type = 0;  // CU_MEMORYTYPE_DEVICE = 2
+  const void* src_host = nullptr;
+  unsigned long long src_device = 0;
+  void* src_array = nullptr;
+  size_t src_pitch = 0;
+  size_t dst_x_bytes = 0, dst_y = 0;
+  int dst_memory_type = 0;
+  void* dst_host = nullptr;
+  unsigned long long dst_device = 0;
+  void* dst_array = nullptr;
+  size_t dst_pitch = 0;
+  size_t width_bytes = 0, height = 0;
+};
+inline constexpr int kCuMemoryTypeDevice = 2;
 
 // Loaded and initialized on first use (thread-safe); never throws.
 const CudaDriver& cuda_driver();

@@ -43,6 +43,8 @@ class DeviceBlock {
   // byte `offset` on, and whether it could: false when the offset is not a
   // multiple of `align` on an API whose aliases need it (OpenCL).
   bool alias(halide_buffer_t& buf, int64_t offset, int64_t align) const;
+  // The block's device handle: on CUDA its address (a CUdeviceptr).
+  uint64_t handle() const { return buf_.device; }
   // Waits for everything queued on the block's device so far (every
   // kernel and copy of the process's stream or queue); Halide's error code.
   int sync() const;

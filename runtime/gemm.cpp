@@ -164,6 +164,8 @@ struct Cublas {
   // cublasGemmEx: types and the compute type as cuBLAS's enums (below).
   Status (*gemm_ex)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
                     const void*, void*, int, int, int, int) = nullptr;
+  Status (*sgeam)(void*, int, int, int, int, const float*, const float*, int, const float*, const float*, int, float*,
+                  int) = nullptr;
   void* handle = nullptr;
   std::string why_unusable;
 };
@@ -185,6 +187,7 @@ Cublas load_cublas() {
   get(c.set_stream, "cublasSetStream_v2");
   get(c.sgemm, "cublasSgemm_v2");
   get(c.gemm_ex, "cublasGemmEx");
+  get(c.sgeam, "cublasSgeam");
   if (!c.why_unusable.empty()) return c;
   // The handle belongs to the context current when it is made: the primary
   // one Halide's kernels run in.
@@ -314,3 +317,24 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
   out->set_device_dirty();
   return 0;
 }
+
+namespace halyard::runtime::gemm {
+
+std::string add_rows_on_device(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t width, int64_t rows) {
+  const Cublas& lib = cublas();
+  if (!lib.why_unusable.empty()) return lib.why_unusable;
+  for (int64_t v : {ldy, ldx, width, rows})
+    if (v > INT_MAX) return "a dimension exceeds cuBLAS's 32-bit sizes";
+  const CudaDriver& drv = cuda_driver();
+  drv.ctx_push(runtime_cuda_context().context);
+  const float one = 1.f;
+  // Column-major, one row of ours a column: y = 1 y + 1 x, in place (geam
+  // allows C = A when ldc = lda and A is not transposed).
+  const int status = lib.sgeam(lib.handle, 0, 0, static_cast<int>(width), static_cast<int>(rows), &one, y,
+                               static_cast<int>(ldy), &one, x, static_cast<int>(ldx), y, static_cast<int>(ldy));
+  void* popped = nullptr;
+  drv.ctx_pop(&popped);
+  return status == 0 ? "" : "cublasSgeam failed with status " + std::to_string(status);
+}
+
+}  // namespace halyard::runtime::gemm

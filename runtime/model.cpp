@@ -130,7 +130,45 @@ class Model::CommThread {
   std::thread thread_;  // last: it starts once the rest exists
 };
 
-bool Model::background() const { return overlap_ && comm_thread_ != nullptr; }
+// Collectives on the device run in the order of the step's kernels (their
+// copies on the compute stream), so never on a communication thread.
+bool Model::background() const { return overlap_ && comm_thread_ != nullptr && !device_collectives_; }
+
+// Communicators whose buffers are device memory (NCCL) serve a CUDA library
+// only, all of its groups alike; their calls run on the runtime's
+// communication stream after its compute stream's work.
+void Model::check_communicators() {
+  int on_device = 0, all = 0;
+  const char* backend = "";
+  for (Communicator* c : {comm_, mesh_}) {
+    if (!c) continue;
+    ++all;
+    if (c->moves_device_memory()) ++on_device, backend = c->backend();
+  }
+  if (on_device == 0) return;
+  const std::string who = "error: model \"" + std::string(spec_.name) + "\"";
+  if (!cuda_)
+    throw Error(who + " is a library for " + (spec_.target && *spec_.target ? spec_.target : "the host") +
+                ", and its communicator (" + backend + ") moves CUDA device memory.\nfix: use "
+                "make_mpi_communicator() for CPU ranks, or build the model for CUDA (TARGET host-cuda).");
+  if (on_device != all)
+    throw Error(who + " has one communicator over NCCL and one over host memory.\nfix: make the sequence group and "
+                "the mesh of the same backend.");
+  bool ring = false;
+  for (const ProgramSpec* p : {&spec_.train, &spec_.forward})
+    for (int c = 0; c < p->num_calls; ++c) ring = ring || p->calls[c].kind == CallKind::RingShift;
+  if (ring)
+    throw Error(who + " passes blocks around a ring (ring attention), which runs over host memory only; its "
+                "communicator (" + backend + ") moves device memory.\nfix: a Ulysses schedule for GPUs, or "
+                "make_mpi_communicator().");
+  const RuntimeCudaContext& ctx = runtime_cuda_context();
+  if (!ctx.context)
+    throw Error(who + " runs its collectives over " + backend + " on the device, but this process has no CUDA "
+                "context: " + ctx.error + "\nfix: run it where an NVIDIA GPU and its driver are.");
+  for (Communicator* c : {comm_, mesh_})
+    if (c) c->use_streams(ctx.comm_stream, ctx.stream);
+  device_collectives_ = true;
+}
 
 Model::Block Model::allocate(int64_t bytes) {
   constexpr int64_t kPage = 4096;
@@ -163,6 +201,7 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
                 " ranks, not a multiple of it (dp x sp).\nfix: launch dp * " + std::to_string(spec.sp) + " ranks.");
   if (mesh_ && mesh_->size() == 1) mesh_ = nullptr;
   if (spec.sp == 1) comm_ = nullptr;
+  check_communicators();
   // Hybrid: sp rank s = i * u + j is rank j of Ulysses group i and rank i of
   // ring group j (ModelSpec::ulysses_degree).
   if (comm_ && spec.ulysses_degree > 1) {
@@ -317,13 +356,20 @@ void Model::wait_for_device(const char* what) {
                 ") failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
 }
 
+void Model::set_reduce_grads_bf16(bool on) {
+  if (on && device_collectives_)
+    throw Error("error: model \"" + std::string(spec_.name) + "\" sums its gradients over NCCL on the device, in f32; "
+                "moving them in bf16 there is not built.\nfix: \"grad_reduce_precision\": \"f32\" in the schedule.");
+  reduce_grads_bf16_ = on;
+}
+
 void Model::sum_over_mesh(float* grads, int64_t n) {
   if (reduce_grads_bf16_) mesh_->all_reduce_sum_bf16(grads, n);
   else mesh_->all_reduce_sum(grads, n);
 }
 
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
-  wait_for_pinned_copies();
+  if (!device_collectives_) wait_for_pinned_copies();  // (the host is about to read or write their bytes)
   if (call.kind == CallKind::ConcatSeq) {
     concat(call, p, bufs);
     return;
@@ -331,7 +377,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[call.args[1]];
   // Kernels of a GPU target leave results on the device; collectives move host memory.
-  to_host(p, bufs, call.args[0]);
+  if (!device_collectives_) to_host(p, bufs, call.args[0]);
   // The call's mesh axis names its communicator: the sequence group, every
   // rank, or a hybrid step's Ulysses or ring groups.
   const std::string axis = call.mesh_axis ? call.mesh_axis : "";
@@ -350,14 +396,45 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     ring_shift(call, p, bufs, over);
     return;
   }
-  if (!over && call.kind == CallKind::AllReduce) {  // one rank: the sum is the value
-    std::memcpy(out.host, in.host, static_cast<size_t>(buffer_bytes(p.buffers[call.args[0]])));
-  } else if (!over) {
+  if (!over && call.kind != CallKind::AllReduce)  // (one rank: the sum is the value)
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
-  } else {
-    run_collective(call.kind, p.buffers[call.args[0]], in.host, p.buffers[call.args[1]], out.host, *over, scratch_);
+  if (device_collectives_) {
+    device_collective(call, p, bufs, over);
+    return;
   }
+  const BufferSpec& is = p.buffers[call.args[0]];
+  const BufferSpec& os = p.buffers[call.args[1]];
+  run_plan(plan_collective(call.kind, is, os, over ? over->size() : 1, over ? over->backend() : "one rank"), in.host,
+           out.host, over, host_staging_);
   if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
+}
+
+// The same plan on the buffers' device memory: its copies on the compute
+// stream, its transfer over NCCL after them (the communicator waits for the
+// compute stream by an event, and the host for the transfer, with its
+// timeout), so nothing comes home.
+void Model::device_collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, Communicator* over) {
+  auto address = [&](int b, bool read) -> void* {
+    const BufferSpec& s = p.buffers[b];
+    halide_buffer_t& owner = bufs[s.storage == Storage::View ? s.index : b];
+    if (read && (owner.flags & halide_buffer_flag_host_dirty) &&
+        halide_copy_to_device(nullptr, &owner, owner.device_interface))
+      throw Error("error: model \"" + std::string(spec_.name) + "\": uploading " + s.name + " for " + call.kernel +
+                  " failed; Halide printed the reason above.");
+    if (!bufs[b].device)
+      throw Error("error: model \"" + std::string(spec_.name) + "\": " + s.name + " has no device memory for " +
+                  call.kernel + ".");
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[b].device));
+  };
+  const BufferSpec& is = p.buffers[call.args[0]];
+  const BufferSpec& os = p.buffers[call.args[1]];
+  const CollectivePlan plan = plan_collective(call.kind, is, os, over ? over->size() : 1, over ? over->backend() : "one rank");
+  if (!device_staging_) device_staging_ = make_cuda_collective_memory();
+  void* in = address(call.args[0], true);
+  void* out = address(call.args[1], false);
+  run_plan(plan, in, out, over, *device_staging_);
+  for (int b : {call.args[1], os.storage == Storage::View ? os.index : call.args[1]})
+    bufs[b].flags = (bufs[b].flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
 }
 
 // An offloaded value out to its host memory, or back to its device bytes,
@@ -1103,6 +1180,19 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   }
   if (copies.active) copies.before(p.num_calls);
   for (auto& f : grad_sums) finish(f, times_.grads);
+  auto timed_sum = [&](float* grads, const char* where) {
+    const auto t0 = std::chrono::steady_clock::now();
+    sum_over_mesh(grads, flat_size_);
+    const double took = since(t0);
+    times_.grads.waited_s += took;
+    times_.grads.busy_s += took;
+    if (profile) prof << "  " << ms(took) << " ms  all_reduce_grads  " << flat_size_ << " floats " << where << "\n";
+  };
+  // Over NCCL the gradients are summed where the kernels left them.
+  if (sum_grads && device_collectives_) {
+    timed_sum(reinterpret_cast<float*>(static_cast<uintptr_t>(device_blocks_.at(1)->handle())), "on the device");
+    sum_grads = false;
+  }
   // GPU kernels leave results on the device: the loss comes home, and the
   // gradients when the host sums them over the mesh (or without the
   // executor's blocks); otherwise they stay until the update reads them
@@ -1114,14 +1204,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     have_grads_ = true;
     grads_at_ = gpu_ && !grads_home ? Current::Device : Current::Host;
   }
-  if (sum_grads) {
-    const auto t0 = std::chrono::steady_clock::now();
-    sum_over_mesh(grads_flat(), flat_size_);
-    const double took = since(t0);
-    times_.grads.waited_s += took;
-    times_.grads.busy_s += took;
-    if (profile) prof << "  " << ms(since(t0)) << " ms  all_reduce_grads  " << flat_size_ << " floats\n";
-  }
+  if (sum_grads) timed_sum(grads_flat(), "on the host");
   profile_ = prof.str();
   times_.total_s = since(step_start);
   const BufferSpec& loss = p.buffers[p.loss];

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "runtime/adamw.h"
+#include "runtime/collectives.h"
 #include "runtime/comm.h"
 #include "runtime/step_program.h"
 
@@ -103,7 +104,8 @@ class Model {
   void set_reduce_grads(bool on) { reduce_grads_ = on; }
   // Whether that sum moves the gradients in bf16, summed in f32
   // (Communicator::all_reduce_sum_bf16; the schedule's grad_reduce_precision).
-  void set_reduce_grads_bf16(bool on) { reduce_grads_bf16_ = on; }
+  // Over NCCL the sum runs on the device in f32 only: on is an error there.
+  void set_reduce_grads_bf16(bool on);
   // All parameters (and gradients) as one flat array of flat_size() floats:
   // parameter i starts at flat_offset(i); the gaps between them are zeros.
   float* params_flat() { return reinterpret_cast<float*>(params_on_host(true)); }
@@ -249,7 +251,9 @@ class Model {
   void wait_for_pinned_copies();
   void wait_for_device(const char* what);  // throws naming `what`
   int64_t token_slot_bytes() const;  // one of tokens_'s four int32 arrays, aligned
+  void check_communicators();
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
+  void device_collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void to_host(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);  // buffer b of p, or a view's buffer
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
@@ -287,7 +291,11 @@ class Model {
   std::unique_ptr<Communicator> ulysses_, ring_;  // hybrid: the sp group split (sp_u, sp_r)
   bool reduce_grads_ = true;
   bool reduce_grads_bf16_ = false;
-  std::vector<float> scratch_;  // staging of collectives
+  HostCollectiveMemory host_staging_;  // staging of collectives on the host
+  // A CUDA library over NCCL: collectives on the device buffers (and their
+  // staging there), with the gradients summed there too.
+  bool device_collectives_ = false;
+  std::unique_ptr<CollectiveMemory> device_staging_;
   std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
   bool kernel_times_on_device_ = false;

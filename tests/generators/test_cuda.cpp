@@ -14,23 +14,29 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "llama_micro_cuda.h"
 #include "runtime/attention_cuda.h"
 #include "runtime/cuda_context.h"
+#include "runtime/cuda_driver.h"
 #include "runtime/cuda_probe.h"
 #include "runtime/model.h"
 #include "runtime/safetensors.h"
 #include "tests/attention_against_cpu.h"
 #include "tests/device_step.h"
+#include "tests/generators/sp_check.h"
 #include "tiny_llama_cpu_s256.h"
 #include "tiny_llama_cpu_s256_bf16.h"
 #include "tiny_llama_cuda.h"
 #include "tiny_llama_cuda_bf16.h"
 #include "tiny_llama_cuda_offload.h"
+#include "tiny_cuda_sp4_s128.h"
+#include "tiny_sp1_s128.h"
 
 // Halide's CUDA runtime (linked through the CUDA libraries); the real
 // declaration takes a CUcontext*, a pointer all the same.
@@ -154,6 +160,180 @@ TEST(Cuda, NoDeviceIsAClearError) {
     EXPECT_EQ(what.rfind("error: model \"llama_micro_cuda\" is a CUDA library (", 0), 0u) << what;
     EXPECT_NE(what.find("this process has no CUDA device: "), std::string::npos) << what;
     EXPECT_NE(what.find("fix: run it where an NVIDIA GPU"), std::string::npos) << what;
+  }
+}
+
+// A communicator that says its buffers are device memory, as NCCL's does,
+// and moves nothing: what a Model decides from that before any call.
+class ClaimsDeviceMemory final : public runtime::Communicator {
+ public:
+  explicit ClaimsDeviceMemory(int size) : Communicator(0, size, 10) {}
+  const char* backend() const override { return "NCCL"; }
+  bool moves_device_memory() const override { return true; }
+
+ protected:
+  [[noreturn]] static void unused() { throw runtime::Error("ClaimsDeviceMemory moves nothing"); }
+  void do_all_to_all_v(const void*, const int64_t*, void*, const int64_t*, runtime::CommType) override { unused(); }
+  void do_all_reduce_sum(void*, int64_t, runtime::CommType) override { unused(); }
+  void do_all_gather(const void*, int64_t, void*, runtime::CommType) override { unused(); }
+  void do_reduce_scatter_sum(const void*, void*, int64_t, runtime::CommType) override { unused(); }
+  void do_send(const void*, int64_t, int, int, runtime::CommType) override { unused(); }
+  void do_recv(void*, int64_t, int, int, runtime::CommType) override { unused(); }
+  void do_barrier() override { unused(); }
+};
+
+std::string construction_error(const runtime::ModelSpec& spec, runtime::Communicator* mesh) {
+  try {
+    runtime::Model m(spec, nullptr, mesh);
+  } catch (const runtime::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// NCCL's buffers are device memory: a CPU library over it is a mistake
+// named at construction, not NCCL's refusal of a host pointer mid-step.
+TEST(Cuda, NcclCommunicatorNeedsACudaLibrary) {
+  ClaimsDeviceMemory dp2(2);
+  const std::string e = construction_error(halyard_models::tiny_llama_cpu_s256(), &dp2);
+  std::printf("got, as users will:\n%s\n", e.c_str());
+  EXPECT_NE(e.find("error: model \"tiny_llama_cpu_s256\" is a library for "), std::string::npos) << e;
+  EXPECT_NE(e.find("and its communicator (NCCL) moves CUDA device memory"), std::string::npos) << e;
+  EXPECT_NE(e.find("fix: use make_mpi_communicator() for CPU ranks"), std::string::npos) << e;
+}
+
+// A CUDA library over NCCL runs its collectives and its gradients' sum on
+// the device (Model::device_collective): without a device that is an error
+// at construction.
+TEST(Cuda, NcclWithoutADeviceIsAClearError) {
+  if (gpu().present()) GTEST_SKIP() << "this machine has a CUDA device";
+  ClaimsDeviceMemory dp2(2);
+  const std::string e = construction_error(halyard_models::tiny_llama_cuda(), &dp2);
+  std::printf("got, as users will:\n%s\n", e.c_str());
+  EXPECT_NE(e.find("runs its collectives over NCCL on the device, but this process has no CUDA context"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("fix: run it where an NVIDIA GPU"), std::string::npos) << e;
+}
+
+// Over NCCL the gradients are summed on the device in f32; asking for the
+// bf16 wire format there is refused with the schedule's fix.
+TEST(Cuda, NcclGradientSumsInBf16AreRefused) {
+  HALYARD_NEED_GPU();
+  ClaimsDeviceMemory dp2(2);
+  runtime::Model m(halyard_models::tiny_llama_cuda(), nullptr, &dp2);
+  try {
+    m.set_reduce_grads_bf16(true);
+    ADD_FAILURE() << "no error";
+  } catch (const runtime::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"grad_reduce_precision\": \"f32\""), std::string::npos) << e.what();
+  }
+  m.set_reduce_grads_bf16(false);
+}
+
+// Ranks as threads whose buffers are device memory, as NCCL's are (NCCL
+// refuses two ranks on one GPU): each call brings its device buffers home on
+// the runtime's compute stream (after the kernels queued there), runs the
+// in-process group's collective, and puts the result back. So a Model over
+// it takes NCCL's path, the collectives' plans on device memory and the
+// gradients summed on the device; only the transfer differs.
+class DeviceRanks final : public runtime::Communicator {
+ public:
+  explicit DeviceRanks(std::unique_ptr<runtime::Communicator> host)
+      : Communicator(host->rank(), host->size(), host->timeout_s()), host_(std::move(host)) {}
+  const char* backend() const override { return "device ranks (in-process)"; }
+  bool moves_device_memory() const override { return true; }
+
+ protected:
+  void do_all_to_all_v(const void* send, const int64_t* sc, void* recv, const int64_t* rc,
+                       runtime::CommType type) override {
+    int64_t ns = 0, nr = 0;
+    for (int p = 0; p < size(); ++p) ns += sc[p], nr += rc[p];
+    std::vector<int32_t> s = home(send, ns), r(static_cast<size_t>(nr));
+    if (type == runtime::CommType::I32) host_->all_to_all_v(s.data(), sc, r.data(), rc);
+    else host_->all_to_all_v(reinterpret_cast<float*>(s.data()), sc, reinterpret_cast<float*>(r.data()), rc);
+    up(recv, r);
+  }
+  void do_all_reduce_sum(void* data, int64_t n, runtime::CommType type) override {
+    const int64_t words = type == runtime::CommType::F64 || type == runtime::CommType::I64 ? 2 * n : n;
+    std::vector<int32_t> x = home(data, words);
+    if (type == runtime::CommType::F64) host_->all_reduce_sum(reinterpret_cast<double*>(x.data()), n);
+    else host_->all_reduce_sum(reinterpret_cast<float*>(x.data()), n);
+    up(data, x);
+  }
+  void do_all_gather(const void* send, int64_t n, void* recv, runtime::CommType type) override {
+    std::vector<int32_t> s = home(send, n), r(static_cast<size_t>(n * size()));
+    if (type == runtime::CommType::I32) host_->all_gather(s.data(), n, r.data());
+    else host_->all_gather(reinterpret_cast<float*>(s.data()), n, reinterpret_cast<float*>(r.data()));
+    up(recv, r);
+  }
+  [[noreturn]] static void unused() { throw runtime::Error("DeviceRanks: a call a step does not make"); }
+  void do_reduce_scatter_sum(const void*, void*, int64_t, runtime::CommType) override { unused(); }
+  void do_send(const void*, int64_t, int, int, runtime::CommType) override { unused(); }
+  void do_recv(void*, int64_t, int, int, runtime::CommType) override { unused(); }
+  void do_barrier() override { host_->barrier(); }
+
+ private:
+  // 32-bit words of device memory, through the runtime's compute stream.
+  static std::vector<int32_t> home(const void* device, int64_t words) {
+    std::vector<int32_t> h(static_cast<size_t>(words));
+    move(h.data(), device, words, true);
+    return h;
+  }
+  static void up(void* device, std::vector<int32_t>& h) { move(h.data(), device, static_cast<int64_t>(h.size()), false); }
+  static void move(int32_t* host, const void* device, int64_t words, bool to_host) {
+    const runtime::CudaDriver& d = runtime::cuda_driver();
+    const runtime::RuntimeCudaContext& c = runtime::runtime_cuda_context();
+    ASSERT_EQ(d.ctx_push(c.context), 0);
+    const auto dev = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(device));
+    const size_t bytes = static_cast<size_t>(words) * 4;
+    const int rc = to_host ? d.memcpy_dtoh_async(host, dev, bytes, c.stream) : d.memcpy_htod_async(dev, host, bytes, c.stream);
+    const int done = d.stream_synchronize(c.stream);
+    void* popped = nullptr;
+    d.ctx_pop(&popped);
+    ASSERT_EQ(rc, 0) << d.text(rc);
+    ASSERT_EQ(done, 0) << d.text(done);
+  }
+  std::unique_ptr<runtime::Communicator> host_;
+};
+
+// Four Ulysses ranks of the tiny Llama (8 heads on 2 kv heads: each rank
+// holds a replica of a kv head, summed on the way back) with their
+// collectives on the device (Model::device_collective: the plans of
+// runtime/collectives.h in device memory, the gradients summed there),
+// against one CPU rank. A step brings home only its loss and gradients:
+// none of its collectives copies anything home.
+TEST(Cuda, UlyssesRanksWithCollectivesOnTheDeviceMatchOneRank) {
+  HALYARD_NEED_GPU();
+  const runtime::ModelSpec& spec = halyard_models::tiny_cuda_sp4_s128();
+  const sp_check::StepResult want = sp_check::run_step(halyard_models::tiny_sp1_s128(), nullptr);
+  auto host = runtime::make_in_process_group(4, 120);
+  std::vector<std::unique_ptr<DeviceRanks>> comms;
+  for (auto& h : host) comms.push_back(std::make_unique<DeviceRanks>(std::move(h)));
+  std::vector<sp_check::StepResult> got(4);
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        got[static_cast<size_t>(r)] = sp_check::run_step(spec, comms[static_cast<size_t>(r)].get());
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  ASSERT_GT(testing::collectives(spec.train), 0);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    const sp_check::Comparison c = sp_check::compare(spec, got[static_cast<size_t>(r)], want);
+    const auto& t = got[static_cast<size_t>(r)].train_times;
+    std::printf("  rank %d: loss %.9f vs %.9f, forward %.2e, worst gradient %.2e (%s); %lld copies home\n", r,
+                got[static_cast<size_t>(r)].loss, want.loss, c.forward_loss, c.worst_grad, c.worst_param.c_str(),
+                static_cast<long long>(t.device_to_host_copies));
+    EXPECT_LE(c.loss, 1e-4);
+    EXPECT_LE(c.forward_loss, 1e-4);
+    EXPECT_LE(c.worst_grad, 1e-4) << c.worst_param;
+    EXPECT_LE(t.device_to_host_copies, static_cast<int64_t>(spec.num_params) + 1);  // the loss, the gradients
+    EXPECT_GT(got[static_cast<size_t>(r)].a2a_train_bytes, 0);
   }
 }
 
