@@ -61,6 +61,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dsl/error.h"
@@ -450,7 +451,21 @@ int train(const Options& o) {
                             : "f32";
     const bool reduce_bf16 = run.grad_reduce == "bf16" && ranks > 1;
     const std::string plan_line = plan.is_null() ? "" : runtime::describe_plan(plan);
-    runtime::Model m(spec, sp_comm, comm.get());
+    // A CUDA library's step over NCCL, where this trainer links it
+    // (halyard_add_llama_train(... NCCL)): its collectives and gradient sums
+    // stay on the device. MPI carries the rest: the checks, the metrics,
+    // ZeRO-1's state on the host, checkpoints.
+    std::unique_ptr<runtime::Communicator> step_mesh, step_group;
+    runtime::Communicator *step_sp = sp_comm, *step_all = comm.get();
+#ifdef HALYARD_TRAIN_NCCL
+    if (comm && std::string_view(spec.target).find("cuda") != std::string_view::npos) {
+      step_mesh = runtime::make_nccl_communicator(o.comm_timeout);
+      if (sp > 1 && sp != ranks) step_group = step_mesh->split(rank / sp, rank);
+      step_sp = sp == 1 ? nullptr : step_group ? step_group.get() : step_mesh.get();
+      step_all = step_mesh.get();
+    }
+#endif
+    runtime::Model m(spec, step_sp, step_all);
     m.init_params(o.seed);
     const int64_t seq = spec.seq, batch = spec.batch;
     const runtime::TokenFile file =
@@ -556,7 +571,7 @@ int train(const Options& o) {
       std::printf("%s: %s, %s; %d rank(s) (dp=%d x sp=%d%s), batch %lld x seq %lld (%lld per rank) per replica, "
                   "%d kernels, activation arena %.1f MiB per rank%s%s%s\n",
                   spec.name, spec.target, plan.is_null() ? spec.schedule : plan.value("schedule", "").c_str(), ranks, dp, spec.sp,
-                  comm ? (std::string(", ") + comm->backend()).c_str() : "",
+                  comm ? (std::string(", ") + comm->backend() + (step_mesh ? ", steps over NCCL" : "")).c_str() : "",
                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(spec.local_seq),
                   spec.num_kernels, static_cast<double>(m.arena_bytes()) / (1 << 20),
                   run.zero ? ", ZeRO-1 optimizer state" : "",

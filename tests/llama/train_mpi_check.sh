@@ -28,6 +28,10 @@
 #            of step 1 stays the latest, and no later one is written.
 #   validation  --val-every on a text with a held-out tail: validation lines
 #            and "val_loss" in the metrics at the steps asked.
+#   nccl     (llama_train_cuda_nccl: the tiny Llama's CUDA library, its steps
+#            over NCCL) 2 ranks: without GPUs every rank stops within 60 s
+#            naming the missing device and the fix; on one GPU, NCCL's one
+#            GPU per rank; on two, 3 steps of dp 2 whose header says NCCL.
 #   plan     (llama_train_planned: one library, sp 1, with a made-up plan) the
 #            plan line before step 1; --metrics starts with the plan and the
 #            launch, on 1 rank and on dp 2 x ZeRO-1; step lines carry exact
@@ -235,6 +239,30 @@ plan)
   out=$("${mpi[@]}" -np 2 "$train" --steps 1 2>&1) && fail "2 ranks along the sequence ran"
   grep -qF "links libraries for sp = 1 only." <<<"$out" && grep -qF "fix: pass --sp 1 (" <<<"$out" \
     && grep -qF "halyard_add_llama_train(NAME llama_train_planned MODELS ...)" <<<"$out" || fail "2 ranks: $out"
+  ;;
+nccl)
+  # (llama_train_cuda_nccl: a CUDA library, steps over NCCL.) Without two
+  # GPUs the NCCL bootstrap stops every rank at once with the reason and the
+  # fix; with them, dp 2 trains and says its steps run over NCCL.
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  start=$(date +%s)
+  out=$(timeout 120 "${mpi[@]}" -np 2 "$train" --steps 3 --sp 1 --zero 0 2>&1)
+  rc=$?
+  took=$(($(date +%s) - start))
+  if [ "${gpus:-0}" -ge 2 ]; then
+    [ $rc -eq 0 ] || fail "2 ranks on $gpus GPUs: exit $rc: $out"
+    grep -q "steps over NCCL" <<<"$out" || fail "no NCCL in the header: $out"
+    grep -E "^step +3 " <<<"$out" || fail "no step 3: $out"
+  elif [ "${gpus:-0}" -eq 1 ]; then
+    [ $rc -ne 0 ] || fail "2 ranks on one GPU ran"
+    grep -q "NCCL needs one GPU per rank" <<<"$out" || fail "one GPU: $out"
+  else
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "2 ranks without a GPU: exit $rc: $out"
+    grep -q "error: NCCL communicator on rank [01]: no CUDA device" <<<"$out" \
+      && grep -q "fix: run on GPU nodes or use make_mpi_communicator()" <<<"$out" || fail "no GPU: $out"
+    [ $took -lt 60 ] || fail "no GPU: the ranks took $took s to stop (a timeout, not the bootstrap's check)"
+  fi
+  grep -m1 "error:" <<<"$out" || true
   ;;
 *) fail "unknown case $case" ;;
 esac
