@@ -315,6 +315,28 @@ class NcclCommunicator final : public Communicator {
              ") came from rank " + std::to_string(peer) + ".");
   }
 
+  // Ring attention's pass: one send and one receive in one NCCL group (no
+  // order can deadlock), queued now; wait() waits for them, with the timeout.
+  std::unique_ptr<Exchange> do_start_exchange(const void* send, void* recv, int64_t n, int to, int from, int tag,
+                                              CommType type) override {
+    const CommOp op = CommOp::Send;
+    throw_if_broken(op);
+    if (n == 0) return std::make_unique<Done>();
+    check_device_buffer(op, "send", send);
+    check_device_buffer(op, "recv", recv);
+    DeviceScope on(device_);
+    check_cuda(on.result(), op, "cudaSetDevice");
+    order_after_compute(op);
+    check_nccl(ncclGroupStart(), op, "ncclGroupStart");
+    check_nccl(ncclSend(send, static_cast<size_t>(n), nccl_type(type), to, comm_, stream()), op, "ncclSend");
+    check_nccl(ncclRecv(recv, static_cast<size_t>(n), nccl_type(type), from, comm_, stream()), op, "ncclRecv");
+    check_nccl(ncclGroupEnd(), op, "ncclGroupEnd");
+    const std::string detail = "the pass of " + std::to_string(n) + " " + comm_type_name(type) + " (tag " +
+                               std::to_string(tag) + ") to rank " + std::to_string(to) + " and from rank " +
+                               std::to_string(from) + " did not finish.";
+    return std::make_unique<Pass>(*this, detail);
+  }
+
   // ncclCommSplit: the group shares this one's device and streams (an sp
   // group of a dp x sp mesh). Every rank of this communicator calls it.
   std::unique_ptr<Communicator> do_split(int color, int key) override {
@@ -367,6 +389,27 @@ class NcclCommunicator final : public Communicator {
 
  private:
   static constexpr size_t kMinScratch = 256;
+
+  class Done final : public Exchange {
+   public:
+    void wait() override {}
+  };
+  class Pass final : public Exchange {
+   public:
+    Pass(NcclCommunicator& comm, std::string detail) : comm_(comm), detail_(std::move(detail)) {}
+    void wait() override {
+      if (waited_) return;
+      waited_ = true;
+      DeviceScope on(comm_.device_);
+      comm_.check_cuda(on.result(), CommOp::Send, "cudaSetDevice");
+      comm_.wait(CommOp::Send, "ncclGroupEnd", detail_);
+    }
+
+   private:
+    NcclCommunicator& comm_;
+    std::string detail_;
+    bool waited_ = false;
+  };
 
   void throw_if_broken(CommOp op) const {
     if (failure_.empty()) return;

@@ -154,13 +154,6 @@ void Model::check_communicators() {
   if (on_device != all)
     throw Error(who + " has one communicator over NCCL and one over host memory.\nfix: make the sequence group and "
                 "the mesh of the same backend.");
-  bool ring = false;
-  for (const ProgramSpec* p : {&spec_.train, &spec_.forward})
-    for (int c = 0; c < p->num_calls; ++c) ring = ring || p->calls[c].kind == CallKind::RingShift;
-  if (ring)
-    throw Error(who + " passes blocks around a ring (ring attention), which runs over host memory only; its "
-                "communicator (" + backend + ") moves device memory.\nfix: a Ulysses schedule for GPUs, or "
-                "make_mpi_communicator().");
   const RuntimeCudaContext& ctx = runtime_cuda_context();
   if (!ctx.context)
     throw Error(who + " runs its collectives over " + backend + " on the device, but this process has no CUDA "
@@ -413,25 +406,27 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
 // stream, its transfer over NCCL after them (the communicator waits for the
 // compute stream by an event, and the host for the transfer, with its
 // timeout), so nothing comes home.
+// Buffer b's device address for a collective (`read`: its input, uploaded
+// first if the host wrote it last).
+void* Model::device_address(const ProgramSpec& p, halide_buffer_t* bufs, int b, bool read, const char* what) {
+  const BufferSpec& s = p.buffers[b];
+  halide_buffer_t& owner = bufs[s.storage == Storage::View ? s.index : b];
+  if (read && (owner.flags & halide_buffer_flag_host_dirty) &&
+      halide_copy_to_device(nullptr, &owner, owner.device_interface))
+    throw Error("error: model \"" + std::string(spec_.name) + "\": uploading " + s.name + " for " + what +
+                " failed; Halide printed the reason above.");
+  if (!bufs[b].device)
+    throw Error("error: model \"" + std::string(spec_.name) + "\": " + s.name + " has no device memory for " + what + ".");
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[b].device));
+}
+
 void Model::device_collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, Communicator* over) {
-  auto address = [&](int b, bool read) -> void* {
-    const BufferSpec& s = p.buffers[b];
-    halide_buffer_t& owner = bufs[s.storage == Storage::View ? s.index : b];
-    if (read && (owner.flags & halide_buffer_flag_host_dirty) &&
-        halide_copy_to_device(nullptr, &owner, owner.device_interface))
-      throw Error("error: model \"" + std::string(spec_.name) + "\": uploading " + s.name + " for " + call.kernel +
-                  " failed; Halide printed the reason above.");
-    if (!bufs[b].device)
-      throw Error("error: model \"" + std::string(spec_.name) + "\": " + s.name + " has no device memory for " +
-                  call.kernel + ".");
-    return reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[b].device));
-  };
   const BufferSpec& is = p.buffers[call.args[0]];
   const BufferSpec& os = p.buffers[call.args[1]];
   const CollectivePlan plan = plan_collective(call.kind, is, os, over ? over->size() : 1, over ? over->backend() : "one rank");
   if (!device_staging_) device_staging_ = make_cuda_collective_memory();
-  void* in = address(call.args[0], true);
-  void* out = address(call.args[1], false);
+  void* in = device_address(p, bufs, call.args[0], true, call.kernel);
+  void* out = device_address(p, bufs, call.args[1], false, call.kernel);
   run_plan(plan, in, out, over, *device_staging_);
   for (int b : {call.args[1], os.storage == Storage::View ? os.index : call.args[1]})
     bufs[b].flags = (bufs[b].flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
@@ -472,13 +467,25 @@ void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer
   for (int d = 0; d < s.rank; ++d) n *= s.shape[d];
   halide_buffer_t& in = bufs[call.args[0]];
   halide_buffer_t& out = bufs[out_index];
-  if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // written on the host, read by kernels after its wait
-  if (!over) {  // one rank: its own block comes back
-    std::memcpy(out.host, in.host, static_cast<size_t>(n) * 4);
-    return;
-  }
   if (s.type != ElemType::F32 && s.type != ElemType::I32)
     throw Error(std::string("error: model \"") + spec_.name + "\": ring_shift of " + s.name + " moves f32 or i32 only.");
+  // Over NCCL the pass moves the buffers' device memory (queued after the
+  // kernels before it; its wait is the program's Wait).
+  const void* src = in.host;
+  void* dst = out.host;
+  if (device_collectives_) {
+    src = device_address(p, bufs, call.args[0], true, call.kernel);
+    dst = device_address(p, bufs, out_index, false, call.kernel);
+    out.flags = (out.flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
+    if (!device_staging_) device_staging_ = make_cuda_collective_memory();
+  } else if (gpu_) {
+    out.flags |= halide_buffer_flag_host_dirty;  // written on the host, read by kernels after its wait
+  }
+  if (!over) {  // one rank: its own block comes back
+    if (device_collectives_) device_staging_->rows({Area::In, Area::Out, 0, n, 0, n, n, 1}, src, dst, 4);
+    else std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    return;
+  }
   const int size = over->size(), r = over->rank();
   const int to = ((r + call.direction) % size + size) % size, from = ((r - call.direction) % size + size) % size;
   // Several passes are in flight at once (k, v and positions): each has its
@@ -486,10 +493,8 @@ void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer
   const int tag = out_index % kMaxCommTag;
   std::unique_ptr<Exchange> e =
       s.type == ElemType::I32
-          ? over->start_exchange(reinterpret_cast<const int32_t*>(in.host), reinterpret_cast<int32_t*>(out.host), n,
-                                 to, from, tag)
-          : over->start_exchange(reinterpret_cast<const float*>(in.host), reinterpret_cast<float*>(out.host), n, to,
-                                 from, tag);
+          ? over->start_exchange(static_cast<const int32_t*>(src), static_cast<int32_t*>(dst), n, to, from, tag)
+          : over->start_exchange(static_cast<const float*>(src), static_cast<float*>(dst), n, to, from, tag);
   if (!overlap_ || background()) e->wait();
   else exchanges_[out_index] = std::move(e);
 }

@@ -254,6 +254,7 @@ class Model {
   void check_communicators();
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
   void device_collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
+  void* device_address(const ProgramSpec& p, ::halide_buffer_t* bufs, int b, bool read, const char* what);
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void to_host(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);  // buffer b of p, or a view's buffer
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
