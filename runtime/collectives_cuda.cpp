@@ -3,6 +3,7 @@
 // kernels that wrote its input and will read its output run, so no host
 // wait orders them; the transfer is the communicator's (NCCL), which waits
 // for the compute stream by an event.
+#include <algorithm>
 #include <string>
 
 #include "runtime/collectives.h"
@@ -51,18 +52,24 @@ class CudaCollectiveMemory final : public CollectiveMemory {
       if (!why.empty()) throw Error("error: summing the replicas of a collective on the device failed: " + why);
       return;
     }
-    CudaMemcpy2D c;
-    c.src_memory_type = c.dst_memory_type = kCuMemoryTypeDevice;
-    c.src_device = s;
-    c.dst_device = t;
-    c.width_bytes = static_cast<size_t>(r.width * esize);
-    c.height = static_cast<size_t>(r.count);
-    // (A single run's pitches are never stepped; the driver still wants
-    // them at least its width.)
-    c.src_pitch = r.count > 1 ? static_cast<size_t>(r.src_pitch * esize) : c.width_bytes;
-    c.dst_pitch = r.count > 1 ? static_cast<size_t>(r.dst_pitch * esize) : c.width_bytes;
+    // The driver takes pitches below 2^31 bytes: runs further apart (a
+    // batch row of a long sequence) are copied one by one.
+    constexpr int64_t kMaxPitch = (int64_t{1} << 31) - 1;
+    const bool far = r.count > 1 && std::max(r.src_pitch, r.dst_pitch) * esize > kMaxPitch;
     Current scope;
-    check(cuda_driver().memcpy_2d_async(&c, runtime_cuda_context().stream), "cuMemcpy2DAsync");
+    for (int64_t i = 0; i < (far ? r.count : 1); ++i) {
+      CudaMemcpy2D c;
+      c.src_memory_type = c.dst_memory_type = kCuMemoryTypeDevice;
+      c.src_device = s + static_cast<unsigned long long>(i * r.src_pitch * esize);
+      c.dst_device = t + static_cast<unsigned long long>(i * r.dst_pitch * esize);
+      c.width_bytes = static_cast<size_t>(r.width * esize);
+      c.height = static_cast<size_t>(far ? 1 : r.count);
+      // (A single run's pitches are never stepped; the driver still wants
+      // them at least its width.)
+      c.src_pitch = c.height > 1 ? static_cast<size_t>(r.src_pitch * esize) : c.width_bytes;
+      c.dst_pitch = c.height > 1 ? static_cast<size_t>(r.dst_pitch * esize) : c.width_bytes;
+      check(cuda_driver().memcpy_2d_async(&c, runtime_cuda_context().stream), "cuMemcpy2DAsync");
+    }
   }
 
   void zero(void* dst, int64_t bytes) override {

@@ -334,6 +334,9 @@ class NcclCommunicator final : public Communicator {
     const std::string detail = "the pass of " + std::to_string(n) + " " + comm_type_name(type) + " (tag " +
                                std::to_string(tag) + ") to rank " + std::to_string(to) + " and from rank " +
                                std::to_string(from) + " did not finish.";
+    // Queued before anything else touches the communicator (the next pass
+    // starts at once); done at wait().
+    if (!enqueued(op, "ncclGroupEnd", deadline_after(timeout_s()))) timed_out(op, "ncclGroupEnd", false, detail);
     return std::make_unique<Pass>(*this, detail);
   }
 
@@ -495,14 +498,8 @@ class NcclCommunicator final : public Communicator {
   // timeout_s() from now. `detail` explains a timeout of send or recv.
   void wait(CommOp op, const char* call, const std::string& detail = "") {
     const auto deadline = deadline_after(timeout_s());
-    ncclResult_t state = last_result_;
-    // First until NCCL has put the work on the stream (it may be waiting to
-    // connect to a peer); no CUDA call may touch the stream before that.
-    bool queued = state == ncclSuccess || poll_until(deadline, [&] {
-                    check_nccl(ncclCommGetAsyncError(comm_, &state), op, "ncclCommGetAsyncError");
-                    return state != ncclInProgress;
-                  });
-    if (queued && state != ncclSuccess) check_nccl(state, op, call);
+    ncclResult_t state = ncclSuccess;
+    const bool queued = enqueued(op, call, deadline);
     if (queued) {
       check_cuda(cudaEventRecord(done_, stream()), op, "cudaEventRecord");
       if (poll_until(deadline, [&] {
@@ -516,6 +513,23 @@ class NcclCommunicator final : public Communicator {
           }))
         return;
     }
+    timed_out(op, call, queued, detail);
+  }
+
+  // Until NCCL has put the work just issued by `call` on the stream (it may
+  // be waiting to connect to a peer): no CUDA or NCCL call may touch the
+  // stream or the communicator before that. False at the deadline.
+  bool enqueued(CommOp op, const char* call, nccl_detail::Clock::time_point deadline) {
+    ncclResult_t state = last_result_;
+    const bool queued = state == ncclSuccess || poll_until(deadline, [&] {
+                          check_nccl(ncclCommGetAsyncError(comm_, &state), op, "ncclCommGetAsyncError");
+                          return state != ncclInProgress;
+                        });
+    if (queued && state != ncclSuccess) check_nccl(state, op, call);
+    return queued;
+  }
+
+  [[noreturn]] void timed_out(CommOp op, const char* call, bool queued, const std::string& detail) {
     const std::string why = std::string(call) + (queued ? " was still running on the GPU" : " was still in progress") +
                             "; the NCCL communicator was aborted (ncclCommAbort).";
     fail(timeout_message(op, {}, detail.empty() ? why : detail + "\n" + why),
