@@ -53,6 +53,7 @@ CudaDriver load() {
   get(d.mem_free, "cuMemFree_v2");
   get(d.memcpy_2d_async, "cuMemcpy2DAsync_v2");
   get(d.memset_d8_async, "cuMemsetD8Async");
+  get(d.pointer_get_attribute, "cuPointerGetAttribute");
   get(d.module_load_data, "cuModuleLoadData");
   get(d.module_get_function, "cuModuleGetFunction");
   get(d.launch_kernel, "cuLaunchKernel");

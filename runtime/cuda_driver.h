@@ -39,6 +39,8 @@ struct CudaDriver {
   CUresult (*mem_free)(unsigned long long) = nullptr;
   CUresult (*memcpy_2d_async)(const void*, void*) = nullptr;  // (const CUDA_MEMCPY2D*, CUstream)
   CUresult (*memset_d8_async)(unsigned long long, unsigned char, size_t, void*) = nullptr;
+  // (CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2: kCuMemoryTypeDevice for device memory; an error for plain host memory.)
+  CUresult (*pointer_get_attribute)(void*, int, unsigned long long) = nullptr;
   // The runtime's own kernels (attention_cuda.cpp): a fatbin loaded into the
   // current context, and launches with their arguments as kernelParams.
   CUresult (*module_load_data)(void**, const void*) = nullptr;

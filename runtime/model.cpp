@@ -26,6 +26,7 @@
 #include "runtime/device_memory.h"
 #include "runtime/error.h"
 #include "runtime/offload_windows.h"
+#include "runtime/zero.h"
 
 namespace halyard::runtime {
 namespace {
@@ -540,11 +541,17 @@ struct Model::Bound {
 // gradient norm's partial sums, and each parameter's buffers (aliases of
 // the parameters', gradients' and moments' blocks) for the optimizer's
 // kernels, made at the first update and kept.
+// The update's state on the device, and its kernels' buffers by segment: a
+// segment is a run of one parameter's elements (the whole parameter, or
+// under ZeRO-1 its run inside this rank's slice).
 struct Model::DeviceAdamW {
   std::unique_ptr<DeviceBlock> m, v, partials;
+  std::unique_ptr<DeviceBlock> grad_slice;  // ZeRO-1: the slice's summed gradients (its first `block` elements)
+  ZeroSlice slice;  // ZeRO-1: this rank's; segments by parameter otherwise
+  std::vector<ZeroSlice::Segment> segments;
   std::vector<halide_dimension_t> dims;  // one per buffer below
-  std::vector<halide_buffer_t> w, g, mom, var, part;  // by parameter
-  std::vector<int64_t> part_at;  // parameter i's partial sums: from this double of partials
+  std::vector<halide_buffer_t> w, g, mom, var, part;  // by segment
+  std::vector<int64_t> part_at;  // segment s's partial sums: from this double of partials
   std::vector<double> partials_home;
   ~DeviceAdamW() {
     for (auto* list : {&w, &g, &mom, &var, &part})
@@ -557,7 +564,9 @@ int64_t Model::device_bytes() const {
   int64_t n = 0;
   for (const auto& b : device_blocks_) n += b->bytes();
   if (device_adamw_)
-    for (const auto* b : {device_adamw_->m.get(), device_adamw_->v.get(), device_adamw_->partials.get()}) n += b->bytes();
+    for (const auto* b : {device_adamw_->m.get(), device_adamw_->v.get(), device_adamw_->partials.get(),
+                          device_adamw_->grad_slice.get()})
+      if (b) n += b->bytes();
   return n;
 }
 
@@ -596,12 +605,24 @@ bool Model::adamw_on_device() const {
   return gpu_ && spec_.adamw && spec_.grad_sumsq && device_interface_of(spec_.target ? spec_.target : "");
 }
 
+void Model::use_zero_adamw(std::vector<bool> decay, AdamWConfig cfg) {
+  if (!device_collectives_ || !mesh_ || !adamw_on_device())
+    throw Error("error: model \"" + std::string(spec_.name) + "\": use_zero_adamw shards the update's state over the "
+                "ranks of a CUDA library whose communicator moves device memory (NCCL); this model " +
+                (!mesh_ ? "runs on one rank" : !device_collectives_ ? "moves host memory" : "has no device update") +
+                ".\nfix: runtime::ZeroAdamW on the host for CPU ranks, or use_adamw on one rank.");
+  use_adamw(std::move(decay), cfg);
+  zero_ = true;
+  reduce_grads_ = false;  // the update sums them, each rank its slice
+}
+
 void Model::use_adamw(std::vector<bool> decay, AdamWConfig cfg) {
   if (static_cast<int>(decay.size()) != spec_.num_params)
     throw Error("error: use_adamw got " + std::to_string(decay.size()) + " decay flags for model \"" + std::string(spec_.name) +
                 "\", which has " + std::to_string(spec_.num_params) + " parameters; give one flag per parameter.");
   decay_ = std::move(decay);
   adamw_cfg_ = cfg;
+  zero_ = false;
   device_adamw_.reset();
   host_adamw_.reset();
   pending_m_.clear();
@@ -617,36 +638,66 @@ Model::DeviceAdamW& Model::device_adamw() {
   if (device_adamw_) return *device_adamw_;
   const halide_device_interface_t* device = device_interface_of(spec_.target);
   auto d = std::make_unique<DeviceAdamW>();
-  const int n = spec_.num_params;
-  int64_t partials = 0;
-  for (int i = 0; i < n; ++i) {
-    d->part_at.push_back(partials);
-    partials += round_up((spec_.params[i].numel + kNormChunk - 1) / kNormChunk * 8) / 8;  // (aliases start aligned)
+  std::vector<int64_t> offsets, sizes;
+  for (int i = 0; i < spec_.num_params; ++i) {
+    offsets.push_back(flat_offset(i));
+    sizes.push_back(spec_.params[i].numel);
+    if (sizes.back() > INT32_MAX)
+      throw Error("error: parameter \"" + std::string(spec_.params[i].name) + "\" has " + std::to_string(sizes.back()) +
+                  " elements, beyond a Halide buffer's 32-bit extent.\nfix: split it into parameters of fewer elements.");
   }
-  d->m = std::make_unique<DeviceBlock>(device, flat_size_ * 4);
-  d->v = std::make_unique<DeviceBlock>(device, flat_size_ * 4);
+  // Moments by flat element from `base`: every element, or this rank's slice.
+  int64_t base = 0, state = flat_size_, summed_end = flat_size_;  // summed_end: the slice's gradients in grad_slice before it
+  if (zero_) {
+    d->slice = zero_slice(flat_size_, mesh_->size(), mesh_->rank(), offsets, sizes);
+    base = d->slice.begin;
+    state = d->slice.end - d->slice.begin;
+    summed_end = d->slice.begin + d->slice.block;
+    d->grad_slice = std::make_unique<DeviceBlock>(device, std::max<int64_t>(d->slice.block, 1) * 4);
+    // The last rank's run across its block's end reads two blocks: two segments.
+    for (const ZeroSlice::Segment& s : d->slice.segments) {
+      if (s.begin < summed_end && s.end > summed_end) {
+        d->segments.push_back({s.param, s.begin, summed_end});
+        d->segments.push_back({s.param, summed_end, s.end});
+      } else {
+        d->segments.push_back(s);
+      }
+    }
+  } else {
+    for (int i = 0; i < spec_.num_params; ++i)
+      d->segments.push_back({static_cast<size_t>(i), offsets[static_cast<size_t>(i)],
+                             offsets[static_cast<size_t>(i)] + sizes[static_cast<size_t>(i)]});
+  }
+  const size_t n = d->segments.size();
+  int64_t partials = 0;
+  for (const ZeroSlice::Segment& s : d->segments) {
+    d->part_at.push_back(partials);
+    partials += round_up((s.end - s.begin + kNormChunk - 1) / kNormChunk * 8) / 8;  // (aliases start aligned)
+  }
+  d->m = std::make_unique<DeviceBlock>(device, std::max<int64_t>(state, 1) * 4);
+  d->v = std::make_unique<DeviceBlock>(device, std::max<int64_t>(state, 1) * 4);
   d->partials = std::make_unique<DeviceBlock>(device, std::max<int64_t>(partials, 1) * 8);
   d->partials_home.resize(static_cast<size_t>(partials));
   for (const DeviceBlock* b : {d->m.get(), d->v.get()}) b->fill_zero("the AdamW moments");
-  d->dims.resize(static_cast<size_t>(5 * n));
-  for (auto* list : {&d->w, &d->g, &d->mom, &d->var, &d->part}) list->assign(static_cast<size_t>(n), halide_buffer_t{});
-  for (int i = 0; i < n; ++i) {
-    const int64_t numel = spec_.params[i].numel;
-    if (numel > INT32_MAX)
-      throw Error("error: parameter \"" + std::string(spec_.params[i].name) + "\" has " + std::to_string(numel) +
-                  " elements, beyond a Halide buffer's 32-bit extent.\nfix: split it into parameters of fewer elements.");
-    const size_t k = static_cast<size_t>(i);
+  d->dims.resize(5 * n);
+  for (auto* list : {&d->w, &d->g, &d->mom, &d->var, &d->part}) list->assign(n, halide_buffer_t{});
+  for (size_t k = 0; k < n; ++k) {
+    const ZeroSlice::Segment& s = d->segments[k];
+    const int64_t numel = s.end - s.begin;
     struct Place {
       halide_buffer_t& buf;
       const DeviceBlock& block;
       int64_t offset, extent;
       bool f64;
     };
-    const Place places[] = {{d->w[k], *device_blocks_[0], offsets_[k], numel, false},
-                            {d->g[k], *device_blocks_[1], offsets_[k], numel, false},
-                            {d->mom[k], *d->m, offsets_[k], numel, false},
-                            {d->var[k], *d->v, offsets_[k], numel, false},
-                            {d->part[k], *d->partials, d->part_at[k] * 8, (numel + kNormChunk - 1) / kNormChunk, true}};
+    // The gradients: where the step left them, or (ZeRO-1) summed into the slice's block.
+    const bool in_slice = zero_ && s.begin < summed_end;
+    const Place places[] = {
+        {d->w[k], *device_blocks_[0], s.begin * 4, numel, false},
+        {d->g[k], in_slice ? *d->grad_slice : *device_blocks_[1], (in_slice ? s.begin - base : s.begin) * 4, numel, false},
+        {d->mom[k], *d->m, (s.begin - base) * 4, numel, false},
+        {d->var[k], *d->v, (s.begin - base) * 4, numel, false},
+        {d->part[k], *d->partials, d->part_at[k] * 8, (numel + kNormChunk - 1) / kNormChunk, true}};
     for (size_t j = 0; j < 5; ++j) {
       const Place& pl = places[j];
       pl.buf.type = pl.f64 ? halide_type_t(halide_type_float, 64) : halide_type_t(halide_type_float, 32);
@@ -658,8 +709,11 @@ Model::DeviceAdamW& Model::device_adamw() {
                     std::to_string(pl.offset) + " is off the device's alignment (a bug in the executor).");
     }
     if (!pending_m_.empty()) {  // moments set before the state existed (a checkpoint)
-      d->m->copy_from_host(reinterpret_cast<const uint8_t*>(pending_m_[k].data()), offsets_[k], numel * 4, "the AdamW moments");
-      d->v->copy_from_host(reinterpret_cast<const uint8_t*>(pending_v_[k].data()), offsets_[k], numel * 4, "the AdamW moments");
+      const size_t from = static_cast<size_t>(s.begin - offsets[s.param]);
+      d->m->copy_from_host(reinterpret_cast<const uint8_t*>(pending_m_[s.param].data() + from), (s.begin - base) * 4,
+                           numel * 4, "the AdamW moments");
+      d->v->copy_from_host(reinterpret_cast<const uint8_t*>(pending_v_[s.param].data() + from), (s.begin - base) * 4,
+                           numel * 4, "the AdamW moments");
     }
   }
   pending_m_.clear();
@@ -672,7 +726,7 @@ double Model::adamw_step(int64_t t, double lr, double max_norm) {
   const std::string who = "error: model \"" + std::string(spec_.name) + "\": adamw_step";
   if (!host_adamw_ && !device_update_) throw Error(who + " before use_adamw.\nfix: call use_adamw(decay) once, first.");
   if (!have_grads_) throw Error(who + " has no gradients yet.\nfix: call train_step first.");
-  if (mesh_ && !reduce_grads_)
+  if (mesh_ && !reduce_grads_ && !zero_)
     throw Error(who + " needs the gradients summed over the mesh, and set_reduce_grads(false) leaves them partial."
                 "\nfix: set_reduce_grads(true), or shard the moments with runtime::ZeroAdamW (ZeRO-1).");
   if (t < 1) throw Error(who + " step " + std::to_string(t) + ": steps count from 1.");
@@ -700,34 +754,66 @@ double Model::adamw_step(int64_t t, double lr, double max_norm) {
         throw Error(who + ": kernel " + kernel + " failed on parameter \"" + spec_.params[i].name +
                     "\" with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
     };
+    if (zero_) zero_reduce_scatter(d);
     int32_t chunk = kNormChunk;
-    for (int i = 0; i < n; ++i) {
-      const size_t k = static_cast<size_t>(i);
+    for (size_t k = 0; k < d.segments.size(); ++k) {
       void* args[] = {&d.g[k], &chunk, &d.part[k]};
-      launch(spec_.grad_sumsq, args, "grad_sumsq", i);
+      launch(spec_.grad_sumsq, args, "grad_sumsq", static_cast<int>(d.segments[k].param));
     }
     d.partials->copy_to_host(reinterpret_cast<uint8_t*>(d.partials_home.data()), 0,
                              static_cast<int64_t>(d.partials_home.size()) * 8, "the gradient norm's partial sums");
     ++update_times_.device_to_host_copies;
     double ss = 0;
-    for (int i = 0; i < n; ++i)
-      for (int64_t j = 0; j < d.part[static_cast<size_t>(i)].dim[0].extent; ++j)
-        ss += d.partials_home[static_cast<size_t>(d.part_at[static_cast<size_t>(i)] + j)];
+    for (size_t k = 0; k < d.segments.size(); ++k)
+      for (int64_t j = 0; j < d.part[k].dim[0].extent; ++j) ss += d.partials_home[static_cast<size_t>(d.part_at[k] + j)];
+    if (zero_) ss = mesh_->all_reduce_sum(ss);  // (every rank's slice)
     norm = std::sqrt(ss);
     if (std::isfinite(norm)) {
       AdamWStepConstants k = adamw_step_constants(adamw_cfg_, t, lr, clip_scale(norm, max_norm));
-      for (int i = 0; i < n; ++i) {
-        const size_t j = static_cast<size_t>(i);
-        float decay = decay_[j] ? k.decay : 1.f;
+      for (size_t j = 0; j < d.segments.size(); ++j) {
+        const size_t i = d.segments[j].param;
+        float decay = decay_[i] ? k.decay : 1.f;
         void* args[] = {&d.w[j], &d.g[j], &d.mom[j], &d.var[j], &k.b1, &k.b2, &k.lr_over_c1, &k.inv_c2, &k.eps,
                         &k.grad_scale, &decay, &d.w[j], &d.mom[j], &d.var[j]};
-        launch(spec_.adamw, args, "adamw", i);
+        launch(spec_.adamw, args, "adamw", static_cast<int>(i));
       }
+      if (zero_) zero_all_gather(d);
       params_at_ = Current::Device;
     }
   }
   update_times_.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return norm;
+}
+
+// ZeRO-1 on the device: the gradients summed over the mesh, each rank its
+// slice's (the first `block` elements into grad_slice; the remainder, fewer
+// than the ranks, summed in place where the last rank's segments read it).
+void Model::zero_reduce_scatter(DeviceAdamW& d) {
+  auto* grads = reinterpret_cast<float*>(static_cast<uintptr_t>(device_blocks_[1]->handle()));
+  const int64_t P = mesh_->size(), tail_begin = P * d.slice.block, tail = flat_size_ - tail_begin;
+  mesh_->reduce_scatter_sum(grads, reinterpret_cast<float*>(static_cast<uintptr_t>(d.grad_slice->handle())),
+                            d.slice.block);
+  if (tail > 0) mesh_->all_reduce_sum(grads + tail_begin, tail);
+}
+
+// Every rank's updated slice to every rank: the blocks by an all-gather from
+// a copy (a call's buffers must not overlap), the remainder from the last
+// rank (a sum over ranks where the others give zeros; it is under P floats).
+void Model::zero_all_gather(DeviceAdamW& d) {
+  auto* params = reinterpret_cast<float*>(static_cast<uintptr_t>(device_blocks_[0]->handle()));
+  auto* slice = reinterpret_cast<float*>(static_cast<uintptr_t>(d.grad_slice->handle()));
+  const int64_t P = mesh_->size(), block = d.slice.block, tail_begin = P * block, tail = flat_size_ - tail_begin;
+  if (!device_staging_) device_staging_ = make_cuda_collective_memory();
+  if (block > 0) device_staging_->rows({Area::In, Area::Out, d.slice.begin, block, 0, block, block, 1}, params, slice, 4);
+  mesh_->all_gather(slice, block, params);
+  if (tail > 0) {
+    std::vector<float> last(static_cast<size_t>(tail), 0.f);
+    if (mesh_->rank() == P - 1)
+      device_blocks_[0]->copy_to_host(reinterpret_cast<uint8_t*>(last.data()), tail_begin * 4, tail * 4, "the parameters");
+    mesh_->all_reduce_sum(last.data(), tail);
+    device_blocks_[0]->copy_from_host(reinterpret_cast<const uint8_t*>(last.data()), tail_begin * 4, tail * 4,
+                                      "the parameters");
+  }
 }
 
 void Model::adamw_moments(int i, std::vector<float>& m, std::vector<float>& v) const {
@@ -737,6 +823,20 @@ void Model::adamw_moments(int i, std::vector<float>& m, std::vector<float>& v) c
   if (host_adamw_) {
     m = host_adamw_->m(k);
     v = host_adamw_->v(k);
+  } else if (device_adamw_ && zero_) {
+    // Each rank its runs, zeros elsewhere: x + 0 is exact, so the sum over
+    // the mesh assembles them (a collective: every rank asks alike).
+    std::vector<float> mv(static_cast<size_t>(2 * numel), 0.f);
+    const DeviceAdamW& d = *device_adamw_;
+    for (const ZeroSlice::Segment& s : d.segments) {
+      if (s.param != k) continue;
+      const int64_t at = s.begin - flat_offset(i), from = (s.begin - d.slice.begin) * 4, bytes = (s.end - s.begin) * 4;
+      d.m->copy_to_host(reinterpret_cast<uint8_t*>(mv.data() + at), from, bytes, "the AdamW moments");
+      d.v->copy_to_host(reinterpret_cast<uint8_t*>(mv.data() + numel + at), from, bytes, "the AdamW moments");
+    }
+    mesh_->all_reduce_sum(mv.data(), 2 * numel);
+    m.assign(mv.begin(), mv.begin() + numel);
+    v.assign(mv.begin() + numel, mv.end());
   } else if (device_adamw_) {
     m.resize(static_cast<size_t>(numel));
     v.resize(static_cast<size_t>(numel));
@@ -762,9 +862,14 @@ void Model::set_adamw_moments(int i, const std::vector<float>& m, const std::vec
   if (host_adamw_) {
     host_adamw_->m(k) = m;
     host_adamw_->v(k) = v;
-  } else if (device_adamw_) {
-    device_adamw_->m->copy_from_host(reinterpret_cast<const uint8_t*>(m.data()), offsets_[k], numel * 4, "the AdamW moments");
-    device_adamw_->v->copy_from_host(reinterpret_cast<const uint8_t*>(v.data()), offsets_[k], numel * 4, "the AdamW moments");
+  } else if (device_adamw_) {  // (under ZeRO-1 this rank's runs)
+    const DeviceAdamW& d = *device_adamw_;
+    for (const ZeroSlice::Segment& s : d.segments) {
+      if (s.param != k) continue;
+      const int64_t at = s.begin - flat_offset(i), to = (s.begin - d.slice.begin) * 4, bytes = (s.end - s.begin) * 4;
+      d.m->copy_from_host(reinterpret_cast<const uint8_t*>(m.data() + at), to, bytes, "the AdamW moments");
+      d.v->copy_from_host(reinterpret_cast<const uint8_t*>(v.data() + at), to, bytes, "the AdamW moments");
+    }
   } else if (device_update_) {
     if (pending_m_.empty())
       for (int p = 0; p < spec_.num_params; ++p) {

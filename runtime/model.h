@@ -143,6 +143,15 @@ class Model {
   // A non-finite norm (a NaN or inf gradient) applies nothing: the parameters
   // and moments stay as they were, and the caller, seeing it, decides.
   void use_adamw(std::vector<bool> decay, AdamWConfig cfg = {});
+  // ZeRO-1 on the device, for a CUDA library over NCCL on several ranks:
+  // as use_adamw, but each rank keeps the moments of its slice of the flat
+  // parameters only (runtime/zero.h: zero_slice, ZeroAdamW's slices), and
+  // adamw_step reduce-scatters the step's partial gradients, updates the
+  // slice and all-gathers the parameters, all on the device (the step then
+  // leaves its gradients unsummed: set_reduce_grads(false)). adamw_moments
+  // is then a collective (every rank asks for the same parameter);
+  // set_adamw_moments keeps this rank's runs.
+  void use_zero_adamw(std::vector<bool> decay, AdamWConfig cfg = {});
   double adamw_step(int64_t step, double lr, double max_norm);
   bool adamw_on_device() const;
   // The moments of parameter i (numel floats each), for checkpoints.
@@ -248,6 +257,8 @@ class Model {
   struct WindowedCopies;
   struct DeviceAdamW;
   DeviceAdamW& device_adamw();  // made at the first update
+  void zero_reduce_scatter(DeviceAdamW& d);
+  void zero_all_gather(DeviceAdamW& d);
   void wait_for_pinned_copies();
   void wait_for_device(const char* what);  // throws naming `what`
   int64_t token_slot_bytes() const;  // one of tokens_'s four int32 arrays, aligned
@@ -311,6 +322,7 @@ class Model {
   std::unique_ptr<DeviceAdamW> device_adamw_;  // a GPU library's: moments and kernel buffers on the device
   std::vector<std::vector<float>> pending_m_, pending_v_;  // moments set before device_adamw_ exists
   bool have_grads_ = false;  // a train step has run
+  bool zero_ = false;  // use_zero_adamw: the update's state sharded over the mesh, on the device
   bool device_update_ = false;  // use_adamw put the update on the device: parameters and gradients stay there
   UpdateTimes update_times_;
   std::string profile_;

@@ -22,6 +22,21 @@ std::string param_at(size_t i, int64_t offset, int64_t size) {
 
 }  // namespace
 
+ZeroSlice zero_slice(int64_t total, int ranks, int rank, const std::vector<int64_t>& offsets,
+                     const std::vector<int64_t>& sizes) {
+  ZeroSlice s;
+  s.block = total / ranks;
+  s.begin = rank * s.block;
+  s.end = rank == ranks - 1 ? total : s.begin + s.block;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t b = std::max(s.begin, offsets[i]), e = std::min(s.end, offsets[i] + sizes[i]);
+    if (b < e) s.segments.push_back({i, b, e});
+  }
+  std::sort(s.segments.begin(), s.segments.end(),
+            [](const ZeroSlice::Segment& a, const ZeroSlice::Segment& b) { return a.begin < b.begin; });
+  return s;
+}
+
 ZeroAdamW::ZeroAdamW(Communicator& comm, int64_t total, std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                      std::vector<bool> decay, AdamWConfig cfg)
     : comm_(comm),
@@ -69,18 +84,10 @@ ZeroAdamW::ZeroAdamW(Communicator& comm, int64_t total, std::vector<int64_t> off
     if (offsets_[i] + sizes_[i] > far_end) far = i;
   }
 
-  // Equal blocks for every rank, so that reduce_scatter_sum and all_gather work
-  // on the flat arrays in place, without a padded copy of the whole array; the
-  // remainder (< P elements) goes to the last rank.
-  const int64_t P = comm_.size(), r = comm_.rank();
-  block_ = total_ / P;
-  begin_ = r * block_;
-  end_ = r == P - 1 ? total_ : begin_ + block_;
-  for (size_t i = 0; i < sizes_.size(); ++i) {
-    const int64_t b = std::max(begin_, offsets_[i]), e = std::min(end_, offsets_[i] + sizes_[i]);
-    if (b < e) segments_.push_back({i, b, e});
-  }
-  std::sort(segments_.begin(), segments_.end(), [](const Segment& a, const Segment& b) { return a.begin < b.begin; });
+  const int64_t P = comm_.size();
+  ZeroSlice slice = zero_slice(total_, comm_.size(), comm_.rank(), offsets_, sizes_);
+  block_ = slice.block, begin_ = slice.begin, end_ = slice.end;
+  segments_ = std::move(slice.segments);
   m_.assign(static_cast<size_t>(end_ - begin_), 0.f);
   v_.assign(m_.size(), 0.f);
   grad_.assign(m_.size(), 0.f);

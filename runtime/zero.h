@@ -34,6 +34,23 @@
 
 namespace halyard::runtime {
 
+// Rank `rank`'s slice of a flat array of `total` elements over `ranks`:
+// equal blocks of total / ranks elements (so that reduce-scatter and
+// all-gather work on the flat arrays in place), the remainder (< ranks
+// elements) the last rank's too; and the runs of each parameter (offsets,
+// sizes: elements) inside it, in flat order. ZeroAdamW keeps its state by
+// it, and so does a GPU model's ZeRO-1 on the device (Model::use_zero_adamw).
+struct ZeroSlice {
+  struct Segment {
+    size_t param;
+    int64_t begin, end;  // flat element range
+  };
+  int64_t block = 0, begin = 0, end = 0;
+  std::vector<Segment> segments;
+};
+ZeroSlice zero_slice(int64_t total, int ranks, int rank, const std::vector<int64_t>& offsets,
+                     const std::vector<int64_t>& sizes);
+
 class ZeroAdamW {
  public:
   // Throws Error when the layout is inconsistent (counts that disagree, negative
@@ -67,11 +84,7 @@ class ZeroAdamW {
   void set_moments(size_t i, const std::vector<float>& m, const std::vector<float>& v);
 
  private:
-  // A run of parameter i's elements inside this rank's slice.
-  struct Segment {
-    size_t param;
-    int64_t begin, end;  // flat element range
-  };
+  using Segment = ZeroSlice::Segment;
   void check_index(const char* what, size_t i) const;
 
   Communicator& comm_;

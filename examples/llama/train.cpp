@@ -543,14 +543,22 @@ int train(const Options& o) {
     // are the same everywhere, so every rank takes the same step): the
     // model's own update, which for a GPU library runs on the device and keeps
     // parameters, gradients and moments there. ZeRO-1 keeps 1/ranks of the
-    // state, on the host (runtime::ZeroAdamW).
+    // state, on the host (runtime::ZeroAdamW); with the steps over NCCL, on
+    // the device (Model::use_zero_adamw).
     std::unique_ptr<runtime::ZeroAdamW> zero;
     if (run.zero) {
       if (!comm) throw runtime::Error("error: --zero 1 shards the optimizer state over ranks, but this is one rank.\n"
                                       "fix: launch with mpirun -np 2 or 4, or pass --zero 0.");
-      zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
-      zero->set_reduce_bf16(reduce_bf16);
-      m.set_reduce_grads(false);  // ZeRO reduce-scatters them itself
+      if (step_mesh && m.adamw_on_device()) {
+        if (reduce_bf16)
+          throw runtime::Error("error: --grad-reduce bf16 with ZeRO-1 on the device (over NCCL) is not built: the "
+                               "gradients are reduce-scattered in f32 there.\nfix: --grad-reduce f32.");
+        m.use_zero_adamw(decay);
+      } else {
+        zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
+        zero->set_reduce_bf16(reduce_bf16);
+        m.set_reduce_grads(false);  // ZeRO reduce-scatters them itself
+      }
     } else {
       m.use_adamw(decay);
       m.set_reduce_grads_bf16(reduce_bf16);

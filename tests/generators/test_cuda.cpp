@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -256,10 +257,18 @@ class DeviceRanks final : public runtime::Communicator {
   }
   void do_all_reduce_sum(void* data, int64_t n, runtime::CommType type) override {
     const int64_t words = type == runtime::CommType::F64 || type == runtime::CommType::I64 ? 2 * n : n;
-    std::vector<int32_t> x = home(data, words);
+    const bool device = on_device(data);  // (NCCL's takes host memory here too)
+    std::vector<int32_t> x = device ? home(data, words) : std::vector<int32_t>(static_cast<size_t>(words));
+    if (!device) std::memcpy(x.data(), data, static_cast<size_t>(words) * 4);
     if (type == runtime::CommType::F64) host_->all_reduce_sum(reinterpret_cast<double*>(x.data()), n);
     else host_->all_reduce_sum(reinterpret_cast<float*>(x.data()), n);
-    up(data, x);
+    if (device) up(data, x);
+    else std::memcpy(data, x.data(), static_cast<size_t>(words) * 4);
+  }
+  void do_reduce_scatter_sum(const void* send, void* recv, int64_t n, runtime::CommType) override {
+    std::vector<int32_t> s = home(send, n * size()), r(static_cast<size_t>(n));
+    host_->reduce_scatter_sum(reinterpret_cast<float*>(s.data()), reinterpret_cast<float*>(r.data()), n);
+    up(recv, r);
   }
   void do_all_gather(const void* send, int64_t n, void* recv, runtime::CommType type) override {
     std::vector<int32_t> s = home(send, n), r(static_cast<size_t>(n * size()));
@@ -268,7 +277,6 @@ class DeviceRanks final : public runtime::Communicator {
     up(recv, r);
   }
   [[noreturn]] static void unused() { throw runtime::Error("DeviceRanks: a call a step does not make"); }
-  void do_reduce_scatter_sum(const void*, void*, int64_t, runtime::CommType) override { unused(); }
   // (Ring passes: the base class's exchange calls these in wait().)
   void do_send(const void* data, int64_t n, int peer, int tag, runtime::CommType) override {
     std::vector<int32_t> x = home(data, n);
@@ -282,6 +290,12 @@ class DeviceRanks final : public runtime::Communicator {
   void do_barrier() override { host_->barrier(); }
 
  private:
+  static bool on_device(const void* p) {
+    const runtime::CudaDriver& d = runtime::cuda_driver();
+    int type = 0;
+    return d.pointer_get_attribute(&type, 2, static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p))) == 0 &&
+           type == runtime::kCuMemoryTypeDevice;
+  }
   // 32-bit words of device memory, through the runtime's compute stream.
   static std::vector<int32_t> home(const void* device, int64_t words) {
     std::vector<int32_t> h(static_cast<size_t>(words));
@@ -356,6 +370,89 @@ TEST(Cuda, UlyssesRanksWithCollectivesOnTheDeviceMatchOneRank) {
 TEST(Cuda, RingRanksWithPassesOnTheDeviceMatchOneRank) {
   HALYARD_NEED_GPU();
   check_device_ranks(halyard_models::tiny_cuda_ring_sp2_s128());
+}
+
+// ZeRO-1 on the device shards over NCCL ranks of a CUDA library; anything
+// else is told so, with the fix.
+TEST(Cuda, ZeroOnTheDeviceNeedsACudaLibraryOverNccl) {
+  runtime::Model cpu(halyard_models::tiny_llama_cpu_s256());
+  try {
+    cpu.use_zero_adamw(cpu.decay_flags());
+    ADD_FAILURE() << "no error";
+  } catch (const runtime::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("use_zero_adamw shards the update's state over the ranks of a CUDA library"),
+              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fix: runtime::ZeroAdamW on the host"), std::string::npos) << e.what();
+  }
+}
+
+// ZeRO-1 on the device (Model::use_zero_adamw) on four ranks of one GPU:
+// each rank keeps the moments of a quarter of the parameters; two steps
+// with their updates, then the loss of a third batch and a parameter's
+// gathered moments, against one CPU rank with runtime::AdamW. (Parameters
+// are compared by the loss they give, as GpuPath's update test explains.)
+TEST(Cuda, ZeroOnTheDeviceMatchesAdamWOnOneRank) {
+  HALYARD_NEED_GPU();
+  struct Run {
+    std::vector<double> norms;
+    double loss_after = 0;
+    std::vector<float> m0, v0;
+    int64_t state_bytes = 0, uploads = 0;
+  };
+  auto run = [](const runtime::ModelSpec& spec, runtime::Communicator* comm) {
+    Run out;
+    runtime::Model m(spec, comm);
+    m.init_params(5);
+    if (comm) m.use_zero_adamw(m.decay_flags());
+    else m.use_adamw(m.decay_flags());
+    const int rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
+    const runtime::Batcher batcher(runtime::TokenFile::from_text(sp_check::kCorpus), spec.batch, spec.seq, spec.vocab,
+                                   5, runtime::Shard{rank, ranks, 0, 1, runtime::zigzag_layout(spec)});
+    for (int64_t t = 1; t <= 2; ++t) {
+      const auto b = batcher.get(t);
+      m.train_step(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+      out.norms.push_back(m.adamw_step(t, 1e-2, 1.0));
+      out.uploads += m.last_update_times().host_to_device_copies;
+    }
+    const auto b = batcher.get(3);
+    out.loss_after = m.forward_loss(b.input_ids.data(), b.labels.data(), b.position_ids.data());
+    m.adamw_moments(0, out.m0, out.v0);  // (a collective under ZeRO-1)
+    out.state_bytes = m.device_bytes();
+    return out;
+  };
+  const Run want = run(halyard_models::tiny_sp1_s128(), nullptr);
+  auto host = runtime::make_in_process_group(4, 120);
+  std::vector<std::unique_ptr<DeviceRanks>> comms;
+  for (auto& h : host) comms.push_back(std::make_unique<DeviceRanks>(std::move(h)));
+  std::vector<Run> got(4);
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        got[static_cast<size_t>(r)] = run(halyard_models::tiny_cuda_sp4_s128(), comms[static_cast<size_t>(r)].get());
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    const Run& g = got[static_cast<size_t>(r)];
+    std::printf("  rank %d: norms %.6f %.6f vs %.6f %.6f; loss after %.9f vs %.9f; device bytes %lld\n", r, g.norms[0],
+                g.norms[1], want.norms[0], want.norms[1], g.loss_after, want.loss_after,
+                static_cast<long long>(g.state_bytes));
+    for (int t = 0; t < 2; ++t) EXPECT_NEAR(g.norms[static_cast<size_t>(t)] / want.norms[static_cast<size_t>(t)], 1.0, 1e-4);
+    EXPECT_LE(std::abs(g.loss_after - want.loss_after) / want.loss_after, 1e-4);
+    EXPECT_EQ(g.uploads, 0);  // parameters and gradients stayed on the device
+    double worst = 0, scale = 1e-30;
+    for (size_t j = 0; j < want.m0.size(); ++j) {
+      worst = std::max(worst, static_cast<double>(std::abs(g.m0[j] - want.m0[j])));
+      scale = std::max(scale, static_cast<double>(std::abs(want.m0[j])));
+    }
+    EXPECT_LE(worst / scale, 1e-3) << "the first parameter's first moment, gathered";
+    EXPECT_EQ(g.m0.size(), want.m0.size());
+  }
 }
 
 TEST(Cuda, MicroLlamaTrainStepMatchesTorchOnDevice) {

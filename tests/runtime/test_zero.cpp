@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -245,6 +246,37 @@ class ZeroErrors : public ::testing::Test {
   std::vector<std::unique_ptr<Communicator>> comms = make_in_process_group(1);
   Communicator& c = *comms[0];
 };
+
+// The slices by hand: 10 elements over 3 ranks are blocks of 3, the last
+// rank holding the last 4; parameters [0, 4) and [5, 9) (element 4 and 9
+// padding) fall into runs of each slice, in flat order. A GPU model's ZeRO-1
+// keeps its state by the same slices (Model::use_zero_adamw).
+TEST(ZeroSlices, EqualBlocksTheRemainderToTheLastRank) {
+  const std::vector<int64_t> offsets = {5, 0}, sizes = {4, 4};
+  using S = ZeroSlice::Segment;
+  auto runs = [](const ZeroSlice& z) {
+    std::vector<std::array<int64_t, 3>> out;
+    for (const S& s : z.segments) out.push_back({static_cast<int64_t>(s.param), s.begin, s.end});
+    return out;
+  };
+  const ZeroSlice r0 = zero_slice(10, 3, 0, offsets, sizes), r1 = zero_slice(10, 3, 1, offsets, sizes),
+                  r2 = zero_slice(10, 3, 2, offsets, sizes);
+  EXPECT_EQ(r0.block, 3);
+  EXPECT_EQ(r0.begin, 0);
+  EXPECT_EQ(r0.end, 3);
+  EXPECT_EQ(r1.begin, 3);
+  EXPECT_EQ(r1.end, 6);
+  EXPECT_EQ(r2.begin, 6);
+  EXPECT_EQ(r2.end, 10);
+  EXPECT_EQ(runs(r0), (std::vector<std::array<int64_t, 3>>{{1, 0, 3}}));
+  EXPECT_EQ(runs(r1), (std::vector<std::array<int64_t, 3>>{{1, 3, 4}, {0, 5, 6}}));
+  EXPECT_EQ(runs(r2), (std::vector<std::array<int64_t, 3>>{{0, 6, 9}}));
+  // Fewer elements than ranks: every block is empty, the last rank holds all.
+  const ZeroSlice few = zero_slice(2, 4, 3, {0}, {2});
+  EXPECT_EQ(few.block, 0);
+  EXPECT_EQ(runs(few), (std::vector<std::array<int64_t, 3>>{{0, 0, 2}}));
+  EXPECT_TRUE(zero_slice(2, 4, 1, {0}, {2}).segments.empty());
+}
 
 TEST_F(ZeroErrors, CountsThatDisagree) {
   const std::string e = error_of([&] { ZeroAdamW(c, 100, {0, 50}, {40, 20, 5}, {true, true, true}); });
