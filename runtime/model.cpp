@@ -403,10 +403,6 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
 }
 
-// The same plan on the buffers' device memory: its copies on the compute
-// stream, its transfer over NCCL after them (the communicator waits for the
-// compute stream by an event, and the host for the transfer, with its
-// timeout), so nothing comes home.
 // Buffer b's device address for a collective (`read`: its input, uploaded
 // first if the host wrote it last).
 void* Model::device_address(const ProgramSpec& p, halide_buffer_t* bufs, int b, bool read, const char* what) {
@@ -421,6 +417,10 @@ void* Model::device_address(const ProgramSpec& p, halide_buffer_t* bufs, int b, 
   return reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[b].device));
 }
 
+// The same plan on the buffers' device memory: its copies on the compute
+// stream, its transfer over NCCL after them (the communicator waits for the
+// compute stream by an event, and the host for the transfer, with its
+// timeout), so nothing comes home.
 void Model::device_collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, Communicator* over) {
   const BufferSpec& is = p.buffers[call.args[0]];
   const BufferSpec& os = p.buffers[call.args[1]];
@@ -538,12 +538,10 @@ struct Model::Bound {
 };
 
 // A GPU library's update on the device: the moments, a block for the
-// gradient norm's partial sums, and each parameter's buffers (aliases of
-// the parameters', gradients' and moments' blocks) for the optimizer's
-// kernels, made at the first update and kept.
-// The update's state on the device, and its kernels' buffers by segment: a
-// segment is a run of one parameter's elements (the whole parameter, or
-// under ZeRO-1 its run inside this rank's slice).
+// gradient norm's partial sums, and the optimizer kernels' buffers (aliases
+// of the parameters', gradients' and moments' blocks) by segment, a run of
+// one parameter's elements: the whole parameter, or under ZeRO-1 its run
+// inside this rank's slice. Made at the first update and kept.
 struct Model::DeviceAdamW {
   std::unique_ptr<DeviceBlock> m, v, partials;
   std::unique_ptr<DeviceBlock> grad_slice;  // ZeRO-1: the slice's summed gradients (its first `block` elements)
