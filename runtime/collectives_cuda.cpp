@@ -29,7 +29,7 @@ class CudaCollectiveMemory final : public CollectiveMemory {
 
   void* staging(int64_t bytes) override {
     if (bytes <= staging_bytes_) return address(staging_);
-    Current scope;
+    RuntimeContextScope scope;
     const CudaDriver& d = cuda_driver();
     if (staging_) {
       check(d.stream_synchronize(runtime_cuda_context().stream), "cuStreamSynchronize");
@@ -56,7 +56,7 @@ class CudaCollectiveMemory final : public CollectiveMemory {
     // batch row of a long sequence) are copied one by one.
     constexpr int64_t kMaxPitch = (int64_t{1} << 31) - 1;
     const bool far = r.count > 1 && std::max(r.src_pitch, r.dst_pitch) * esize > kMaxPitch;
-    Current scope;
+    RuntimeContextScope scope;
     for (int64_t i = 0; i < (far ? r.count : 1); ++i) {
       CudaMemcpy2D c;
       c.src_memory_type = c.dst_memory_type = kCuMemoryTypeDevice;
@@ -73,25 +73,13 @@ class CudaCollectiveMemory final : public CollectiveMemory {
   }
 
   void zero(void* dst, int64_t bytes) override {
-    Current scope;
+    RuntimeContextScope scope;
     check(cuda_driver().memset_d8_async(reinterpret_cast<unsigned long long>(dst), 0, static_cast<size_t>(bytes),
                                         runtime_cuda_context().stream),
           "cuMemsetD8Async");
   }
 
  private:
-  // The runtime's context, current for the calls of a scope.
-  struct Current {
-    Current() {
-      if (int rc = cuda_driver().ctx_push(runtime_cuda_context().context))
-        throw Error("error: cuCtxPushCurrent failed: " + cuda_driver().text(rc));
-    }
-    ~Current() {
-      void* popped = nullptr;
-      cuda_driver().ctx_pop(&popped);
-    }
-  };
-
   template <typename T>
   static T* address_of(unsigned long long a) {
     return reinterpret_cast<T*>(static_cast<uintptr_t>(a));

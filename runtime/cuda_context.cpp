@@ -150,24 +150,20 @@ void* CudaCopyStream::event() {
   return events_[used_++];
 }
 
-namespace {
-// The runtime's context, current for the calls of a scope.
-struct Current {
-  Current() {
-    if (int rc = cuda_driver().ctx_push(runtime_cuda_context().context))
-      throw Error("error: cuCtxPushCurrent failed: " + cuda_driver().text(rc));
-  }
-  ~Current() {
-    void* popped = nullptr;
-    cuda_driver().ctx_pop(&popped);
-  }
-};
-}  // namespace
+RuntimeContextScope::RuntimeContextScope() {
+  if (int rc = cuda_driver().ctx_push(runtime_cuda_context().context))
+    throw Error("error: cuCtxPushCurrent failed: " + cuda_driver().text(rc));
+}
+
+RuntimeContextScope::~RuntimeContextScope() {
+  void* popped = nullptr;
+  cuda_driver().ctx_pop(&popped);
+}
 
 int CudaCopyStream::copy(void* host, uint64_t device, size_t bytes, bool to_host) {
   const CudaDriver& d = cuda_driver();
   const RuntimeCudaContext& c = runtime_cuda_context();
-  Current scope;
+  RuntimeContextScope scope;
   void* ready = event();
   check(d.event_record(ready, c.stream), "cuEventRecord");
   check(d.stream_wait_event(c.comm_stream, ready, 0), "cuStreamWaitEvent");
@@ -186,13 +182,13 @@ int CudaCopyStream::copy_to_device(uint64_t device, const void* host, size_t byt
 }
 
 void CudaCopyStream::compute_waits(int ticket) {
-  Current scope;
+  RuntimeContextScope scope;
   check(cuda_driver().stream_wait_event(runtime_cuda_context().stream, done_.at(static_cast<size_t>(ticket)), 0),
         "cuStreamWaitEvent");
 }
 
 void CudaCopyStream::reset() {
-  Current scope;
+  RuntimeContextScope scope;
   check(cuda_driver().stream_synchronize(runtime_cuda_context().comm_stream), "cuStreamSynchronize");
   done_.clear();
   used_ = 0;

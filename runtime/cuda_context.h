@@ -36,6 +36,15 @@ struct RuntimeCudaContext {
 // What the hooks handed (or would hand) Halide; made on first call.
 const RuntimeCudaContext& runtime_cuda_context();
 
+// The runtime's context current on this thread for a scope's driver calls
+// (throws Error when the driver refuses).
+struct RuntimeContextScope {
+  RuntimeContextScope();
+  ~RuntimeContextScope();
+  RuntimeContextScope(const RuntimeContextScope&) = delete;
+  RuntimeContextScope& operator=(const RuntimeContextScope&) = delete;
+};
+
 // Host memory page-locked for every CUDA context (cuMemHostRegister,
 // portable) while the object lives. Halide's copies between pageable memory
 // and the device go through a staging buffer of the driver, at about half

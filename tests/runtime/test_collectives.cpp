@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "tests/buffer_spec.h"
 #include "tests/in_process_ranks.h"
 #include "tests/runtime_error_of.h"
 
@@ -27,14 +28,8 @@ using halyard::testing::expect_no_errors;
 using halyard::testing::run_ranks;
 using ::testing::HasSubstr;
 
-BufferSpec spec(const char* name, ElemType type, std::vector<int64_t> shape) {
-  BufferSpec s{};
-  s.name = name;
-  s.type = type;
-  s.rank = static_cast<int>(shape.size());
-  for (size_t d = 0; d < shape.size(); ++d) s.shape[d] = shape[d];
-  s.storage = Storage::Arena;
-  return s;
+BufferSpec spec(const char* name, ElemType type, const std::vector<int64_t>& shape) {
+  return halyard::testing::buffer_spec(name, type, shape);
 }
 
 // A value no two (rank, element) pairs share, exact in f32.

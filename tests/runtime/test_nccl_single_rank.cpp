@@ -23,6 +23,7 @@
 #include "runtime/cuda_context.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/error.h"
+#include "tests/buffer_spec.h"
 #include "tests/device_buffer.h"
 
 namespace halyard::runtime {
@@ -145,14 +146,8 @@ TEST(NcclSingleRank, HostBufferIsRefusedWithTheFix) {
   }
 }
 
-BufferSpec spec(const char* name, ElemType type, std::vector<int64_t> shape) {
-  BufferSpec s{};
-  s.name = name;
-  s.type = type;
-  s.rank = static_cast<int>(shape.size());
-  for (size_t d = 0; d < shape.size(); ++d) s.shape[d] = shape[d];
-  s.storage = Storage::Arena;
-  return s;
+BufferSpec spec(const char* name, ElemType type, const std::vector<int64_t>& shape) {
+  return halyard::testing::buffer_spec(name, type, shape);
 }
 
 template <typename T>
