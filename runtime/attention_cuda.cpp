@@ -1,5 +1,5 @@
 // The launcher of the CUDA attention kernels (attention_cuda.h): loads their
-// fatbin (embedded at build time, attention_cuda_fatbin.cpp.in) into the
+// fatbin (embedded at build time, cuda_fatbin.cpp.in) into the
 // runtime's context once, and maps Halide's buffers onto the kernels' Args.
 #include "runtime/attention_cuda.h"
 

@@ -101,4 +101,12 @@ void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, co
 // kept. Methods throw Error naming the driver's error.
 std::unique_ptr<CollectiveMemory> make_cuda_collective_memory();
 
+// Communicator::all_reduce_sum_bf16 on the runtime's CUDA device memory
+// over a communicator of device memory (NCCL), with the same bits: each
+// rank's values rounded to bf16 (a kernel of collectives_cuda.cu), moved by
+// an all-to-all, summed in f32 in rank order (another), the sums
+// all-gathered. In chunks of 2^24 elements, staged in `memory` (one made by
+// make_cuda_collective_memory).
+void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, CollectiveMemory& memory);
+
 }  // namespace halyard::runtime

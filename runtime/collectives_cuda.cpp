@@ -4,16 +4,67 @@
 // wait orders them; the transfer is the communicator's (NCCL), which waits
 // for the compute stream by an event.
 #include <algorithm>
+#include <climits>
 #include <string>
+#include <vector>
 
 #include "runtime/collectives.h"
+#include "runtime/collectives_cuda_args.h"
 #include "runtime/cuda_context.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/error.h"
 #include "runtime/gemm.h"
 
+#ifdef HALYARD_COLLECTIVES_FATBIN
+extern "C" const unsigned char halyard_collectives_fatbin[];
+#endif
+
 namespace halyard::runtime {
 namespace {
+
+// The kernels of collectives_cuda.cu, loaded once into the runtime's context.
+struct Kernels {
+  void* round = nullptr;
+  void* sum = nullptr;
+  std::string error;
+};
+
+const Kernels& kernels() {
+  static const Kernels k = [] {
+    Kernels out;
+#ifndef HALYARD_COLLECTIVES_FATBIN
+    out.error = "this runtime was built without nvcc, so it has no CUDA kernels for the collectives (rebuild where "
+                "the CUDA toolkit is installed)";
+#else
+    const RuntimeCudaContext& ctx = runtime_cuda_context();
+    if (!ctx.context) {
+      out.error = ctx.error;
+      return out;
+    }
+    const CudaDriver& drv = cuda_driver();
+    RuntimeContextScope scope;
+    void* module = nullptr;
+    int rc = drv.module_load_data(&module, halyard_collectives_fatbin);
+    if (rc == 0) rc = drv.module_get_function(&out.round, module, "halyard_round_bf16");
+    if (rc == 0) rc = drv.module_get_function(&out.sum, module, "halyard_sum_bf16");
+    if (rc != 0) out.error = "loading the collectives' CUDA kernels failed: " + drv.text(rc);
+#endif
+    return out;
+  }();
+  return k;
+}
+
+// One thread per element of `n`, on the compute stream.
+template <class Args>
+void launch(void* kernel, Args args, int64_t n, const char* what) {
+  const int64_t blocks = (n + collectives_cuda::kThreads - 1) / collectives_cuda::kThreads;
+  if (blocks > INT32_MAX) throw Error(std::string("error: ") + what + ": too many elements for one launch.");
+  void* params[] = {&args};
+  RuntimeContextScope scope;
+  if (int rc = cuda_driver().launch_kernel(kernel, static_cast<unsigned>(blocks), 1, 1, collectives_cuda::kThreads, 1,
+                                           1, 0, runtime_cuda_context().stream, params, nullptr))
+    throw Error(std::string("error: ") + what + ": cuLaunchKernel failed: " + cuda_driver().text(rc));
+}
 
 class CudaCollectiveMemory final : public CollectiveMemory {
  public:
@@ -96,6 +147,34 @@ class CudaCollectiveMemory final : public CollectiveMemory {
 };
 
 }  // namespace
+
+void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, CollectiveMemory& memory) {
+  const Kernels& k = kernels();
+  if (!k.error.empty()) throw Error("error: summing gradients from bf16 on the device: " + k.error);
+  constexpr int64_t kChunk = int64_t{1} << 24;
+  const int64_t P = comm.size();
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t c = std::min(kChunk, n - at);
+    // Each rank sums a block of the chunk; blocks of an even length move as
+    // int32 pairs (an all-to-all moves 32-bit words).
+    int64_t block = (c + P - 1) / P;
+    block += block % 2;
+    const int64_t padded = P * block;
+    // Staging: the rounded values, the blocks received, their sums, every rank's sums.
+    char* base = static_cast<char*>(memory.staging(padded * 2 * 2 + block * 4 + padded * 4));
+    auto* sent = reinterpret_cast<uint16_t*>(base);
+    auto* received = sent + padded;
+    auto* sums = reinterpret_cast<float*>(received + padded);
+    float* all = sums + block;
+    launch(k.round, collectives_cuda::RoundArgs{data + at, sent, c, padded}, padded, "rounding to bf16");
+    const std::vector<int64_t> words(static_cast<size_t>(P), block / 2);
+    comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
+                      words.data());
+    launch(k.sum, collectives_cuda::SumArgs{received, sums, block, static_cast<int>(P)}, block, "summing bf16 in f32");
+    comm.all_gather(sums, block, all);
+    memory.rows({Area::Staging, Area::Out, 0, c, 0, c, c, 1}, all, data + at, 4);
+  }
+}
 
 std::unique_ptr<CollectiveMemory> make_cuda_collective_memory() {
   const RuntimeCudaContext& c = runtime_cuda_context();

@@ -350,16 +350,15 @@ void Model::wait_for_device(const char* what) {
                 ") failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
 }
 
-void Model::set_reduce_grads_bf16(bool on) {
-  if (on && device_collectives_)
-    throw Error("error: model \"" + std::string(spec_.name) + "\" sums its gradients over NCCL on the device, in f32; "
-                "moving them in bf16 there is not built.\nfix: \"grad_reduce_precision\": \"f32\" in the schedule.");
-  reduce_grads_bf16_ = on;
-}
-
 void Model::sum_over_mesh(float* grads, int64_t n) {
-  if (reduce_grads_bf16_) mesh_->all_reduce_sum_bf16(grads, n);
-  else mesh_->all_reduce_sum(grads, n);
+  if (reduce_grads_bf16_ && device_collectives_) {  // (device memory: the same sums by the device's kernels)
+    if (!device_staging_) device_staging_ = make_cuda_collective_memory();
+    all_reduce_sum_bf16_on_device(grads, n, *mesh_, *device_staging_);
+  } else if (reduce_grads_bf16_) {
+    mesh_->all_reduce_sum_bf16(grads, n);
+  } else {
+    mesh_->all_reduce_sum(grads, n);
+  }
 }
 
 void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {

@@ -103,9 +103,9 @@ class Model {
   // default). ZeRO-1 turns it off and reduce-scatters them itself.
   void set_reduce_grads(bool on) { reduce_grads_ = on; }
   // Whether that sum moves the gradients in bf16, summed in f32
-  // (Communicator::all_reduce_sum_bf16; the schedule's grad_reduce_precision).
-  // Over NCCL the sum runs on the device in f32 only: on is an error there.
-  void set_reduce_grads_bf16(bool on);
+  // (Communicator::all_reduce_sum_bf16; the schedule's grad_reduce_precision;
+  // over NCCL on the device: all_reduce_sum_bf16_on_device, the same bits).
+  void set_reduce_grads_bf16(bool on) { reduce_grads_bf16_ = on; }
   // All parameters (and gradients) as one flat array of flat_size() floats:
   // parameter i starts at flat_offset(i); the gaps between them are zeros.
   float* params_flat() { return reinterpret_cast<float*>(params_on_host(true)); }

@@ -23,6 +23,7 @@
 
 #include "llama_micro_cuda.h"
 #include "runtime/attention_cuda.h"
+#include "runtime/collectives.h"
 #include "runtime/cuda_context.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/cuda_probe.h"
@@ -31,6 +32,7 @@
 #include "tests/attention_against_cpu.h"
 #include "tests/device_step.h"
 #include "tests/generators/sp_check.h"
+#include "tests/in_process_ranks.h"
 #include "tiny_llama_cpu_s256.h"
 #include "tiny_llama_cpu_s256_bf16.h"
 #include "tiny_llama_cuda.h"
@@ -217,21 +219,6 @@ TEST(Cuda, NcclWithoutADeviceIsAClearError) {
   EXPECT_NE(e.find("fix: run it where an NVIDIA GPU"), std::string::npos) << e;
 }
 
-// Over NCCL the gradients are summed on the device in f32; asking for the
-// bf16 wire format there is refused with the schedule's fix.
-TEST(Cuda, NcclGradientSumsInBf16AreRefused) {
-  HALYARD_NEED_GPU();
-  ClaimsDeviceMemory dp2(2);
-  runtime::Model m(halyard_models::tiny_llama_cuda(), nullptr, &dp2);
-  try {
-    m.set_reduce_grads_bf16(true);
-    ADD_FAILURE() << "no error";
-  } catch (const runtime::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("\"grad_reduce_precision\": \"f32\""), std::string::npos) << e.what();
-  }
-  m.set_reduce_grads_bf16(false);
-}
-
 // Ranks as threads whose buffers are device memory, as NCCL's are (NCCL
 // refuses two ranks on one GPU): each call brings its device buffers home on
 // the runtime's compute stream (after the kernels queued there), runs the
@@ -370,6 +357,60 @@ TEST(Cuda, UlyssesRanksWithCollectivesOnTheDeviceMatchOneRank) {
 TEST(Cuda, RingRanksWithPassesOnTheDeviceMatchOneRank) {
   HALYARD_NEED_GPU();
   check_device_ranks(halyard_models::tiny_cuda_ring_sp2_s128());
+}
+
+// A gradient sum moved in bf16 on device memory over a device communicator
+// (all_reduce_sum_bf16_on_device: NCCL's path, the kernels of
+// collectives_cuda.cu) gives Communicator::all_reduce_sum_bf16's bits on
+// the host, on four ranks; 1,001 elements, so blocks are padded.
+TEST(Cuda, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
+  HALYARD_NEED_GPU();
+  runtime::use_runtime_cuda_context();
+  const int P = 4;
+  const int64_t n = 1001;
+  auto values = [&](int r) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = std::sin(0.37f * static_cast<float>(i + 1000 * r)) * 3.1f;
+    return x;
+  };
+  std::vector<std::vector<float>> want(P), got(P);
+  testing::expect_no_errors(testing::run_ranks(P, 60, [&](runtime::Communicator& c) {
+    want[static_cast<size_t>(c.rank())] = values(c.rank());
+    c.all_reduce_sum_bf16(want[static_cast<size_t>(c.rank())].data(), n);
+  }));
+  auto host = runtime::make_in_process_group(P, 60);
+  std::vector<std::string> errors(P);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < P; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        DeviceRanks comm(std::move(host[static_cast<size_t>(r)]));
+        const runtime::CudaDriver& d = runtime::cuda_driver();
+        unsigned long long buf = 0;
+        std::vector<float> x = values(r);
+        {
+          runtime::RuntimeContextScope scope;
+          if (d.mem_alloc(&buf, static_cast<size_t>(n) * 4) || d.memcpy_htod_async(buf, x.data(), x.size() * 4, nullptr) ||
+              d.stream_synchronize(nullptr))
+            throw runtime::Error("device buffer");
+        }
+        auto memory = runtime::make_cuda_collective_memory();
+        runtime::all_reduce_sum_bf16_on_device(reinterpret_cast<float*>(static_cast<uintptr_t>(buf)), n, comm, *memory);
+        runtime::RuntimeContextScope scope;
+        d.stream_synchronize(runtime::runtime_cuda_context().stream);
+        d.memcpy_dtoh_async(x.data(), buf, x.size() * 4, nullptr);
+        d.stream_synchronize(nullptr);
+        d.mem_free(buf);
+        got[static_cast<size_t>(r)] = x;
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < P; ++r) {
+    ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    EXPECT_EQ(got[static_cast<size_t>(r)], want[static_cast<size_t>(r)]) << "rank " << r;
+  }
 }
 
 // ZeRO-1 on the device shards over NCCL ranks of a CUDA library; anything
