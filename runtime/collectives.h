@@ -108,5 +108,9 @@ std::unique_ptr<CollectiveMemory> make_cuda_collective_memory();
 // all-gathered. In chunks of 2^24 elements, staged in `memory` (one made by
 // make_cuda_collective_memory).
 void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, CollectiveMemory& memory);
+// Communicator::reduce_scatter_sum_bf16 likewise (ZeRO-1's on the device),
+// in chunks of the same columns of every rank's block.
+void reduce_scatter_sum_bf16_on_device(const float* send, float* recv, int64_t n_per_rank, Communicator& comm,
+                                       CollectiveMemory& memory);
 
 }  // namespace halyard::runtime

@@ -166,13 +166,35 @@ void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, C
     auto* received = sent + padded;
     auto* sums = reinterpret_cast<float*>(received + padded);
     float* all = sums + block;
-    launch(k.round, collectives_cuda::RoundArgs{data + at, sent, c, padded}, padded, "rounding to bf16");
+    launch(k.round, collectives_cuda::RoundArgs{data + at, sent, 1, c, c, padded}, padded, "rounding to bf16");
     const std::vector<int64_t> words(static_cast<size_t>(P), block / 2);
     comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
                       words.data());
     launch(k.sum, collectives_cuda::SumArgs{received, sums, block, static_cast<int>(P)}, block, "summing bf16 in f32");
     comm.all_gather(sums, block, all);
     memory.rows({Area::Staging, Area::Out, 0, c, 0, c, c, 1}, all, data + at, 4);
+  }
+}
+
+void reduce_scatter_sum_bf16_on_device(const float* send, float* recv, int64_t n_per_rank, Communicator& comm,
+                                       CollectiveMemory& memory) {
+  const Kernels& k = kernels();
+  if (!k.error.empty()) throw Error("error: summing gradients from bf16 on the device: " + k.error);
+  const int64_t P = comm.size(), q = n_per_rank;
+  // Chunks of each rank's block: the same columns of all P blocks at once.
+  const int64_t columns = std::max<int64_t>(2, (int64_t{1} << 24) / P);
+  for (int64_t at = 0; at < q; at += columns) {
+    const int64_t w = std::min(columns, q - at), wide = w + w % 2;  // (32-bit words on the wire)
+    char* base = static_cast<char*>(memory.staging(P * wide * 2 * 2 + wide * 4));
+    auto* sent = reinterpret_cast<uint16_t*>(base);
+    auto* received = sent + P * wide;
+    auto* sums = reinterpret_cast<float*>(received + P * wide);
+    launch(k.round, collectives_cuda::RoundArgs{send + at, sent, P, w, q, wide}, P * wide, "rounding to bf16");
+    const std::vector<int64_t> words(static_cast<size_t>(P), wide / 2);
+    comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
+                      words.data());
+    launch(k.sum, collectives_cuda::SumArgs{received, sums, wide, static_cast<int>(P)}, wide, "summing bf16 in f32");
+    memory.rows({Area::Staging, Area::Out, 0, w, 0, w, w, 1}, sums, recv + at, 4);
   }
 }
 

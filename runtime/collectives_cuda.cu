@@ -8,14 +8,15 @@ using halyard::runtime::collectives_cuda::RoundArgs;
 using halyard::runtime::collectives_cuda::SumArgs;
 
 extern "C" __global__ void halyard_round_bf16(RoundArgs a) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= a.padded) return;
-  if (i >= a.n) {
-    a.out[i] = 0;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= a.rows * a.out_width) return;
+  const int64_t r = t / a.out_width, i = t % a.out_width;
+  if (i >= a.width) {
+    a.out[t] = 0;
     return;
   }
-  const uint32_t u = __float_as_uint(a.in[i]);
-  a.out[i] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
+  const uint32_t u = __float_as_uint(a.in[r * a.in_pitch + i]);
+  a.out[t] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
                                              : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 

@@ -9,13 +9,14 @@ namespace halyard::runtime::collectives_cuda {
 
 constexpr unsigned kThreads = 256;  // per block; one element per thread
 
-// The summands of a sum over ranks moved in bf16: out[i] = in[i] rounded to
-// bf16 (nearest, ties to even; a NaN stays a NaN: runtime/bf16.h's
-// bf16_bits) for i < n, and zeros from n to padded.
+// The summands of a sum over ranks moved in bf16, `rows` runs of them:
+// out[r * out_width + i] = in[r * in_pitch + i] rounded to bf16 (nearest,
+// ties to even; a NaN stays a NaN: runtime/bf16.h's bf16_bits) for
+// i < width, and zeros from width to out_width.
 struct RoundArgs {
   const float* in = nullptr;
   uint16_t* out = nullptr;
-  int64_t n = 0, padded = 0;
+  int64_t rows = 1, width = 0, in_pitch = 0, out_width = 0;
 };
 
 // Their sums in f32: out[i] = the sum over p < ranks of in[p * n + i] as

@@ -788,8 +788,13 @@ double Model::adamw_step(int64_t t, double lr, double max_norm) {
 void Model::zero_reduce_scatter(DeviceAdamW& d) {
   auto* grads = reinterpret_cast<float*>(static_cast<uintptr_t>(device_blocks_[1]->handle()));
   const int64_t P = mesh_->size(), tail_begin = P * d.slice.block, tail = flat_size_ - tail_begin;
-  mesh_->reduce_scatter_sum(grads, reinterpret_cast<float*>(static_cast<uintptr_t>(d.grad_slice->handle())),
-                            d.slice.block);
+  auto* slice = reinterpret_cast<float*>(static_cast<uintptr_t>(d.grad_slice->handle()));
+  if (reduce_grads_bf16_) {  // (the schedule's grad_reduce_precision; the remainder stays f32, as ZeroAdamW's)
+    if (!device_staging_) device_staging_ = make_cuda_collective_memory();
+    reduce_scatter_sum_bf16_on_device(grads, slice, d.slice.block, *mesh_, *device_staging_);
+  } else {
+    mesh_->reduce_scatter_sum(grads, slice, d.slice.block);
+  }
   if (tail > 0) mesh_->all_reduce_sum(grads + tail_begin, tail);
 }
 

@@ -104,7 +104,8 @@ class Model {
   void set_reduce_grads(bool on) { reduce_grads_ = on; }
   // Whether that sum moves the gradients in bf16, summed in f32
   // (Communicator::all_reduce_sum_bf16; the schedule's grad_reduce_precision;
-  // over NCCL on the device: all_reduce_sum_bf16_on_device, the same bits).
+  // over NCCL on the device: all_reduce_sum_bf16_on_device, the same bits;
+  // under use_zero_adamw the update's reduce-scatter, likewise).
   void set_reduce_grads_bf16(bool on) { reduce_grads_bf16_ = on; }
   // All parameters (and gradients) as one flat array of flat_size() floats:
   // parameter i starts at flat_offset(i); the gaps between them are zeros.

@@ -550,10 +550,8 @@ int train(const Options& o) {
       if (!comm) throw runtime::Error("error: --zero 1 shards the optimizer state over ranks, but this is one rank.\n"
                                       "fix: launch with mpirun -np 2 or 4, or pass --zero 0.");
       if (step_mesh && m.adamw_on_device()) {
-        if (reduce_bf16)
-          throw runtime::Error("error: --grad-reduce bf16 with ZeRO-1 on the device (over NCCL) is not built: the "
-                               "gradients are reduce-scattered in f32 there.\nfix: --grad-reduce f32.");
         m.use_zero_adamw(decay);
+        m.set_reduce_grads_bf16(reduce_bf16);
       } else {
         zero = std::make_unique<runtime::ZeroAdamW>(*comm, m.flat_size(), offsets, sizes, decay);
         zero->set_reduce_bf16(reduce_bf16);

@@ -362,7 +362,9 @@ TEST(Cuda, RingRanksWithPassesOnTheDeviceMatchOneRank) {
 // A gradient sum moved in bf16 on device memory over a device communicator
 // (all_reduce_sum_bf16_on_device: NCCL's path, the kernels of
 // collectives_cuda.cu) gives Communicator::all_reduce_sum_bf16's bits on
-// the host, on four ranks; 1,001 elements, so blocks are padded.
+// the host, on four ranks; 1,001 elements, so blocks are padded. And the
+// reduce-scatter (ZeRO-1's) gives reduce_scatter_sum_bf16's, in blocks of
+// 250 (the first 1,000 elements).
 TEST(Cuda, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
   HALYARD_NEED_GPU();
   runtime::use_runtime_cuda_context();
@@ -373,10 +375,14 @@ TEST(Cuda, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
     for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = std::sin(0.37f * static_cast<float>(i + 1000 * r)) * 3.1f;
     return x;
   };
-  std::vector<std::vector<float>> want(P), got(P);
+  const int64_t q = 250;
+  std::vector<std::vector<float>> want(P), got(P), want_slice(P), got_slice(P);
   testing::expect_no_errors(testing::run_ranks(P, 60, [&](runtime::Communicator& c) {
-    want[static_cast<size_t>(c.rank())] = values(c.rank());
-    c.all_reduce_sum_bf16(want[static_cast<size_t>(c.rank())].data(), n);
+    const size_t r = static_cast<size_t>(c.rank());
+    want[r] = values(c.rank());
+    want_slice[r].assign(q, 0.f);
+    c.reduce_scatter_sum_bf16(want[r].data(), want_slice[r].data(), q);
+    c.all_reduce_sum_bf16(want[r].data(), n);
   }));
   auto host = runtime::make_in_process_group(P, 60);
   std::vector<std::string> errors(P);
@@ -394,13 +400,24 @@ TEST(Cuda, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
               d.stream_synchronize(nullptr))
             throw runtime::Error("device buffer");
         }
+        unsigned long long slice = 0;
+        {
+          runtime::RuntimeContextScope scope;
+          if (d.mem_alloc(&slice, static_cast<size_t>(q) * 4)) throw runtime::Error("device buffer");
+        }
+        auto* dev = reinterpret_cast<float*>(static_cast<uintptr_t>(buf));
         auto memory = runtime::make_cuda_collective_memory();
-        runtime::all_reduce_sum_bf16_on_device(reinterpret_cast<float*>(static_cast<uintptr_t>(buf)), n, comm, *memory);
+        runtime::reduce_scatter_sum_bf16_on_device(dev, reinterpret_cast<float*>(static_cast<uintptr_t>(slice)), q, comm,
+                                                   *memory);
+        runtime::all_reduce_sum_bf16_on_device(dev, n, comm, *memory);
         runtime::RuntimeContextScope scope;
         d.stream_synchronize(runtime::runtime_cuda_context().stream);
+        got_slice[static_cast<size_t>(r)].assign(q, 0.f);
         d.memcpy_dtoh_async(x.data(), buf, x.size() * 4, nullptr);
+        d.memcpy_dtoh_async(got_slice[static_cast<size_t>(r)].data(), slice, q * 4, nullptr);
         d.stream_synchronize(nullptr);
         d.mem_free(buf);
+        d.mem_free(slice);
         got[static_cast<size_t>(r)] = x;
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
@@ -410,6 +427,7 @@ TEST(Cuda, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
   for (int r = 0; r < P; ++r) {
     ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
     EXPECT_EQ(got[static_cast<size_t>(r)], want[static_cast<size_t>(r)]) << "rank " << r;
+    EXPECT_EQ(got_slice[static_cast<size_t>(r)], want_slice[static_cast<size_t>(r)]) << "rank " << r << "'s slice";
   }
 }
 

@@ -42,10 +42,19 @@ TEST(CollectivesCudaEmulated, RoundingToBf16IsTheHostsBitForBit) {
   const int64_t n = static_cast<int64_t>(x.size()), padded = 1100;
   std::vector<uint16_t> out(static_cast<size_t>(padded), 0xffffu);
   cuda_emulation::launch(halyard_round_bf16, blocks(padded), 1, 1, kThreads,
-                         collectives_cuda::RoundArgs{x.data(), out.data(), n, padded});
+                         collectives_cuda::RoundArgs{x.data(), out.data(), 1, n, n, padded});
   for (int64_t i = 0; i < n; ++i)
     ASSERT_EQ(out[static_cast<size_t>(i)], bf16_bits(x[static_cast<size_t>(i)])) << "element " << i << " = " << x[static_cast<size_t>(i)];
   for (int64_t i = n; i < padded; ++i) ASSERT_EQ(out[static_cast<size_t>(i)], 0) << "padding " << i;
+  // Rows of a reduce-scatter's chunk: columns [3, 3 + 5) of 4 blocks of 250,
+  // each row padded to 6.
+  std::vector<uint16_t> rows(24, 0xffffu);
+  cuda_emulation::launch(halyard_round_bf16, blocks(24), 1, 1, kThreads,
+                         collectives_cuda::RoundArgs{x.data() + 3, rows.data(), 4, 5, 250, 6});
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 6; ++i)
+      ASSERT_EQ(rows[static_cast<size_t>(6 * r + i)], i < 5 ? bf16_bits(x[static_cast<size_t>(250 * r + 3 + i)]) : 0)
+          << "row " << r << " column " << i;
 }
 
 TEST(CollectivesCudaEmulated, SumsAreTheHostsF32SumsInRankOrder) {
