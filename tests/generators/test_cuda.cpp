@@ -346,7 +346,7 @@ void check_device_ranks(const runtime::ModelSpec& spec) {
   }
 }
 
-TEST(Cuda, UlyssesRanksWithCollectivesOnTheDeviceMatchOneRank) {
+TEST(CudaRanks, UlyssesCollectivesOnTheDeviceMatchOneRank) {
   HALYARD_NEED_GPU();
   check_device_ranks(halyard_models::tiny_cuda_sp4_s128());
 }
@@ -354,7 +354,7 @@ TEST(Cuda, UlyssesRanksWithCollectivesOnTheDeviceMatchOneRank) {
 // Ring attention (2 ranks): each pass of keys and values moves device
 // memory (Model::ring_shift over a device communicator), Halide's attention
 // blocks between them.
-TEST(Cuda, RingRanksWithPassesOnTheDeviceMatchOneRank) {
+TEST(CudaRanks, RingPassesOnTheDeviceMatchOneRank) {
   HALYARD_NEED_GPU();
   check_device_ranks(halyard_models::tiny_cuda_ring_sp2_s128());
 }
@@ -365,7 +365,7 @@ TEST(Cuda, RingRanksWithPassesOnTheDeviceMatchOneRank) {
 // the host, on four ranks; 1,001 elements, so blocks are padded. And the
 // reduce-scatter (ZeRO-1's) gives reduce_scatter_sum_bf16's, in blocks of
 // 250 (the first 1,000 elements).
-TEST(Cuda, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
+TEST(CudaRanks, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
   HALYARD_NEED_GPU();
   runtime::use_runtime_cuda_context();
   const int P = 4;
@@ -450,7 +450,7 @@ TEST(Cuda, ZeroOnTheDeviceNeedsACudaLibraryOverNccl) {
 // with their updates, then the loss of a third batch and a parameter's
 // gathered moments, against one CPU rank with runtime::AdamW. (Parameters
 // are compared by the loss they give, as GpuPath's update test explains.)
-TEST(Cuda, ZeroOnTheDeviceMatchesAdamWOnOneRank) {
+TEST(CudaRanks, ZeroOnTheDeviceMatchesAdamWOnOneRank) {
   HALYARD_NEED_GPU();
   struct Run {
     std::vector<double> norms;
