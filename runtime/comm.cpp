@@ -271,6 +271,16 @@ std::unique_ptr<Exchange> Communicator::do_start_exchange(const void* send, void
   });
 }
 
+std::unique_ptr<Exchange> Communicator::start_all_reduce_sum(float* data, int64_t n) {
+  check_count(CommOp::AllReduceSum, "n", n);
+  check_buffer(CommOp::AllReduceSum, "data", data, n);
+  return do_start_all_reduce_sum(data, n);
+}
+
+std::unique_ptr<Exchange> Communicator::do_start_all_reduce_sum(float* data, int64_t n) {
+  return std::make_unique<DeferredExchange>([=, this] { do_all_reduce_sum(data, n, CommType::F32); });
+}
+
 std::unique_ptr<Communicator> Communicator::do_split(int, int) {
   throw Error(std::string("error: ") + backend() + " communicator on rank " + std::to_string(rank()) +
               " cannot split into subgroups.\nfix: use the MPI or in-process backend for hybrid (Ulysses x ring) steps.");

@@ -107,6 +107,13 @@ class Communicator {
   // bitwise the same result (the in-process group sums in rank order).
   void all_reduce_sum(float* data, int64_t n);
   void all_reduce_sum(double* data, int64_t n);
+  // all_reduce_sum(data, n), finished by wait(): in the background where the
+  // backend can (NCCL: queued now on its stream, after the caller's compute
+  // stream's work); others sum inside wait(). `data` must stay untouched
+  // until then, and every rank starts and waits for its sums in the same
+  // order as its other calls. A GPU step sums its gradients so, bucket by
+  // bucket, as the backward finishes them.
+  std::unique_ptr<Exchange> start_all_reduce_sum(float* data, int64_t n);
   // Scalars, e.g. a global count of real tokens for the loss.
   double all_reduce_sum(double value);
   int64_t all_reduce_sum(int64_t value);
@@ -185,6 +192,8 @@ class Communicator {
   // ranks, receives then sends on odd ones.
   virtual std::unique_ptr<Exchange> do_start_exchange(const void* send, void* recv, int64_t n, int to, int from,
                                                       int tag, CommType type);
+  // Default: the sum inside wait().
+  virtual std::unique_ptr<Exchange> do_start_all_reduce_sum(float* data, int64_t n);
 
   // "all_to_all_v on rank 1 of 4"
   std::string where(CommOp op) const;

@@ -337,7 +337,23 @@ class NcclCommunicator final : public Communicator {
     // Queued before anything else touches the communicator (the next pass
     // starts at once); done at wait().
     if (!enqueued(op, "ncclGroupEnd", deadline_after(timeout_s()))) timed_out(op, "ncclGroupEnd", false, detail);
-    return std::make_unique<Pass>(*this, detail);
+    return std::make_unique<Pass>(*this, op, "ncclGroupEnd", detail);
+  }
+
+  // A sum queued now (a gradient bucket); wait() waits for it, with the timeout.
+  std::unique_ptr<Exchange> do_start_all_reduce_sum(float* data, int64_t n) override {
+    const CommOp op = CommOp::AllReduceSum;
+    throw_if_broken(op);
+    if (n == 0) return std::make_unique<Done>();
+    check_device_buffer(op, "data", data);
+    DeviceScope on(device_);
+    check_cuda(on.result(), op, "cudaSetDevice");
+    order_after_compute(op);
+    check_nccl(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream()), op,
+               "ncclAllReduce");
+    const std::string detail = "the sum of " + std::to_string(n) + " f32 in the background did not finish.";
+    if (!enqueued(op, "ncclAllReduce", deadline_after(timeout_s()))) timed_out(op, "ncclAllReduce", false, detail);
+    return std::make_unique<Pass>(*this, op, "ncclAllReduce", detail);
   }
 
   // ncclCommSplit: the group shares this one's device and streams (an sp
@@ -397,19 +413,23 @@ class NcclCommunicator final : public Communicator {
    public:
     void wait() override {}
   };
+  // Work queued in the background (a ring pass, a sum), waited for by wait().
   class Pass final : public Exchange {
    public:
-    Pass(NcclCommunicator& comm, std::string detail) : comm_(comm), detail_(std::move(detail)) {}
+    Pass(NcclCommunicator& comm, CommOp op, const char* call, std::string detail)
+        : comm_(comm), op_(op), call_(call), detail_(std::move(detail)) {}
     void wait() override {
       if (waited_) return;
       waited_ = true;
       DeviceScope on(comm_.device_);
-      comm_.check_cuda(on.result(), CommOp::Send, "cudaSetDevice");
-      comm_.wait(CommOp::Send, "ncclGroupEnd", detail_);
+      comm_.check_cuda(on.result(), op_, "cudaSetDevice");
+      comm_.wait(op_, call_, detail_);
     }
 
    private:
     NcclCommunicator& comm_;
+    CommOp op_;
+    const char* call_;
     std::string detail_;
     bool waited_ = false;
   };

@@ -1181,16 +1181,26 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
     if (p.calls[c].kind == CallKind::Wait) waited[static_cast<size_t>(p.calls[c].args[1])] = true;
   // The gradient sums, bucket by bucket from the last parameter down (the
   // backward finishes them roughly in that order), each started once all of
-  // its gradients are final. Host memory only: a GPU step's gradients come
-  // home at the end.
-  const bool grads_in_background = bg && &p == &spec_.train && reduce_grads_ && mesh_ && !gpu_ &&
-                                   p.num_calls > 0 && p.calls[p.num_calls - 1].kind == CallKind::AllReduceGrads;
+  // its gradients are final: on the host on the communication thread (a GPU
+  // step over MPI brings its gradients home at the end instead), or over
+  // NCCL on the device, queued behind the kernels that finish them (f32; a
+  // bf16 sum runs whole at the end).
+  const bool sums_at_end = &p == &spec_.train && reduce_grads_ && mesh_ && p.num_calls > 0 &&
+                          p.calls[p.num_calls - 1].kind == CallKind::AllReduceGrads;
+  const bool grads_on_device = device_collectives_ && overlap_ && !reduce_grads_bf16_ && sums_at_end;
+  const bool grads_in_background = (bg && !gpu_ && sums_at_end) || grads_on_device;
+  std::vector<std::unique_ptr<Exchange>> device_sums;
   std::vector<bool> final_grad(static_cast<size_t>(spec_.num_params), false);
   int bucket_lo = spec_.num_params, bucket_hi = spec_.num_params;  // params [lo, hi) final, not yet summed
   auto end_of = [&](int hi) { return hi == spec_.num_params ? flat_size_ : flat_offset(hi); };
   auto sum_bucket = [&](int lo, int hi) {
-    float* at = grads_flat() + flat_offset(lo);
     const int64_t n = end_of(hi) - flat_offset(lo);
+    if (grads_on_device) {
+      float* grads = reinterpret_cast<float*>(static_cast<uintptr_t>(device_blocks_.at(1)->handle()));
+      device_sums.push_back(mesh_->start_all_reduce_sum(grads + flat_offset(lo), n));
+      return;
+    }
+    float* at = grads_flat() + flat_offset(lo);
     grad_sums.push_back(comm_thread_->submit([this, at, n] { sum_over_mesh(at, n); }));
   };
   WindowedCopies copies(*this, p, bound);  // the offload copies inside their windows, instead of at their calls
@@ -1292,6 +1302,13 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   }
   if (copies.active) copies.before(p.num_calls);
   for (auto& f : grad_sums) finish(f, times_.grads);
+  for (auto& s : device_sums) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s->wait();
+    times_.grads.waited_s += since(t0);
+  }
+  if (profile && !device_sums.empty())
+    prof << "  all_reduce_grads on the device: " << device_sums.size() << " buckets in the background\n";
   auto timed_sum = [&](float* grads, const char* where) {
     const auto t0 = std::chrono::steady_clock::now();
     sum_over_mesh(grads, flat_size_);

@@ -238,6 +238,26 @@ TEST_P(Comm, ExchangesInFlightTogetherEachGetTheirMessage) {
   }));
 }
 
+// Gradient buckets: sums started as the backward finishes them, other calls
+// between, each finished by its wait() (here, where the backend sums).
+TEST_P(Comm, SumsStartedEarlyFinishAtTheirWait) {
+  const int n = GetParam();
+  expect_no_errors(run_ranks(n, 5, [&](Communicator& c) {
+    const float r = static_cast<float>(c.rank());
+    std::vector<float> a = {r, 1.f}, b = {2 * r};
+    auto sa = c.start_all_reduce_sum(a.data(), 2);
+    auto sb = c.start_all_reduce_sum(b.data(), 1);
+    const double count = c.all_reduce_sum(1.0);
+    sa->wait();
+    sb->wait();
+    sb->wait();  // (once is enough; again does nothing)
+    const float ranks = static_cast<float>(n), sum = ranks * (ranks - 1) / 2;
+    EXPECT_EQ(count, n);
+    EXPECT_EQ(a, (std::vector<float>{sum, ranks}));
+    EXPECT_EQ(b, (std::vector<float>{2 * sum}));
+  }));
+}
+
 // Hybrid steps split the sequence group: colors make the groups, keys order them.
 TEST_P(Comm, SplitMakesSubgroupsRankedByKey) {
   const int n = GetParam();

@@ -112,6 +112,13 @@ TEST(NcclSingleRank, CollectivesOnDeviceBuffers) {
   c.reduce_scatter_sum(d.get(), scattered.get(), count);
   EXPECT_EQ(scattered.host(), x);
   c.barrier();
+
+  // A gradient bucket's sum in the background, another call before its wait.
+  DeviceBuffer<float> bucket(x);
+  auto sum = c.start_all_reduce_sum(bucket.get(), count);
+  c.barrier();
+  sum->wait();
+  EXPECT_EQ(bucket.host(), x);
 }
 
 // ncclCommSplit (an sp group of a dp x sp mesh): a group on the same device,
