@@ -148,29 +148,40 @@ class CudaCollectiveMemory final : public CollectiveMemory {
 
 }  // namespace
 
-void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, CollectiveMemory& memory) {
+namespace {
+
+// A sum over ranks moved in bf16, up to each rank's f32 sums of its part:
+// `round` (its output set here) rounds the summands into P rows of `wide`
+// (even: the all-to-all moves 32-bit words), the rows go to their ranks, and
+// each element's P summands are summed in rank order. Returns the sums
+// (`wide` floats in `memory`'s staging, then `extra` floats of it free).
+float* sums_from_bf16(collectives_cuda::RoundArgs round, int64_t wide, int64_t extra, Communicator& comm,
+                      CollectiveMemory& memory) {
   const Kernels& k = kernels();
   if (!k.error.empty()) throw Error("error: summing gradients from bf16 on the device: " + k.error);
+  const int64_t P = comm.size();
+  auto* sent = static_cast<uint16_t*>(memory.staging(P * wide * 2 * 2 + (wide + extra) * 4));
+  uint16_t* received = sent + P * wide;
+  auto* sums = reinterpret_cast<float*>(received + P * wide);
+  round.out = sent;
+  launch(k.round, round, P * wide, "rounding to bf16");
+  const std::vector<int64_t> words(static_cast<size_t>(P), wide / 2);
+  comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
+                    words.data());
+  launch(k.sum, collectives_cuda::SumArgs{received, sums, wide, static_cast<int>(P)}, wide, "summing bf16 in f32");
+  return sums;
+}
+
+}  // namespace
+
+void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, CollectiveMemory& memory) {
   constexpr int64_t kChunk = int64_t{1} << 24;
   const int64_t P = comm.size();
   for (int64_t at = 0; at < n; at += kChunk) {
-    const int64_t c = std::min(kChunk, n - at);
-    // Each rank sums a block of the chunk; blocks of an even length move as
-    // int32 pairs (an all-to-all moves 32-bit words).
-    int64_t block = (c + P - 1) / P;
-    block += block % 2;
-    const int64_t padded = P * block;
-    // Staging: the rounded values, the blocks received, their sums, every rank's sums.
-    char* base = static_cast<char*>(memory.staging(padded * 2 * 2 + block * 4 + padded * 4));
-    auto* sent = reinterpret_cast<uint16_t*>(base);
-    auto* received = sent + padded;
-    auto* sums = reinterpret_cast<float*>(received + padded);
+    // Each rank sums a block of the chunk, the last blocks padded with zeros.
+    const int64_t c = std::min(kChunk, n - at), block = ((c + P - 1) / P + 1) / 2 * 2;
+    float* sums = sums_from_bf16({data + at, nullptr, 1, c, c, P * block}, block, P * block, comm, memory);
     float* all = sums + block;
-    launch(k.round, collectives_cuda::RoundArgs{data + at, sent, 1, c, c, padded}, padded, "rounding to bf16");
-    const std::vector<int64_t> words(static_cast<size_t>(P), block / 2);
-    comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
-                      words.data());
-    launch(k.sum, collectives_cuda::SumArgs{received, sums, block, static_cast<int>(P)}, block, "summing bf16 in f32");
     comm.all_gather(sums, block, all);
     memory.rows({Area::Staging, Area::Out, 0, c, 0, c, c, 1}, all, data + at, 4);
   }
@@ -178,22 +189,12 @@ void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, C
 
 void reduce_scatter_sum_bf16_on_device(const float* send, float* recv, int64_t n_per_rank, Communicator& comm,
                                        CollectiveMemory& memory) {
-  const Kernels& k = kernels();
-  if (!k.error.empty()) throw Error("error: summing gradients from bf16 on the device: " + k.error);
   const int64_t P = comm.size(), q = n_per_rank;
   // Chunks of each rank's block: the same columns of all P blocks at once.
   const int64_t columns = std::max<int64_t>(2, (int64_t{1} << 24) / P);
   for (int64_t at = 0; at < q; at += columns) {
-    const int64_t w = std::min(columns, q - at), wide = w + w % 2;  // (32-bit words on the wire)
-    char* base = static_cast<char*>(memory.staging(P * wide * 2 * 2 + wide * 4));
-    auto* sent = reinterpret_cast<uint16_t*>(base);
-    auto* received = sent + P * wide;
-    auto* sums = reinterpret_cast<float*>(received + P * wide);
-    launch(k.round, collectives_cuda::RoundArgs{send + at, sent, P, w, q, wide}, P * wide, "rounding to bf16");
-    const std::vector<int64_t> words(static_cast<size_t>(P), wide / 2);
-    comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
-                      words.data());
-    launch(k.sum, collectives_cuda::SumArgs{received, sums, wide, static_cast<int>(P)}, wide, "summing bf16 in f32");
+    const int64_t w = std::min(columns, q - at), wide = w + w % 2;
+    float* sums = sums_from_bf16({send + at, nullptr, P, w, q, wide}, wide, 0, comm, memory);
     memory.rows({Area::Staging, Area::Out, 0, w, 0, w, w, 1}, sums, recv + at, 4);
   }
 }

@@ -184,9 +184,7 @@ class NcclCommunicator final : public Communicator {
                   "; the block a rank sends itself is the block it receives from itself, so they must be equal.");
     check_device_buffer(op, "send", send);
     check_device_buffer(op, "recv", recv);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
 
     const int64_t esize = comm_type_size(type);
     auto send_at = [&](int64_t elements) { return static_cast<const char*>(send) + elements * esize; };
@@ -223,9 +221,7 @@ class NcclCommunicator final : public Communicator {
     throw_if_broken(op);
     if (n == 0) return;
     const bool on_host = !is_device_buffer(op, "data", data);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     const size_t bytes = static_cast<size_t>(n * comm_type_size(type));
     void* buffer = data;
     if (on_host) {  // the scalar overloads, and callers that summed on the CPU
@@ -252,9 +248,7 @@ class NcclCommunicator final : public Communicator {
       check_device_buffer(op, "send", send);
       check_device_buffer(op, "recv", recv);
     }
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     const size_t bytes = static_cast<size_t>(n * comm_type_size(type));
     const void* from = send;
     void* to = recv;
@@ -276,9 +270,7 @@ class NcclCommunicator final : public Communicator {
     if (n_per_rank == 0) return;
     check_device_buffer(op, "send", send);
     check_device_buffer(op, "recv", recv);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     check_nccl(ncclReduceScatter(send, recv, static_cast<size_t>(n_per_rank), nccl_type(type), ncclSum, comm_,
                                  stream()),
                op, "ncclReduceScatter");
@@ -291,9 +283,7 @@ class NcclCommunicator final : public Communicator {
     throw_if_broken(op);
     if (n == 0) return;
     check_device_buffer(op, "data", data);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     check_nccl(ncclSend(data, static_cast<size_t>(n), nccl_type(type), peer, comm_, stream()), op, "ncclSend");
     wait(op, "ncclSend",
          "rank " + std::to_string(peer) + " did not receive the message (" + std::to_string(n) + " " +
@@ -306,9 +296,7 @@ class NcclCommunicator final : public Communicator {
     throw_if_broken(op);
     if (n == 0) return;
     check_device_buffer(op, "data", data);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     check_nccl(ncclRecv(data, static_cast<size_t>(n), nccl_type(type), peer, comm_, stream()), op, "ncclRecv");
     wait(op, "ncclRecv",
          "no message (" + std::to_string(n) + " " + comm_type_name(type) + ", tag " + std::to_string(tag) +
@@ -324,9 +312,7 @@ class NcclCommunicator final : public Communicator {
     if (n == 0) return std::make_unique<Done>();
     check_device_buffer(op, "send", send);
     check_device_buffer(op, "recv", recv);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     check_nccl(ncclGroupStart(), op, "ncclGroupStart");
     check_nccl(ncclSend(send, static_cast<size_t>(n), nccl_type(type), to, comm_, stream()), op, "ncclSend");
     check_nccl(ncclRecv(recv, static_cast<size_t>(n), nccl_type(type), from, comm_, stream()), op, "ncclRecv");
@@ -334,10 +320,7 @@ class NcclCommunicator final : public Communicator {
     const std::string detail = "the pass of " + std::to_string(n) + " " + comm_type_name(type) + " (tag " +
                                std::to_string(tag) + ") to rank " + std::to_string(to) + " and from rank " +
                                std::to_string(from) + " did not finish.";
-    // Queued before anything else touches the communicator (the next pass
-    // starts at once); done at wait().
-    if (!enqueued(op, "ncclGroupEnd", deadline_after(timeout_s()))) timed_out(op, "ncclGroupEnd", false, detail);
-    return std::make_unique<Pass>(*this, op, "ncclGroupEnd", detail);
+    return in_background(op, "ncclGroupEnd", detail);
   }
 
   // A sum queued now (a gradient bucket); wait() waits for it, with the timeout.
@@ -346,14 +329,11 @@ class NcclCommunicator final : public Communicator {
     throw_if_broken(op);
     if (n == 0) return std::make_unique<Done>();
     check_device_buffer(op, "data", data);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     check_nccl(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream()), op,
                "ncclAllReduce");
     const std::string detail = "the sum of " + std::to_string(n) + " f32 in the background did not finish.";
-    if (!enqueued(op, "ncclAllReduce", deadline_after(timeout_s()))) timed_out(op, "ncclAllReduce", false, detail);
-    return std::make_unique<Pass>(*this, op, "ncclAllReduce", detail);
+    return in_background(op, "ncclAllReduce", detail);
   }
 
   // ncclCommSplit: the group shares this one's device and streams (an sp
@@ -399,9 +379,7 @@ class NcclCommunicator final : public Communicator {
   void do_barrier() override {
     const CommOp op = CommOp::Barrier;
     throw_if_broken(op);
-    DeviceScope on(device_);
-    check_cuda(on.result(), op, "cudaSetDevice");
-    order_after_compute(op);
+    OnDevice on(*this, op);
     check_nccl(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream()), op, "ncclAllReduce");
     wait(op, "ncclAllReduce");
   }
@@ -501,6 +479,27 @@ class NcclCommunicator final : public Communicator {
     scratch_bytes_ = 0;
     check_cuda(cudaMalloc(&scratch_, bytes), op, "cudaMalloc");
     scratch_bytes_ = bytes;
+  }
+
+  // A call's scope: this communicator's device current, and the caller's
+  // compute stream's work so far ordered before what the call queues.
+  class OnDevice {
+   public:
+    OnDevice(NcclCommunicator& comm, CommOp op) : scope_(comm.device_) {
+      comm.check_cuda(scope_.result(), op, "cudaSetDevice");
+      comm.order_after_compute(op);
+    }
+
+   private:
+    DeviceScope scope_;
+  };
+
+  // Work `call` just issued, finished by the returned Exchange's wait(). It
+  // is queued first, before anything else touches the communicator (the
+  // next call may follow at once).
+  std::unique_ptr<Exchange> in_background(CommOp op, const char* call, std::string detail) {
+    if (!enqueued(op, call, deadline_after(timeout_s()))) timed_out(op, call, false, detail);
+    return std::make_unique<Pass>(*this, op, call, std::move(detail));
   }
 
   // The stream calls run on: the caller's (use_streams), or our own.

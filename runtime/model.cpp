@@ -352,8 +352,7 @@ void Model::wait_for_device(const char* what) {
 
 void Model::sum_over_mesh(float* grads, int64_t n) {
   if (reduce_grads_bf16_ && device_collectives_) {  // (device memory: the same sums by the device's kernels)
-    if (!device_staging_) device_staging_ = make_cuda_collective_memory();
-    all_reduce_sum_bf16_on_device(grads, n, *mesh_, *device_staging_);
+    all_reduce_sum_bf16_on_device(grads, n, *mesh_, device_staging());
   } else if (reduce_grads_bf16_) {
     mesh_->all_reduce_sum_bf16(grads, n);
   } else {
@@ -391,14 +390,19 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   }
   if (!over && call.kind != CallKind::AllReduce)  // (one rank: the sum is the value)
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
+  const CollectivePlan plan = plan_collective(call.kind, p.buffers[call.args[0]], p.buffers[call.args[1]],
+                                              over ? over->size() : 1, over ? over->backend() : "one rank");
   if (device_collectives_) {
-    device_collective(call, p, bufs, over);
+    // The plan on the buffers' device memory: its copies on the compute
+    // stream, its transfer over NCCL after them (the communicator waits for
+    // the compute stream by an event, and the host for the transfer, with
+    // its timeout), so nothing comes home.
+    run_plan(plan, device_address(p, bufs, call.args[0], true, call.kernel),
+             device_address(p, bufs, call.args[1], false, call.kernel), over, device_staging());
+    written_on_device(p, bufs, call.args[1]);
     return;
   }
-  const BufferSpec& is = p.buffers[call.args[0]];
-  const BufferSpec& os = p.buffers[call.args[1]];
-  run_plan(plan_collective(call.kind, is, os, over ? over->size() : 1, over ? over->backend() : "one rank"), in.host,
-           out.host, over, host_staging_);
+  run_plan(plan, in.host, out.host, over, host_staging_);
   if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
 }
 
@@ -416,20 +420,17 @@ void* Model::device_address(const ProgramSpec& p, halide_buffer_t* bufs, int b, 
   return reinterpret_cast<void*>(static_cast<uintptr_t>(bufs[b].device));
 }
 
-// The same plan on the buffers' device memory: its copies on the compute
-// stream, its transfer over NCCL after them (the communicator waits for the
-// compute stream by an event, and the host for the transfer, with its
-// timeout), so nothing comes home.
-void Model::device_collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, Communicator* over) {
-  const BufferSpec& is = p.buffers[call.args[0]];
-  const BufferSpec& os = p.buffers[call.args[1]];
-  const CollectivePlan plan = plan_collective(call.kind, is, os, over ? over->size() : 1, over ? over->backend() : "one rank");
+// Buffer b (a view: its buffer too) was written on the device: kernels read
+// it there, and the host's copy is stale.
+void Model::written_on_device(const ProgramSpec& p, halide_buffer_t* bufs, int b) {
+  const BufferSpec& s = p.buffers[b];
+  for (int w : {b, s.storage == Storage::View ? s.index : b})
+    bufs[w].flags = (bufs[w].flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
+}
+
+CollectiveMemory& Model::device_staging() {
   if (!device_staging_) device_staging_ = make_cuda_collective_memory();
-  void* in = device_address(p, bufs, call.args[0], true, call.kernel);
-  void* out = device_address(p, bufs, call.args[1], false, call.kernel);
-  run_plan(plan, in, out, over, *device_staging_);
-  for (int b : {call.args[1], os.storage == Storage::View ? os.index : call.args[1]})
-    bufs[b].flags = (bufs[b].flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
+  return *device_staging_;
 }
 
 // An offloaded value out to its host memory, or back to its device bytes,
@@ -476,13 +477,12 @@ void Model::ring_shift(const CallSpec& call, const ProgramSpec& p, halide_buffer
   if (device_collectives_) {
     src = device_address(p, bufs, call.args[0], true, call.kernel);
     dst = device_address(p, bufs, out_index, false, call.kernel);
-    out.flags = (out.flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
-    if (!device_staging_) device_staging_ = make_cuda_collective_memory();
+    written_on_device(p, bufs, out_index);
   } else if (gpu_) {
     out.flags |= halide_buffer_flag_host_dirty;  // written on the host, read by kernels after its wait
   }
   if (!over) {  // one rank: its own block comes back
-    if (device_collectives_) device_staging_->rows({Area::In, Area::Out, 0, n, 0, n, n, 1}, src, dst, 4);
+    if (device_collectives_) device_staging().rows({Area::In, Area::Out, 0, n, 0, n, n, 1}, src, dst, 4);
     else std::memcpy(dst, src, static_cast<size_t>(n) * 4);
     return;
   }
@@ -790,8 +790,7 @@ void Model::zero_reduce_scatter(DeviceAdamW& d) {
   const int64_t P = mesh_->size(), tail_begin = P * d.slice.block, tail = flat_size_ - tail_begin;
   auto* slice = reinterpret_cast<float*>(static_cast<uintptr_t>(d.grad_slice->handle()));
   if (reduce_grads_bf16_) {  // (the schedule's grad_reduce_precision; the remainder stays f32, as ZeroAdamW's)
-    if (!device_staging_) device_staging_ = make_cuda_collective_memory();
-    reduce_scatter_sum_bf16_on_device(grads, slice, d.slice.block, *mesh_, *device_staging_);
+    reduce_scatter_sum_bf16_on_device(grads, slice, d.slice.block, *mesh_, device_staging());
   } else {
     mesh_->reduce_scatter_sum(grads, slice, d.slice.block);
   }
@@ -805,8 +804,7 @@ void Model::zero_all_gather(DeviceAdamW& d) {
   auto* params = reinterpret_cast<float*>(static_cast<uintptr_t>(device_blocks_[0]->handle()));
   auto* slice = reinterpret_cast<float*>(static_cast<uintptr_t>(d.grad_slice->handle()));
   const int64_t P = mesh_->size(), block = d.slice.block, tail_begin = P * block, tail = flat_size_ - tail_begin;
-  if (!device_staging_) device_staging_ = make_cuda_collective_memory();
-  if (block > 0) device_staging_->rows({Area::In, Area::Out, d.slice.begin, block, 0, block, block, 1}, params, slice, 4);
+  if (block > 0) device_staging().rows({Area::In, Area::Out, d.slice.begin, block, 0, block, block, 1}, params, slice, 4);
   mesh_->all_gather(slice, block, params);
   if (tail > 0) {
     std::vector<float> last(static_cast<size_t>(tail), 0.f);

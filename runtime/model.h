@@ -265,8 +265,9 @@ class Model {
   int64_t token_slot_bytes() const;  // one of tokens_'s four int32 arrays, aligned
   void check_communicators();
   void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
-  void device_collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, Communicator* over);
   void* device_address(const ProgramSpec& p, ::halide_buffer_t* bufs, int b, bool read, const char* what);
+  void written_on_device(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);
+  CollectiveMemory& device_staging();  // made at first use
   void to_host(::halide_buffer_t& hb);  // a GPU kernel's result, when the host copy is stale
   void to_host(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);  // buffer b of p, or a view's buffer
   void concat(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
