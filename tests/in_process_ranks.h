@@ -16,15 +16,14 @@
 
 namespace halyard::testing {
 
-inline std::vector<std::string> run_ranks(int n, double timeout_s,
-                                          const std::function<void(runtime::Communicator&)>& fn) {
-  auto comms = runtime::make_in_process_group(n, timeout_s);
+// Runs fn(r) for r in [0, n), one thread each, and returns what each threw.
+inline std::vector<std::string> run_threads(int n, const std::function<void(int)>& fn) {
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       try {
-        fn(*comms[static_cast<size_t>(r)]);
+        fn(r);
       } catch (const runtime::Error& e) {
         errors[static_cast<size_t>(r)] = e.what();
       } catch (const std::exception& e) {
@@ -33,6 +32,12 @@ inline std::vector<std::string> run_ranks(int n, double timeout_s,
     });
   for (auto& t : threads) t.join();
   return errors;
+}
+
+inline std::vector<std::string> run_ranks(int n, double timeout_s,
+                                          const std::function<void(runtime::Communicator&)>& fn) {
+  auto comms = runtime::make_in_process_group(n, timeout_s);
+  return run_threads(n, [&](int r) { fn(*comms[static_cast<size_t>(r)]); });
 }
 
 inline void expect_no_errors(const std::vector<std::string>& errors) {

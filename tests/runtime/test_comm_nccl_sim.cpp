@@ -1,0 +1,281 @@
+// The NCCL communicator (runtime/comm_nccl.cpp, compiled as for GPUs) over
+// a simulated CUDA runtime and NCCL (tests/runtime/nccl_sim.cpp), ranks as
+// threads, each on a device of its own: its multi-rank logic checked on any
+// machine. GPU nodes have one GPU and no MPI, so this is where NCCL's
+// groupings, offsets, splits, background work, stream ordering and
+// watchdog run with more than one rank. It runs the same contract as
+// test_comm_nccl (tests/nccl_contract.h) on 1, 2 and 4 ranks, then what only
+// threads can arrange: a compute stream to order after, and ranks that never
+// arrive (suite NcclSimFaults, label "faults").
+#include <cuda_runtime.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/comm_nccl_open.h"
+#include "runtime/error.h"
+#include "tests/device_buffer.h"
+#include "tests/in_process_ranks.h"
+#include "tests/nccl_contract.h"
+#include "tests/nccl_sim.h"
+
+namespace halyard::runtime {
+namespace {
+
+using ::testing::HasSubstr;
+using halyard::testing::DeviceBuffer;
+using halyard::testing::expect_no_errors;
+namespace contract = halyard::testing::nccl_contract;
+
+// fn on n ranks, rank r on simulated device devices[r] (r by default), each
+// with its own NCCL communicator made as make_nccl_communicator makes it
+// (one id for all, then open_nccl on the rank's device).
+std::vector<std::string> run_nccl_ranks(int n, double timeout_s, const std::function<void(Communicator&)>& fn,
+                                        std::vector<int> devices = {}) {
+  for (int r = static_cast<int>(devices.size()); r < n; ++r) devices.push_back(r);
+  ncclUniqueId id{};
+  EXPECT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  return halyard::testing::run_threads(n, [&](int r) {
+    halyard::testing::cuda_ok(cudaSetDevice(devices[static_cast<size_t>(r)]), "cudaSetDevice");
+    auto c = unopened_nccl_communicator(r, n, timeout_s, nullptr);
+    open_nccl(*c, devices[static_cast<size_t>(r)], id);
+    fn(*c);
+  });
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+class NcclSim : public ::testing::TestWithParam<int> {};
+
+INSTANTIATE_TEST_SUITE_P(Ranks, NcclSim, ::testing::Values(1, 2, 4), [](const auto& info) {
+  return std::to_string(info.param) + "ranks";
+});
+
+TEST_P(NcclSim, AllToAllVMovesUnevenBlocksAndCountsBytes) {
+  expect_no_errors(run_nccl_ranks(GetParam(), 10, contract::all_to_all_v_moves_uneven_blocks_and_counts_bytes));
+}
+
+TEST_P(NcclSim, AllReduceSumOnDeviceAndHostValues) {
+  expect_no_errors(run_nccl_ranks(GetParam(), 10, contract::all_reduce_sum_on_device_and_host_values));
+}
+
+TEST_P(NcclSim, AllGatherPutsRankPAtOffsetPTimesN) {
+  expect_no_errors(run_nccl_ranks(GetParam(), 10, contract::all_gather_puts_rank_p_at_offset_p_times_n));
+}
+
+TEST_P(NcclSim, ReduceScatterSumGivesEachRankItsBlock) {
+  expect_no_errors(run_nccl_ranks(GetParam(), 10, contract::reduce_scatter_sum_gives_each_rank_its_block));
+}
+
+TEST_P(NcclSim, SendRecvBetweenPairsInCallOrder) {
+  if (GetParam() % 2 != 0) GTEST_SKIP() << "pairs need an even number of ranks";
+  expect_no_errors(run_nccl_ranks(GetParam(), 10, contract::send_recv_between_pairs_in_call_order));
+}
+
+TEST_P(NcclSim, HostBufferIsAUserMistakeAndLeavesTheCommunicatorUsable) {
+  expect_no_errors(
+      run_nccl_ranks(GetParam(), 10, contract::host_buffer_is_a_user_mistake_and_leaves_the_communicator_usable));
+}
+
+// Ring attention's passes: several in flight on one stream at once, each a
+// grouped send and receive, finished in another order than they started.
+TEST_P(NcclSim, RingPassesInFlightTogetherEachGetTheirBlock) {
+  const int n = GetParam();
+  if (n == 1) GTEST_SKIP() << "a single rank has no peer";
+  expect_no_errors(run_nccl_ranks(n, 10, [&](Communicator& c) {
+    const int r = c.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
+    DeviceBuffer<float> k(std::vector<float>{1.0f * r, 2.0f * r}), v(std::vector<float>{-3.0f * r});
+    DeviceBuffer<int32_t> pos(std::vector<int32_t>{r, r + 10, r + 20});
+    DeviceBuffer<float> got_k(2), got_v(1);
+    DeviceBuffer<int32_t> got_pos(3);
+    auto ek = c.start_exchange(k.get(), got_k.get(), 2, next, prev, 11);
+    auto ev = c.start_exchange(v.get(), got_v.get(), 1, next, prev, 12);
+    auto ep = c.start_exchange(pos.get(), got_pos.get(), 3, next, prev, 13);
+    ep->wait();
+    ek->wait();
+    ev->wait();
+    EXPECT_EQ(got_k.host(), (std::vector<float>{1.0f * prev, 2.0f * prev}));
+    EXPECT_EQ(got_v.host(), (std::vector<float>{-3.0f * prev}));
+    EXPECT_EQ(got_pos.host(), (std::vector<int32_t>{prev, prev + 10, prev + 20}));
+    EXPECT_EQ(c.p2p_bytes_sent(), (2 + 1 + 3) * 4);
+  }));
+}
+
+// Gradient buckets: sums queued in the background, a blocking call between,
+// each finished by its wait().
+TEST_P(NcclSim, SumsStartedEarlyFinishAtTheirWait) {
+  const int n = GetParam();
+  expect_no_errors(run_nccl_ranks(n, 10, [&](Communicator& c) {
+    const float r = static_cast<float>(c.rank());
+    DeviceBuffer<float> a(std::vector<float>{r, 1.f}), b(std::vector<float>{2 * r});
+    auto sa = c.start_all_reduce_sum(a.get(), 2);
+    auto sb = c.start_all_reduce_sum(b.get(), 1);
+    const double count = c.all_reduce_sum(1.0);
+    sa->wait();
+    sb->wait();
+    sb->wait();
+    const float ranks = static_cast<float>(n), sum = ranks * (ranks - 1) / 2;
+    EXPECT_EQ(count, n);
+    EXPECT_EQ(a.host(), (std::vector<float>{sum, ranks}));
+    EXPECT_EQ(b.host(), (std::vector<float>{2 * sum}));
+  }));
+}
+
+// Hybrid steps split the sequence group (ncclCommSplit): colors make the
+// groups, keys order them, and the parent still works.
+TEST_P(NcclSim, SplitMakesSubgroupsRankedByKey) {
+  const int n = GetParam();
+  expect_no_errors(run_nccl_ranks(n, 10, [&](Communicator& c) {
+    const int r = c.rank();
+    auto sub = c.split(r % 2, -r);  // evens and odds, each in reverse rank order
+    const int members = (n + 1 - r % 2) / 2;
+    ASSERT_EQ(sub->size(), members);
+    EXPECT_EQ(sub->rank(), members - 1 - r / 2);
+    EXPECT_STREQ(sub->backend(), "NCCL");
+    DeviceBuffer<float> x(std::vector<float>{static_cast<float>(r)});
+    sub->all_reduce_sum(x.get(), 1);
+    float want = 0;
+    for (int p = r % 2; p < n; p += 2) want += static_cast<float>(p);
+    EXPECT_EQ(x.host(), std::vector<float>{want});
+    EXPECT_EQ(c.all_reduce_sum(1.0), n);
+  }));
+}
+
+// use_streams: the calls run on the given stream, after the work queued so
+// far on the compute stream (by an event, not by the host waiting). Here the
+// compute stream's "kernel" writes the buffer late; the sum must see it.
+struct LateWrite {
+  float* device;
+  float value;
+};
+
+void write_late(void* p) {
+  auto* w = static_cast<LateWrite*>(p);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  *w->device = w->value;  // (simulated device memory is host memory)
+}
+
+TEST_P(NcclSim, CallsRunAfterTheComputeStreamsWork) {
+  const int n = GetParam();
+  expect_no_errors(run_nccl_ranks(n, 10, [&](Communicator& c) {
+    cudaStream_t compute = nullptr, comm = nullptr;
+    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), "cudaStreamCreate");
+    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking), "cudaStreamCreate");
+    c.use_streams(comm, compute);
+    DeviceBuffer<float> x(std::vector<float>{0.f});
+    LateWrite w{x.get(), 1.0f + c.rank()};
+    halyard::testing::cuda_ok(cudaLaunchHostFunc(compute, write_late, &w), "cudaLaunchHostFunc");
+    c.all_reduce_sum(x.get(), 1);
+    EXPECT_EQ(x.host(), std::vector<float>{static_cast<float>(n * (n + 1) / 2)});
+    c.use_streams(nullptr, nullptr);
+    cudaStreamDestroy(compute);
+    cudaStreamDestroy(comm);
+  }));
+}
+
+TEST(NcclSim, SingleRankFactoryMakesAGroupOfOne) {
+  auto c = make_nccl_single_rank(10);
+  EXPECT_EQ(c->size(), 1);
+  EXPECT_STREQ(c->backend(), "NCCL");
+  DeviceBuffer<float> x(std::vector<float>{2.5f});
+  c->all_reduce_sum(x.get(), 1);
+  EXPECT_EQ(x.host(), std::vector<float>{2.5f});
+}
+
+TEST(NcclSim, NoDeviceIsAClearError) {
+  halyard::testing::set_simulated_devices(0);
+  std::string why;
+  EXPECT_EQ(count_cuda_devices(3, why), 0);
+  halyard::testing::set_simulated_devices(4);
+  EXPECT_EQ(why, "error: NCCL communicator on rank 3: no CUDA device (cudaGetDeviceCount: no CUDA-capable device is "
+                 "detected); fix: run on GPU nodes or use make_mpi_communicator()");
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the probe left a sticky error";
+}
+
+// ---------------------------------------------------------------------------
+// Faults: the watchdog. Work that waits for a peer never ends by itself on
+// the (simulated) GPU; the communicator must give up at its timeout, abort,
+// and say what it waited for.
+
+TEST(NcclSimFaults, TwoRanksOnOneDeviceNameTheFix) {
+  auto errors = run_nccl_ranks(2, 5, [](Communicator&) {}, {0, 0});
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], HasSubstr("error: make_nccl_communicator on rank " + std::to_string(r) +
+                                     " of 2: ncclCommInitRankConfig on CUDA device 0 failed: invalid usage"));
+    EXPECT_THAT(errors[r], HasSubstr("NCCL needs one GPU per rank; fix: run at most as many ranks per node as it "
+                                     "has GPUs."));
+  }
+}
+
+TEST(NcclSimFaults, MissingRankMakesTheOthersTimeOutAndAbort) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<double> elapsed(4);
+  std::vector<std::string> later(4);
+  auto errors = run_nccl_ranks(4, 0.5, [&](Communicator& c) {
+    const int r = c.rank();
+    if (r == 2) return;  // stuck elsewhere
+    DeviceBuffer<float> send(8), recv(8);
+    std::vector<int64_t> counts(4, 2);
+    try {
+      c.all_to_all_v(send.get(), counts.data(), recv.get(), counts.data());
+    } catch (const Error&) {
+      elapsed[static_cast<size_t>(r)] = seconds_since(start);
+      try {
+        c.barrier();
+      } catch (const Error& e) {
+        later[static_cast<size_t>(r)] = e.what();
+      }
+      throw;
+    }
+  });
+  EXPECT_EQ(errors[2], "");
+  for (int r : {0, 1, 3}) {
+    EXPECT_THAT(errors[r], HasSubstr("error: all_to_all_v on rank " + std::to_string(r) +
+                                     " of 4 timed out after 0.5 s waiting for a peer (dead or stuck?)"));
+    EXPECT_THAT(errors[r], HasSubstr("ncclGroupEnd was still running on the GPU; the NCCL communicator was aborted "
+                                     "(ncclCommAbort)."));
+    EXPECT_GE(elapsed[static_cast<size_t>(r)], 0.45) << "rank " << r;
+    EXPECT_LT(elapsed[static_cast<size_t>(r)], 3.0) << "rank " << r;
+    EXPECT_THAT(later[static_cast<size_t>(r)], HasSubstr("the communicator is broken by an earlier failure"));
+  }
+}
+
+TEST(NcclSimFaults, SendNobodyReceivesSaysWhy) {
+  auto errors = run_nccl_ranks(2, 0.5, [](Communicator& c) {
+    DeviceBuffer<float> x(4);
+    if (c.rank() == 1) c.send(x.get(), 4, 0, 7);  // rank 0 never receives
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_THAT(errors[1], HasSubstr("send on rank 1 of 2 timed out after 0.5 s"));
+  EXPECT_THAT(errors[1], HasSubstr("rank 0 did not receive the message (4 f32, tag 7); NCCL sends complete only when "
+                                   "the peer receives"));
+}
+
+TEST(NcclSimFaults, RingPassWaitTimesOutNamingItsPeers) {
+  auto errors = run_nccl_ranks(2, 0.5, [](Communicator& c) {
+    DeviceBuffer<float> x(4), y(4);
+    if (c.rank() == 1) c.start_exchange(x.get(), y.get(), 4, 0, 0, 9)->wait();  // rank 0 never passes
+  });
+  EXPECT_THAT(errors[1], HasSubstr("the pass of 4 f32 (tag 9) to rank 0 and from rank 0 did not finish."));
+}
+
+TEST(NcclSimFaults, SplitThatAPeerSkipsTimesOut) {
+  auto errors = run_nccl_ranks(2, 0.5, [](Communicator& c) {
+    if (c.rank() == 0) c.split(0, 0);
+  });
+  EXPECT_THAT(errors[0], HasSubstr("ncclCommSplit was still in progress; every rank must split in the same order."));
+  EXPECT_EQ(errors[1], "");
+}
+
+}  // namespace
+}  // namespace halyard::runtime
