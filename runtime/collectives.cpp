@@ -180,7 +180,7 @@ void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicato
 }
 
 void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,
-                    Communicator& comm, HostCollectiveMemory& memory) {
+                    Communicator& comm, CollectiveMemory& memory) {
   run_plan(plan_collective(kind, in, out, comm.size(), comm.backend()), in_data, out_data, &comm, memory);
 }
 

@@ -91,9 +91,9 @@ class HostCollectiveMemory final : public CollectiveMemory {
 // must be of that memory; without one (a single rank) the transfer is a copy.
 void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory);
 
-// plan_collective and run_plan on host buffers.
+// plan_collective and run_plan.
 void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,
-                    Communicator& comm, HostCollectiveMemory& memory);
+                    Communicator& comm, CollectiveMemory& memory);
 
 // The runtime's CUDA memory (runtime/cuda_context.h): copies and zeros on
 // the compute stream (cuMemcpy2DAsync, cuMemsetD8Async), sums through

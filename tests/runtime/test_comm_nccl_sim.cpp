@@ -1,31 +1,43 @@
-// The NCCL communicator (runtime/comm_nccl.cpp, compiled as for GPUs) over
-// a simulated CUDA runtime and NCCL (tests/runtime/nccl_sim.cpp), ranks as
-// threads, each on a device of its own: its multi-rank logic checked on any
-// machine. GPU nodes have one GPU and no MPI, so this is where NCCL's
-// groupings, offsets, splits, background work, stream ordering and
+// The NCCL communicator (runtime/comm_nccl.cpp, compiled as for GPUs) and
+// the collectives on device memory (runtime/collectives_cuda.cpp) over a
+// simulated CUDA runtime, driver, cuBLAS and NCCL (tests/runtime/cuda_sim.cpp),
+// ranks as threads, each on a device of its own: their multi-rank logic
+// checked on any machine. GPU nodes have one GPU and no MPI, so this is where
+// NCCL's groupings, offsets, splits, background work, stream ordering and
 // watchdog run with more than one rank. It runs the same contract as
-// test_comm_nccl (tests/nccl_contract.h) on 1, 2 and 4 ranks, then what only
+// test_comm_nccl (tests/nccl_contract.h) on 1, 2 and 4 ranks; what only
 // threads can arrange: a compute stream to order after, and ranks that never
-// arrive (suite NcclSimFaults, label "faults").
+// arrive (suite NcclSimFaults, label "faults"); and the step's collectives
+// as a CUDA model over NCCL runs them (suite DeviceCollectivesSim): the plans
+// of tests/collective_checks.h, and the gradient sums moved in bf16 with the
+// collectives' kernels (emulated), against the host's bits.
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nccl.h>
 
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "runtime/collectives.h"
 #include "runtime/comm.h"
 #include "runtime/comm_nccl_open.h"
+#include "runtime/cuda_context.h"
 #include "runtime/error.h"
+#include "tests/collective_checks.h"
+#include "tests/cuda_sim.h"
 #include "tests/device_buffer.h"
 #include "tests/in_process_ranks.h"
 #include "tests/nccl_contract.h"
-#include "tests/nccl_sim.h"
+
+namespace halyard::testing {
+void register_emulated_collectives_kernels();  // (cuda_sim_kernels.cpp)
+}  // namespace halyard::testing
 
 namespace halyard::runtime {
 namespace {
@@ -275,6 +287,104 @@ TEST(NcclSimFaults, SplitThatAPeerSkipsTimesOut) {
   });
   EXPECT_THAT(errors[0], HasSubstr("ncclCommSplit was still in progress; every rank must split in the same order."));
   EXPECT_EQ(errors[1], "");
+}
+
+// ---------------------------------------------------------------------------
+// The step's collectives as a CUDA model over NCCL runs them: each rank's
+// plan on its device memory (make_cuda_collective_memory: copies and sums
+// queued on the runtime's compute stream, one for all ranks here as on one
+// GPU), the transfer over its NCCL communicator.
+
+namespace checks = halyard::testing::collective_checks;
+
+// Ranks over NCCL, each with CUDA collective memory; the host vectors of
+// collective_checks.h count as device memory, and every copy has landed
+// when a rank returns. As in a Model over NCCL (check_communicators), the
+// calls run after the compute stream's work (use_streams); each rank has a
+// stream of its own for them, as each process has on GPUs (ranks that
+// shared one would queue behind each other's waits).
+std::vector<std::string> on_simulated_gpus(int p, const std::function<void(Communicator&, CollectiveMemory&)>& fn) {
+  halyard::testing::treat_host_memory_as_device(true);
+  const auto compute = static_cast<cudaStream_t>(runtime_cuda_context().stream);
+  auto errors = run_nccl_ranks(p, 10, [&](Communicator& c) {
+    cudaStream_t own = nullptr;
+    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    c.use_streams(own, compute);
+    auto memory = make_cuda_collective_memory();
+    try {
+      fn(c, *memory);
+    } catch (...) {
+      cudaStreamSynchronize(compute);
+      c.use_streams(nullptr, nullptr);
+      cudaStreamDestroy(own);
+      throw;
+    }
+    halyard::testing::cuda_ok(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
+    c.use_streams(nullptr, nullptr);
+    cudaStreamDestroy(own);
+  });
+  halyard::testing::treat_host_memory_as_device(false);
+  return errors;
+}
+
+TEST(DeviceCollectivesSim, UlyssesAllToAllsMoveHeadsAndTokensWhereTheLayoutSays) {
+  checks::ulysses_all_to_alls_move_heads_and_tokens_where_the_layout_says(on_simulated_gpus);
+}
+
+TEST(DeviceCollectivesSim, KvHeadsFewerThanRanksAreReplicatedAndSummedBack) {
+  checks::kv_heads_fewer_than_ranks_are_replicated_and_summed_back(on_simulated_gpus);
+}
+
+TEST(DeviceCollectivesSim, GatherOfPositionsPutsEachRanksTokensInItsPlace) {
+  checks::gather_of_positions_puts_each_ranks_tokens_in_its_place(on_simulated_gpus);
+}
+
+TEST(DeviceCollectivesSim, SumOverRanksInPlaceOrIntoAnotherBuffer) {
+  checks::sum_over_ranks_in_place_or_into_another_buffer(on_simulated_gpus);
+}
+
+// Gradients summed over the ranks moved in bf16 (--grad-reduce bf16), on the
+// device: the same bits as the host's Communicator::all_reduce_sum_bf16 and
+// reduce_scatter_sum_bf16 (ZeRO-1's), over lengths the ranks do not divide.
+TEST(DeviceCollectivesSim, Bf16SumsOnTheDeviceAreTheHostsBits) {
+#ifndef HALYARD_TEST_CUDA_KERNELS
+  GTEST_SKIP() << "this runtime was built without its CUDA kernels (no nvcc, or HALYARD_CUDA_KERNELS=OFF)";
+#endif
+  halyard::testing::register_emulated_collectives_kernels();
+  auto value = [](int r, int64_t i) { return std::sin(1.0f + 7.0f * r + 0.37f * i) / (r + 3) + 1e-3f * i; };
+  for (int p : {1, 2, 4})
+    for (int64_t n : {int64_t{1}, int64_t{257}, int64_t{1000}}) {
+      std::vector<std::vector<float>> host(static_cast<size_t>(p)), device(static_cast<size_t>(p));
+      std::vector<std::vector<float>> host_rs(static_cast<size_t>(p)), device_rs(static_cast<size_t>(p));
+      auto fill = [&](int r, int64_t len) {
+        std::vector<float> v(static_cast<size_t>(len));
+        for (int64_t i = 0; i < len; ++i) v[static_cast<size_t>(i)] = value(r, i);
+        return v;
+      };
+      expect_no_errors(halyard::testing::run_ranks(p, 10, [&](Communicator& c) {
+        const size_t r = static_cast<size_t>(c.rank());
+        host[r] = fill(c.rank(), n);
+        c.all_reduce_sum_bf16(host[r].data(), n);
+        const std::vector<float> send = fill(c.rank(), n * p);
+        host_rs[r].resize(static_cast<size_t>(n));
+        c.reduce_scatter_sum_bf16(send.data(), host_rs[r].data(), n);
+      }));
+      expect_no_errors(on_simulated_gpus(p, [&](Communicator& c, CollectiveMemory& memory) {
+        const size_t r = static_cast<size_t>(c.rank());
+        device[r] = fill(c.rank(), n);
+        all_reduce_sum_bf16_on_device(device[r].data(), n, c, memory);
+        const std::vector<float> send = fill(c.rank(), n * p);
+        device_rs[r].assign(static_cast<size_t>(n), -1.f);
+        reduce_scatter_sum_bf16_on_device(send.data(), device_rs[r].data(), n, c, memory);
+        halyard::testing::cuda_ok(cudaStreamSynchronize(static_cast<cudaStream_t>(runtime_cuda_context().stream)),
+                                  "cudaStreamSynchronize");  // (before `send` goes)
+      }));
+      for (int r = 0; r < p; ++r) {
+        EXPECT_EQ(device[static_cast<size_t>(r)], host[static_cast<size_t>(r)]) << p << " ranks, n " << n << ", rank " << r;
+        EXPECT_EQ(device_rs[static_cast<size_t>(r)], host_rs[static_cast<size_t>(r)])
+            << "reduce-scatter: " << p << " ranks, n " << n << ", rank " << r;
+      }
+    }
 }
 
 }  // namespace

@@ -1,8 +1,12 @@
-// A simulated CUDA runtime and NCCL, for running the real NCCL communicator
-// (runtime/comm_nccl.cpp) with ranks as threads on a machine without GPUs
-// (test_comm_nccl_sim). It implements, with the headers' own signatures, the
-// calls that communicator and the tests make, and keeps the semantics it
-// relies on:
+// A simulated CUDA runtime, CUDA driver, cuBLAS and NCCL, for running the
+// runtime's GPU-side code that needs no GPU kernel of Halide's (the NCCL
+// communicator, runtime/comm_nccl.cpp; the collectives on device memory,
+// runtime/collectives_cuda.cpp) with ranks as threads on a machine without
+// GPUs (test_comm_nccl_sim). Built as a shared library named libcuda.so.1
+// (libcublas.so.13 beside it names the same file), so that the runtime's
+// dlopen of the driver and of cuBLAS finds it. It implements, with the
+// headers' own signatures, the calls that code and the tests make, and
+// keeps the semantics they rely on:
 //   - "device" memory is host memory from cudaMalloc, known by its address
 //     (cudaPointerGetAttributes tells it from host memory, and its device);
 //   - a stream is a worker thread running its work in order, so nothing
@@ -27,6 +31,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -38,16 +43,20 @@
 #include <type_traits>
 #include <vector>
 
-#include "tests/nccl_sim.h"
+#include "runtime/cuda_driver.h"
+#include "tests/cuda_sim.h"
 
 namespace {
 
 // One lock and one condition for every wait in the simulation: simple to
-// reason about, and speed does not matter here.
-std::mutex g_mu;
-std::condition_variable g_cv;
+// reason about, and speed does not matter here. Never destroyed: the
+// streams of the runtime's context live until exit, their workers waiting
+// on them (destroying a condition with waiters hangs glibc).
+std::mutex& g_mu = *new std::mutex;
+std::condition_variable& g_cv = *new std::condition_variable;
 
 int g_devices = 4;
+bool g_host_is_device = false;
 
 }  // namespace
 
@@ -73,6 +82,21 @@ struct Allocation {
 };
 std::map<uintptr_t, Allocation> g_allocations;  // by start address
 std::vector<std::unique_ptr<CUevent_st>> g_dead_events;
+
+struct Kernel {
+  size_t arg_bytes;
+  halyard::testing::SimulatedKernel run;
+};
+std::map<std::string, Kernel> g_kernels;
+
+// The allocation holding `p` (g_mu held), or null.
+const Allocation* allocation_of(const void* p) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  auto it = g_allocations.upper_bound(at);
+  if (it == g_allocations.begin()) return nullptr;
+  --it;
+  return at < it->first + it->second.bytes ? &it->second : nullptr;
+}
 
 // Waits on g_cv (g_mu held) until done() or stop(); true if done().
 template <class Done, class Stop>
@@ -207,13 +231,10 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
   a->type = cudaMemoryTypeUnregistered;
   a->device = -2;
   std::lock_guard<std::mutex> lock(g_mu);
-  const auto at = reinterpret_cast<uintptr_t>(p);
-  auto it = g_allocations.upper_bound(at);
-  if (it == g_allocations.begin()) return cudaSuccess;
-  --it;
-  if (at >= it->first + it->second.bytes) return cudaSuccess;
-  a->type = it->second.managed ? cudaMemoryTypeManaged : cudaMemoryTypeDevice;
-  a->device = it->second.device;
+  const Allocation* in = allocation_of(p);
+  if (in == nullptr && !g_host_is_device) return cudaSuccess;
+  a->type = in != nullptr && in->managed ? cudaMemoryTypeManaged : cudaMemoryTypeDevice;
+  a->device = in != nullptr ? in->device : t_device;
   a->devicePointer = const_cast<void*>(p);
   return cudaSuccess;
 }
@@ -508,6 +529,11 @@ ncclResult_t collective(int what, const void* send, void* recv, size_t count, nc
 
 namespace halyard::testing {
 void set_simulated_devices(int n) { g_devices = n; }
+void treat_host_memory_as_device(bool on) { g_host_is_device = on; }
+void register_simulated_kernel(const char* name, size_t arg_bytes, SimulatedKernel kernel) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_kernels[name] = Kernel{arg_bytes, kernel};
+}
 }  // namespace halyard::testing
 
 extern "C" {
@@ -721,6 +747,254 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataT
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t red,
                                ncclComm_t comm, cudaStream_t stream) {
   return collective(2, send, recv, count, type, red, comm, stream);
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------
+// CUDA driver, with the types of the runtime's table of it
+// (runtime/cuda_driver.h: CUresult as int, handles as void*, device pointers
+// as unsigned long long; UBSan checks that a call through the table has the
+// callee's type): one primary context per device (a tag: memory and streams
+// are the runtime API's above), streams and events as above.
+
+namespace {
+
+using halyard::runtime::CudaMemcpy2D;
+
+constexpr int kSuccess = 0, kInvalidValue = 1, kNoDevice = 100, kInvalidDevice = 101, kInvalidContext = 201,
+              kNotFound = 500;
+constexpr int kPointerMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kMemoryTypeDevice = 2;   // CU_MEMORYTYPE_DEVICE
+
+thread_local void* t_context = nullptr;
+thread_local std::vector<void*> t_pushed;
+
+void* context_of(int device) { return reinterpret_cast<void*>(static_cast<uintptr_t>(0x1000 + device)); }
+int device_of(void* c) { return static_cast<int>(reinterpret_cast<uintptr_t>(c) - 0x1000); }
+void* at(unsigned long long p) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p)); }
+cudaStream_t stream_of(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+extern "C" {
+
+int cuInit(unsigned) { return g_devices > 0 ? kSuccess : kNoDevice; }
+
+int cuDeviceGetCount(int* count) {
+  *count = g_devices;
+  return kSuccess;
+}
+
+int cuDeviceGet(int* device, int ordinal) {
+  if (ordinal < 0 || ordinal >= g_devices) return kInvalidDevice;
+  *device = ordinal;
+  return kSuccess;
+}
+
+int cuDeviceGetName(char* name, int len, int) {
+  std::snprintf(name, static_cast<size_t>(len), "Simulated GPU");
+  return kSuccess;
+}
+
+int cuDevicePrimaryCtxRetain(void** ctx, int device) {
+  *ctx = context_of(device);
+  return kSuccess;
+}
+
+int cuDevicePrimaryCtxRelease_v2(int) { return kSuccess; }
+
+int cuCtxGetCurrent(void** ctx) {
+  *ctx = t_context;
+  return kSuccess;
+}
+
+int cuCtxGetDevice(int* device) {
+  if (t_context == nullptr) return kInvalidContext;
+  *device = device_of(t_context);
+  return kSuccess;
+}
+
+int cuCtxPushCurrent_v2(void* ctx) {
+  t_pushed.push_back(t_context);
+  t_context = ctx;
+  return kSuccess;
+}
+
+int cuCtxPopCurrent_v2(void** ctx) {
+  if (t_pushed.empty()) return kInvalidContext;
+  if (ctx != nullptr) *ctx = t_context;
+  t_context = t_pushed.back();
+  t_pushed.pop_back();
+  return kSuccess;
+}
+
+int cuMemGetInfo_v2(size_t* free, size_t* total) {
+  *free = *total = size_t{80} << 30;
+  return kSuccess;
+}
+
+int cuGetErrorString(int rc, const char** text) {
+  *text = rc == kSuccess ? "no error"
+          : rc == kInvalidValue ? "invalid argument"
+          : rc == kNotFound ? "named symbol not found"
+                            : "simulated CUDA error";
+  return kSuccess;
+}
+
+int cuStreamCreate(void** stream, unsigned flags) {
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, flags);
+  *stream = s;
+  return kSuccess;
+}
+
+int cuStreamSynchronize(void* stream) {
+  cudaStreamSynchronize(stream_of(stream));
+  return kSuccess;
+}
+
+int cuEventCreate(void** event, unsigned flags) {
+  cudaEvent_t e = nullptr;
+  cudaEventCreateWithFlags(&e, flags);
+  *event = e;
+  return kSuccess;
+}
+
+int cuEventDestroy_v2(void* event) {
+  cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  return kSuccess;
+}
+
+int cuEventRecord(void* event, void* stream) {
+  cudaEventRecord(static_cast<cudaEvent_t>(event), stream_of(stream));
+  return kSuccess;
+}
+
+int cuStreamWaitEvent(void* stream, void* event, unsigned flags) {
+  cudaStreamWaitEvent(stream_of(stream), static_cast<cudaEvent_t>(event), flags);
+  return kSuccess;
+}
+
+int cuMemHostRegister_v2(void*, size_t, unsigned) { return kSuccess; }
+int cuMemHostUnregister(void*) { return kSuccess; }
+
+int cuMemAlloc_v2(unsigned long long* p, size_t bytes) {
+  void* q = nullptr;
+  allocate(&q, bytes, false);
+  *p = reinterpret_cast<uintptr_t>(q);
+  return kSuccess;
+}
+
+int cuMemFree_v2(unsigned long long p) { return cudaFree(at(p)) == cudaSuccess ? kSuccess : kInvalidValue; }
+
+int cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t bytes, void* stream) {
+  cudaMemcpyAsync(dst, at(src), bytes, cudaMemcpyDeviceToHost, stream_of(stream));
+  return kSuccess;
+}
+
+int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, size_t bytes, void* stream) {
+  cudaMemcpyAsync(at(dst), src, bytes, cudaMemcpyHostToDevice, stream_of(stream));
+  return kSuccess;
+}
+
+// Device to device only (what the runtime asks), with the driver's checks:
+// pitches at least the width, every byte touched in device memory.
+int cuMemcpy2DAsync_v2(const void* args, void* stream) {
+  const CudaMemcpy2D c = *static_cast<const CudaMemcpy2D*>(args);
+  if (c.src_memory_type != kMemoryTypeDevice || c.dst_memory_type != kMemoryTypeDevice) return kInvalidValue;
+  if (c.src_pitch < c.width_bytes || c.dst_pitch < c.width_bytes) return kInvalidValue;
+  auto first = [](unsigned long long base, size_t x, size_t y, size_t pitch) { return at(base + y * pitch + x); };
+  if (c.height > 0 && c.width_bytes > 0) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const size_t last_y = c.height - 1, last_x = c.width_bytes - 1;
+    for (const void* p : {first(c.src_device, c.src_x_bytes, c.src_y, c.src_pitch),
+                          first(c.src_device, c.src_x_bytes + last_x, c.src_y + last_y, c.src_pitch),
+                          first(c.dst_device, c.dst_x_bytes, c.dst_y, c.dst_pitch),
+                          first(c.dst_device, c.dst_x_bytes + last_x, c.dst_y + last_y, c.dst_pitch)})
+      if (allocation_of(p) == nullptr && !g_host_is_device) return kInvalidValue;
+  }
+  enqueue(stream_of(stream), [c, first] {
+    for (size_t y = 0; y < c.height; ++y)
+      std::memmove(first(c.dst_device, c.dst_x_bytes, c.dst_y + y, c.dst_pitch),
+                   first(c.src_device, c.src_x_bytes, c.src_y + y, c.src_pitch), c.width_bytes);
+  });
+  return kSuccess;
+}
+
+int cuMemsetD8Async(unsigned long long p, unsigned char value, size_t n, void* stream) {
+  enqueue(stream_of(stream), [=] { std::memset(at(p), value, n); });
+  return kSuccess;
+}
+
+int cuPointerGetAttribute(void* data, int attribute, unsigned long long p) {
+  if (attribute != kPointerMemoryType) return kInvalidValue;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (allocation_of(at(p)) == nullptr && !g_host_is_device) return kInvalidValue;
+  *static_cast<unsigned*>(data) = kMemoryTypeDevice;
+  return kSuccess;
+}
+
+int cuModuleLoadData(void** module, const void*) {
+  *module = reinterpret_cast<void*>(uintptr_t{0x2000});
+  return kSuccess;
+}
+
+int cuModuleGetFunction(void** f, void*, const char* name) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_kernels.find(name);
+  if (it == g_kernels.end()) return kNotFound;
+  *f = &it->second;
+  return kSuccess;
+}
+
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned,
+                   void* stream, void** params, void**) {
+  if (gy != 1 || gz != 1 || by != 1 || bz != 1 || params == nullptr) return kInvalidValue;
+  const Kernel k = *static_cast<const Kernel*>(f);
+  // The arguments are copied now, as CUDA copies them at the launch.
+  auto args = std::make_shared<std::vector<char>>(static_cast<const char*>(params[0]),
+                                                  static_cast<const char*>(params[0]) + k.arg_bytes);
+  enqueue(stream_of(stream), [k, args, gx, bx] { k.run(gx, bx, args->data()); });
+  return kSuccess;
+}
+
+// ---------------------------------------------------------------------------
+// cuBLAS (the runtime's table of it, runtime/gemm.cpp): a handle is a
+// stream; geam runs on it. No GEMM: the collectives need none.
+
+int cublasCreate_v2(void** handle) {
+  *handle = new cudaStream_t(nullptr);  // (one per process, as the runtime makes it; kept until exit)
+  return 0;
+}
+
+int cublasSetStream_v2(void* handle, void* stream) {
+  *static_cast<cudaStream_t*>(handle) = stream_of(stream);
+  return 0;
+}
+
+constexpr int kCublasNotSupported = 15, kCublasInvalidValue = 7;
+
+int cublasSgemm_v2(void*, int, int, int, int, int, const float*, const float*, int, const float*, int, const float*,
+                   float*, int) {
+  return kCublasNotSupported;
+}
+
+int cublasGemmEx(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
+                 const void*, void*, int, int, int, int) {
+  return kCublasNotSupported;
+}
+
+// C = alpha A + beta B, column-major, neither transposed.
+int cublasSgeam(void* handle, int ta, int tb, int m, int n, const float* alpha, const float* a, int lda,
+                const float* beta, const float* b, int ldb, float* c, int ldc) {
+  if (ta != 0 || tb != 0 || lda < m || ldb < m || ldc < m) return kCublasInvalidValue;
+  const float al = *alpha, be = *beta;
+  enqueue(*static_cast<cudaStream_t*>(handle), [=] {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < m; ++i) c[i + j * ldc] = al * a[i + j * lda] + be * b[i + j * ldb];
+  });
+  return 0;
 }
 
 }  // extern "C"
