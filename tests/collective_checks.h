@@ -1,7 +1,7 @@
 // The step's collectives as plans (runtime/collectives.h) against their
 // layouts written out index by index, on whatever ranks and memory a test
 // gives them: test_collectives runs them on host memory over in-process
-// ranks, test_comm_nccl_sim on (simulated) device memory over NCCL, as a
+// ranks, test_cuda_sim on (simulated) device memory over NCCL, as a
 // CUDA model runs them (runtime/collectives_cuda.cpp).
 #pragma once
 

@@ -1,6 +1,6 @@
 // The NCCL communicator's contract, one function per case, each run by
 // every rank of a group on its own communicator: test_comm_nccl runs them
-// under mpirun on GPUs, test_comm_nccl_sim on ranks as threads over the
+// under mpirun on GPUs, test_cuda_sim on ranks as threads over the
 // simulated CUDA runtime and NCCL (tests/runtime/nccl_sim.cpp). Buffers are
 // device memory of the rank's current CUDA device.
 #pragma once

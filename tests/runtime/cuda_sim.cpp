@@ -2,7 +2,7 @@
 // runtime's GPU-side code that needs no GPU kernel of Halide's (the NCCL
 // communicator, runtime/comm_nccl.cpp; the collectives on device memory,
 // runtime/collectives_cuda.cpp) with ranks as threads on a machine without
-// GPUs (test_comm_nccl_sim). Built as a shared library named libcuda.so.1
+// GPUs (test_cuda_sim). Built as a shared library named libcuda.so.1
 // (libcublas.so.13 beside it names the same file), so that the runtime's
 // dlopen of the driver and of cuBLAS finds it. It implements, with the
 // headers' own signatures, the calls that code and the tests make, and

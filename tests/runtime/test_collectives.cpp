@@ -1,7 +1,7 @@
 // The collectives of a step program as plans (runtime/collectives.h), run on
 // host memory over 1, 2 and 4 in-process ranks, against their layouts
 // written out index by index (tests/collective_checks.h, which
-// test_comm_nccl_sim runs on device memory over NCCL): Ulysses' all-to-alls
+// test_cuda_sim runs on device memory over NCCL): Ulysses' all-to-alls
 // both ways (heads split over the ranks, and kv heads fewer than the ranks,
 // replicated there and summed on the way back), the gather of token
 // positions, and the sum over ranks; batch 1 (messages landing in place) and

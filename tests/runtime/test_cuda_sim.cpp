@@ -1,5 +1,6 @@
-// The NCCL communicator (runtime/comm_nccl.cpp, compiled as for GPUs) and
-// the collectives on device memory (runtime/collectives_cuda.cpp) over a
+// The NCCL communicator (runtime/comm_nccl.cpp, compiled as for GPUs), the
+// collectives on device memory (runtime/collectives_cuda.cpp) and the
+// offload copies' stream (CudaCopyStream, runtime/cuda_context.h) over a
 // simulated CUDA runtime, driver, cuBLAS and NCCL (tests/runtime/cuda_sim.cpp),
 // ranks as threads, each on a device of its own: their multi-rank logic
 // checked on any machine. GPU nodes have one GPU and no MPI, so this is where
@@ -10,7 +11,8 @@
 // arrive (suite NcclSimFaults, label "faults"); and the step's collectives
 // as a CUDA model over NCCL runs them (suite DeviceCollectivesSim): the plans
 // of tests/collective_checks.h, and the gradient sums moved in bf16 with the
-// collectives' kernels (emulated), against the host's bits.
+// collectives' kernels (emulated), against the host's bits; and the offload
+// copies' ordering against the compute stream (suite CudaCopyStreamSim).
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -385,6 +387,57 @@ TEST(DeviceCollectivesSim, Bf16SumsOnTheDeviceAreTheHostsBits) {
             << "reduce-scatter: " << p << " ranks, n " << n << ", rank " << r;
       }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Offload copies (CudaCopyStream, runtime/cuda_context.h) on the runtime's
+// communication stream beside its compute stream: a copy starts after the
+// compute work queued before it, and compute work queued after
+// compute_waits(ticket) starts after the copy. Late work on either stream
+// (host functions that sleep) would be overtaken if an event were missing.
+
+void sleep_a_while(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(30)); }
+
+struct Reader {
+  const float* at;
+  float seen = -1.f;
+};
+
+void read_now(void* p) {
+  auto* r = static_cast<Reader*>(p);
+  r->seen = *r->at;
+}
+
+uint64_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+TEST(CudaCopyStreamSim, CopiesRunBetweenTheComputeWorkTheyAreOrderedAgainst) {
+  const RuntimeCudaContext& ctx = runtime_cuda_context();
+  ASSERT_NE(ctx.context, nullptr) << ctx.error;
+  const auto compute = static_cast<cudaStream_t>(ctx.stream), comm = static_cast<cudaStream_t>(ctx.comm_stream);
+  CudaCopyStream copies;
+  ASSERT_EQ(copies.error(), "");
+  DeviceBuffer<float> value(std::vector<float>{0.f}), back(std::vector<float>{0.f});
+  for (int step = 0; step < 3; ++step) {  // (tickets and events start over after each reset)
+    // Offload: the kernel that writes the value is late; the copy home waits for it.
+    LateWrite kernel{value.get(), 10.f + step};
+    halyard::testing::cuda_ok(cudaLaunchHostFunc(compute, write_late, &kernel), "cudaLaunchHostFunc");
+    float home = -1.f;
+    const int out = copies.copy_to_host(&home, address(value.get()), 4);
+    // Reload: the copy up is late (the communication stream is busy); the
+    // kernel that reads it waits for its ticket.
+    halyard::testing::cuda_ok(cudaLaunchHostFunc(comm, sleep_a_while, nullptr), "cudaLaunchHostFunc");
+    const float up = 20.f + step;
+    const int in = copies.copy_to_device(address(back.get()), &up, 4);
+    EXPECT_EQ(in, out + 1);
+    copies.compute_waits(in);
+    Reader reader{back.get()};
+    halyard::testing::cuda_ok(cudaLaunchHostFunc(compute, read_now, &reader), "cudaLaunchHostFunc");
+    copies.reset();
+    halyard::testing::cuda_ok(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
+    EXPECT_EQ(home, 10.f + step) << "step " << step << ": the copy home did not wait for the kernel before it";
+    EXPECT_EQ(reader.seen, 20.f + step) << "step " << step << ": the kernel did not wait for the copy up";
+    EXPECT_EQ(out, 0) << "tickets count from 0 after reset()";
+  }
 }
 
 }  // namespace
