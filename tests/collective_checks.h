@@ -138,3 +138,18 @@ inline void sum_over_ranks_in_place_or_into_another_buffer(const Ranks& run) {
 }
 
 }  // namespace halyard::testing::collective_checks
+
+// The checks as the tests of `suite`, on the ranks `run` (a Ranks) gives.
+#define HALYARD_COLLECTIVE_CHECKS(suite, run)                                                               \
+  TEST(suite, UlyssesAllToAllsMoveHeadsAndTokensWhereTheLayoutSays) {                                      \
+    halyard::testing::collective_checks::ulysses_all_to_alls_move_heads_and_tokens_where_the_layout_says(run); \
+  }                                                                                                          \
+  TEST(suite, KvHeadsFewerThanRanksAreReplicatedAndSummedBack) {                                           \
+    halyard::testing::collective_checks::kv_heads_fewer_than_ranks_are_replicated_and_summed_back(run);     \
+  }                                                                                                          \
+  TEST(suite, GatherOfPositionsPutsEachRanksTokensInItsPlace) {                                            \
+    halyard::testing::collective_checks::gather_of_positions_puts_each_ranks_tokens_in_its_place(run);      \
+  }                                                                                                          \
+  TEST(suite, SumOverRanksInPlaceOrIntoAnotherBuffer) {                                                    \
+    halyard::testing::collective_checks::sum_over_ranks_in_place_or_into_another_buffer(run);               \
+  }

@@ -1,11 +1,13 @@
 // A simulated CUDA runtime, CUDA driver, cuBLAS and NCCL, for running the
 // runtime's GPU-side code that needs no GPU kernel of Halide's (the NCCL
 // communicator, runtime/comm_nccl.cpp; the collectives on device memory,
-// runtime/collectives_cuda.cpp) with ranks as threads on a machine without
-// GPUs (test_cuda_sim). Built as a shared library named libcuda.so.1
+// runtime/collectives_cuda.cpp; the offload copies' stream,
+// runtime/cuda_context.cpp) with ranks as threads on a machine without GPUs
+// (test_cuda_sim). Built as a shared library named libcuda.so.1
 // (libcublas.so.13 beside it names the same file), so that the runtime's
-// dlopen of the driver and of cuBLAS finds it. It implements, with the
-// headers' own signatures, the calls that code and the tests make, and
+// dlopen of the driver and of cuBLAS finds it. It implements the calls that
+// code and the tests make, with the signatures of the CUDA runtime's and
+// NCCL's headers and of the runtime's tables of the driver and cuBLAS, and
 // keeps the semantics they rely on:
 //   - "device" memory is host memory from cudaMalloc, known by its address
 //     (cudaPointerGetAttributes tells it from host memory, and its device);

@@ -40,21 +40,7 @@ std::vector<std::string> on_host(int p, const std::function<void(Communicator&, 
   });
 }
 
-TEST(Collectives, UlyssesAllToAllsMoveHeadsAndTokensWhereTheLayoutSays) {
-  checks::ulysses_all_to_alls_move_heads_and_tokens_where_the_layout_says(on_host);
-}
-
-TEST(Collectives, KvHeadsFewerThanRanksAreReplicatedAndSummedBack) {
-  checks::kv_heads_fewer_than_ranks_are_replicated_and_summed_back(on_host);
-}
-
-TEST(Collectives, GatherOfPositionsPutsEachRanksTokensInItsPlace) {
-  checks::gather_of_positions_puts_each_ranks_tokens_in_its_place(on_host);
-}
-
-TEST(Collectives, SumOverRanksInPlaceOrIntoAnotherBuffer) {
-  checks::sum_over_ranks_in_place_or_into_another_buffer(on_host);
-}
+HALYARD_COLLECTIVE_CHECKS(Collectives, on_host)
 
 // One rank without a communicator: what it would send itself.
 TEST(Collectives, OneRankWithoutACommunicatorCopies) {

@@ -297,8 +297,6 @@ TEST(NcclSimFaults, SplitThatAPeerSkipsTimesOut) {
 // queued on the runtime's compute stream, one for all ranks here as on one
 // GPU), the transfer over its NCCL communicator.
 
-namespace checks = halyard::testing::collective_checks;
-
 // Ranks over NCCL, each with CUDA collective memory; the host vectors of
 // collective_checks.h count as device memory, and every copy has landed
 // when a rank returns. As in a Model over NCCL (check_communicators), the
@@ -329,21 +327,7 @@ std::vector<std::string> on_simulated_gpus(int p, const std::function<void(Commu
   return errors;
 }
 
-TEST(DeviceCollectivesSim, UlyssesAllToAllsMoveHeadsAndTokensWhereTheLayoutSays) {
-  checks::ulysses_all_to_alls_move_heads_and_tokens_where_the_layout_says(on_simulated_gpus);
-}
-
-TEST(DeviceCollectivesSim, KvHeadsFewerThanRanksAreReplicatedAndSummedBack) {
-  checks::kv_heads_fewer_than_ranks_are_replicated_and_summed_back(on_simulated_gpus);
-}
-
-TEST(DeviceCollectivesSim, GatherOfPositionsPutsEachRanksTokensInItsPlace) {
-  checks::gather_of_positions_puts_each_ranks_tokens_in_its_place(on_simulated_gpus);
-}
-
-TEST(DeviceCollectivesSim, SumOverRanksInPlaceOrIntoAnotherBuffer) {
-  checks::sum_over_ranks_in_place_or_into_another_buffer(on_simulated_gpus);
-}
+HALYARD_COLLECTIVE_CHECKS(DeviceCollectivesSim, on_simulated_gpus)
 
 // Gradients summed over the ranks moved in bf16 (--grad-reduce bf16), on the
 // device: the same bits as the host's Communicator::all_reduce_sum_bf16 and
