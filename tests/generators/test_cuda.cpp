@@ -17,7 +17,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -319,17 +318,9 @@ void check_device_ranks(const runtime::ModelSpec& spec) {
   std::vector<std::unique_ptr<DeviceRanks>> comms;
   for (auto& h : host) comms.push_back(std::make_unique<DeviceRanks>(std::move(h)));
   std::vector<sp_check::StepResult> got(static_cast<size_t>(n));
-  std::vector<std::string> errors(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        got[static_cast<size_t>(r)] = sp_check::run_step(spec, comms[static_cast<size_t>(r)].get());
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = halyard::testing::run_threads(n, [&](int r) {
+    got[static_cast<size_t>(r)] = sp_check::run_step(spec, comms[static_cast<size_t>(r)].get());
+  });
   ASSERT_GT(testing::collectives(spec.train), 0);
   for (int r = 0; r < n; ++r) {
     ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
@@ -385,45 +376,37 @@ TEST(CudaRanks, GradientSumsFromBf16OnTheDeviceAreTheHostsBits) {
     c.all_reduce_sum_bf16(want[r].data(), n);
   }));
   auto host = runtime::make_in_process_group(P, 60);
-  std::vector<std::string> errors(P);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < P; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        DeviceRanks comm(std::move(host[static_cast<size_t>(r)]));
-        const runtime::CudaDriver& d = runtime::cuda_driver();
-        unsigned long long buf = 0;
-        std::vector<float> x = values(r);
-        {
-          runtime::RuntimeContextScope scope;
-          if (d.mem_alloc(&buf, static_cast<size_t>(n) * 4) || d.memcpy_htod_async(buf, x.data(), x.size() * 4, nullptr) ||
-              d.stream_synchronize(nullptr))
-            throw runtime::Error("device buffer");
-        }
-        unsigned long long slice = 0;
-        {
-          runtime::RuntimeContextScope scope;
-          if (d.mem_alloc(&slice, static_cast<size_t>(q) * 4)) throw runtime::Error("device buffer");
-        }
-        auto* dev = reinterpret_cast<float*>(static_cast<uintptr_t>(buf));
-        auto memory = runtime::make_cuda_collective_memory();
-        runtime::reduce_scatter_sum_bf16_on_device(dev, reinterpret_cast<float*>(static_cast<uintptr_t>(slice)), q, comm,
-                                                   *memory);
-        runtime::all_reduce_sum_bf16_on_device(dev, n, comm, *memory);
-        runtime::RuntimeContextScope scope;
-        d.stream_synchronize(runtime::runtime_cuda_context().stream);
-        got_slice[static_cast<size_t>(r)].assign(q, 0.f);
-        d.memcpy_dtoh_async(x.data(), buf, x.size() * 4, nullptr);
-        d.memcpy_dtoh_async(got_slice[static_cast<size_t>(r)].data(), slice, q * 4, nullptr);
-        d.stream_synchronize(nullptr);
-        d.mem_free(buf);
-        d.mem_free(slice);
-        got[static_cast<size_t>(r)] = x;
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = halyard::testing::run_threads(P, [&](int r) {
+    DeviceRanks comm(std::move(host[static_cast<size_t>(r)]));
+    const runtime::CudaDriver& d = runtime::cuda_driver();
+    unsigned long long buf = 0;
+    std::vector<float> x = values(r);
+    {
+      runtime::RuntimeContextScope scope;
+      if (d.mem_alloc(&buf, static_cast<size_t>(n) * 4) || d.memcpy_htod_async(buf, x.data(), x.size() * 4, nullptr) ||
+          d.stream_synchronize(nullptr))
+        throw runtime::Error("device buffer");
+    }
+    unsigned long long slice = 0;
+    {
+      runtime::RuntimeContextScope scope;
+      if (d.mem_alloc(&slice, static_cast<size_t>(q) * 4)) throw runtime::Error("device buffer");
+    }
+    auto* dev = reinterpret_cast<float*>(static_cast<uintptr_t>(buf));
+    auto memory = runtime::make_cuda_collective_memory();
+    runtime::reduce_scatter_sum_bf16_on_device(dev, reinterpret_cast<float*>(static_cast<uintptr_t>(slice)), q, comm,
+                                               *memory);
+    runtime::all_reduce_sum_bf16_on_device(dev, n, comm, *memory);
+    runtime::RuntimeContextScope scope;
+    d.stream_synchronize(runtime::runtime_cuda_context().stream);
+    got_slice[static_cast<size_t>(r)].assign(q, 0.f);
+    d.memcpy_dtoh_async(x.data(), buf, x.size() * 4, nullptr);
+    d.memcpy_dtoh_async(got_slice[static_cast<size_t>(r)].data(), slice, q * 4, nullptr);
+    d.stream_synchronize(nullptr);
+    d.mem_free(buf);
+    d.mem_free(slice);
+    got[static_cast<size_t>(r)] = x;
+  });
   for (int r = 0; r < P; ++r) {
     ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
     EXPECT_EQ(got[static_cast<size_t>(r)], want[static_cast<size_t>(r)]) << "rank " << r;
@@ -484,17 +467,9 @@ TEST(CudaRanks, ZeroOnTheDeviceMatchesAdamWOnOneRank) {
   std::vector<std::unique_ptr<DeviceRanks>> comms;
   for (auto& h : host) comms.push_back(std::make_unique<DeviceRanks>(std::move(h)));
   std::vector<Run> got(4);
-  std::vector<std::string> errors(4);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 4; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        got[static_cast<size_t>(r)] = run(halyard_models::tiny_cuda_sp4_s128(), comms[static_cast<size_t>(r)].get());
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = halyard::testing::run_threads(4, [&](int r) {
+    got[static_cast<size_t>(r)] = run(halyard_models::tiny_cuda_sp4_s128(), comms[static_cast<size_t>(r)].get());
+  });
   for (int r = 0; r < 4; ++r) {
     ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
     const Run& g = got[static_cast<size_t>(r)];

@@ -8,13 +8,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <thread>
 
 #include "qwen2_sp1_s126.h"
 #include "qwen2_sp1_s128.h"
 #include "qwen2_sp2_s128.h"
 #include "qwen2_sp4_s126_tiled.h"
 #include "tests/generators/sp_check.h"
+#include "tests/in_process_ranks.h"
 
 namespace halyard {
 namespace {
@@ -27,17 +27,9 @@ void expect_equivalent(const runtime::ModelSpec& reference, const runtime::Model
   const sp_check::StepResult ref = sp_check::run_step(reference, nullptr);
   auto comms = runtime::make_in_process_group(ranks, 120);
   std::vector<sp_check::StepResult> got(static_cast<size_t>(ranks));
-  std::vector<std::string> errors(static_cast<size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        got[static_cast<size_t>(r)] = sp_check::run_step(sharded, comms[static_cast<size_t>(r)].get());
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = halyard::testing::run_threads(ranks, [&](int r) {
+    got[static_cast<size_t>(r)] = sp_check::run_step(sharded, comms[static_cast<size_t>(r)].get());
+  });
   for (int r = 0; r < ranks; ++r) {
     ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
     const auto& g = got[static_cast<size_t>(r)];
