@@ -144,7 +144,18 @@ void HostCollectiveMemory::rows(const Rows& r, const void* src, void* dst, int64
 
 void HostCollectiveMemory::zero(void* dst, int64_t bytes) { std::memset(dst, 0, static_cast<size_t>(bytes)); }
 
+void check_ordered(const Communicator* comm, const CollectiveMemory& memory) {
+  if (comm == nullptr || memory.stream() == nullptr || !comm->moves_device_memory()) return;
+  if (comm->runs_after() == memory.stream()) return;
+  throw Error(std::string("error: a collective on device memory over ") + comm->backend() + " (rank " +
+              std::to_string(comm->rank()) + " of " + std::to_string(comm->size()) +
+              ") whose calls do not wait for the stream its copies run on: the transfer could read rows before "
+              "they are written.\nfix: comm.use_streams(runtime_cuda_context().comm_stream, "
+              "runtime_cuda_context().stream) first (a Model over NCCL does so).");
+}
+
 void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory) {
+  check_ordered(comm, memory);
   const int64_t esize = comm_type_size(plan.type);
   void* staging = plan.staging ? memory.staging(plan.staging * esize) : nullptr;
   auto at = [&](Area a) -> char* {

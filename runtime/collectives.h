@@ -74,7 +74,16 @@ class CollectiveMemory {
   virtual void* staging(int64_t bytes) = 0;  // at least `bytes`, kept for the next call
   virtual void rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) = 0;  // src, dst: the areas' starts
   virtual void zero(void* dst, int64_t bytes) = 0;
+  // The stream its copies and sums are queued on (nullptr: done when the
+  // call returns, as on the host).
+  virtual void* stream() const { return nullptr; }
 };
+
+// Throws Error, naming the fix, when `comm` moves device memory but its
+// calls are not ordered after `memory`'s stream: the transfer could read
+// rows the copies before it have not written yet (a silently wrong sum, not
+// a crash). run_plan and the bf16 sums on the device call it.
+void check_ordered(const Communicator* comm, const CollectiveMemory& memory);
 
 // Host memory: memcpy, plain sums, a staging vector.
 class HostCollectiveMemory final : public CollectiveMemory {

@@ -123,6 +123,8 @@ class CudaCollectiveMemory final : public CollectiveMemory {
     }
   }
 
+  void* stream() const override { return runtime_cuda_context().stream; }
+
   void zero(void* dst, int64_t bytes) override {
     RuntimeContextScope scope;
     check(cuda_driver().memset_d8_async(reinterpret_cast<unsigned long long>(dst), 0, static_cast<size_t>(bytes),
@@ -175,6 +177,7 @@ float* sums_from_bf16(collectives_cuda::RoundArgs round, int64_t wide, int64_t e
 }  // namespace
 
 void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, CollectiveMemory& memory) {
+  check_ordered(&comm, memory);
   constexpr int64_t kChunk = int64_t{1} << 24;
   const int64_t P = comm.size();
   for (int64_t at = 0; at < n; at += kChunk) {
@@ -189,6 +192,7 @@ void all_reduce_sum_bf16_on_device(float* data, int64_t n, Communicator& comm, C
 
 void reduce_scatter_sum_bf16_on_device(const float* send, float* recv, int64_t n_per_rank, Communicator& comm,
                                        CollectiveMemory& memory) {
+  check_ordered(&comm, memory);
   const int64_t P = comm.size(), q = n_per_rank;
   // Chunks of each rank's block: the same columns of all P blocks at once.
   const int64_t columns = std::max<int64_t>(2, (int64_t{1} << 24) / P);

@@ -87,6 +87,10 @@ class Communicator {
   // nullptr for either: the backend's own stream, no ordering. Host backends
   // ignore it.
   virtual void use_streams(void* stream, void* after) {}
+  // The stream whose work queued before a call runs before it (use_streams'
+  // `after`); nullptr: none. Collectives on device memory need it to be the
+  // stream their copies run on (check_ordered, runtime/collectives.h).
+  virtual void* runs_after() const { return nullptr; }
 
   // How long any call waits for its peers before throwing. Must be a positive,
   // finite number of seconds: a dead or stuck peer must never hang the others.

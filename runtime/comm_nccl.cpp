@@ -107,6 +107,7 @@ class NcclCommunicator final : public Communicator {
     run_on_ = static_cast<cudaStream_t>(stream);
     after_ = static_cast<cudaStream_t>(after);
   }
+  void* runs_after() const override { return after_; }
 
   // Makes the stream, the events and the scratch buffer on `device`.
   void prepare(int device, const std::string& who) {

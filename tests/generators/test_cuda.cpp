@@ -230,6 +230,8 @@ class DeviceRanks final : public runtime::Communicator {
       : Communicator(host->rank(), host->size(), host->timeout_s()), host_(std::move(host)) {}
   const char* backend() const override { return "device ranks (in-process)"; }
   bool moves_device_memory() const override { return true; }
+  // Its copies run on the compute stream, which each call synchronizes (move()).
+  void* runs_after() const override { return runtime::runtime_cuda_context().stream; }
 
  protected:
   void do_all_to_all_v(const void* send, const int64_t* sc, void* recv, const int64_t* rc,

@@ -36,6 +36,7 @@
 #include "tests/device_buffer.h"
 #include "tests/in_process_ranks.h"
 #include "tests/nccl_contract.h"
+#include "tests/runtime_error_of.h"
 
 namespace halyard::testing {
 void register_emulated_collectives_kernels();  // (cuda_sim_kernels.cpp)
@@ -328,6 +329,28 @@ std::vector<std::string> on_simulated_gpus(int p, const std::function<void(Commu
 }
 
 HALYARD_COLLECTIVE_CHECKS(DeviceCollectivesSim, on_simulated_gpus)
+
+// Without use_streams the transfer would not wait for the copies before it:
+// an error that names the fix, before anything is queued.
+TEST(DeviceCollectivesSim, ACommunicatorNotOrderedAfterTheCopiesIsAClearError) {
+  halyard::testing::treat_host_memory_as_device(true);
+  using halyard::testing::collective_checks::spec;
+  const BufferSpec x = spec("x", ElemType::F32, {1, 2, 4, 2}), y = spec("y", ElemType::F32, {1, 4, 2, 2});
+  auto errors = run_nccl_ranks(2, 10, [&](Communicator& c) {
+    auto memory = make_cuda_collective_memory();
+    std::vector<float> in(16), out(16), sums(5);
+    EXPECT_THAT(halyard::testing::error_of([&] {
+                  run_collective(CallKind::SeqToHeads, x, in.data(), y, out.data(), c, *memory);
+                }),
+                HasSubstr("whose calls do not wait for the stream its copies run on"));
+    const std::string e = halyard::testing::error_of([&] { all_reduce_sum_bf16_on_device(sums.data(), 5, c, *memory); });
+    EXPECT_THAT(e, HasSubstr("error: a collective on device memory over NCCL (rank " + std::to_string(c.rank()) +
+                             " of 2) whose calls do not wait"));
+    EXPECT_THAT(e, HasSubstr("fix: comm.use_streams(runtime_cuda_context().comm_stream, runtime_cuda_context().stream)"));
+  });
+  halyard::testing::treat_host_memory_as_device(false);
+  expect_no_errors(errors);
+}
 
 // Gradients summed over the ranks moved in bf16 (--grad-reduce bf16), on the
 // device: the same bits as the host's Communicator::all_reduce_sum_bf16 and
