@@ -66,6 +66,42 @@ std::vector<std::string> run_nccl_ranks(int n, double timeout_s, const std::func
   });
 }
 
+// A communicator's calls on a stream of their own, after `compute`'s work
+// (use_streams), for the scope; at its end `compute` has finished and the
+// communicator is unbound. (`compute` null: a new stream, also the scope's.)
+class BoundStreams {
+ public:
+  BoundStreams(Communicator& c, cudaStream_t compute) : c_(c), compute_(compute) {
+    if (!compute_) compute_ = made_ = make();
+    own_ = make();
+    c_.use_streams(own_, compute_);
+  }
+  ~BoundStreams() {
+    cudaStreamSynchronize(compute_);
+    c_.use_streams(nullptr, nullptr);
+    cudaStreamDestroy(own_);
+    if (made_) cudaStreamDestroy(made_);
+  }
+  BoundStreams(const BoundStreams&) = delete;
+  BoundStreams& operator=(const BoundStreams&) = delete;
+  cudaStream_t compute() const { return compute_; }
+
+ private:
+  static cudaStream_t make() {
+    cudaStream_t s = nullptr;
+    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    return s;
+  }
+  Communicator& c_;
+  cudaStream_t compute_, made_ = nullptr, own_ = nullptr;
+};
+
+// Every address counts as device memory for the scope (tests/cuda_sim.h).
+struct HostCountsAsDevice {
+  HostCountsAsDevice() { halyard::testing::treat_host_memory_as_device(true); }
+  ~HostCountsAsDevice() { halyard::testing::treat_host_memory_as_device(false); }
+};
+
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -183,21 +219,14 @@ void write_late(void* p) {
 TEST_P(NcclSim, CallsRunAfterTheComputeStreamsWork) {
   const int n = GetParam();
   expect_no_errors(run_nccl_ranks(n, 10, [&](Communicator& c) {
-    cudaStream_t compute = nullptr, comm = nullptr;
-    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking), "cudaStreamCreate");
-    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking), "cudaStreamCreate");
-    c.use_streams(comm, compute);
     DeviceBuffer<float> x(std::vector<float>{0.f});
     LateWrite w{x.get(), 1.0f + c.rank()};
-    halyard::testing::cuda_ok(cudaLaunchHostFunc(compute, write_late, &w), "cudaLaunchHostFunc");
+    BoundStreams streams(c, nullptr);
+    halyard::testing::cuda_ok(cudaLaunchHostFunc(streams.compute(), write_late, &w), "cudaLaunchHostFunc");
     c.all_reduce_sum(x.get(), 1);
     EXPECT_EQ(x.host(), std::vector<float>{static_cast<float>(n * (n + 1) / 2)});
-    c.use_streams(nullptr, nullptr);
-    cudaStreamDestroy(compute);
-    cudaStreamDestroy(comm);
   }));
 }
-
 TEST(NcclSim, SingleRankFactoryMakesAGroupOfOne) {
   auto c = make_nccl_single_rank(10);
   EXPECT_EQ(c->size(), 1);
@@ -305,27 +334,12 @@ TEST(NcclSimFaults, SplitThatAPeerSkipsTimesOut) {
 // stream of its own for them, as each process has on GPUs (ranks that
 // shared one would queue behind each other's waits).
 std::vector<std::string> on_simulated_gpus(int p, const std::function<void(Communicator&, CollectiveMemory&)>& fn) {
-  halyard::testing::treat_host_memory_as_device(true);
-  const auto compute = static_cast<cudaStream_t>(runtime_cuda_context().stream);
-  auto errors = run_nccl_ranks(p, 10, [&](Communicator& c) {
-    cudaStream_t own = nullptr;
-    halyard::testing::cuda_ok(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    c.use_streams(own, compute);
+  HostCountsAsDevice host_counts;
+  return run_nccl_ranks(p, 10, [&](Communicator& c) {
+    BoundStreams streams(c, static_cast<cudaStream_t>(runtime_cuda_context().stream));
     auto memory = make_cuda_collective_memory();
-    try {
-      fn(c, *memory);
-    } catch (...) {
-      cudaStreamSynchronize(compute);
-      c.use_streams(nullptr, nullptr);
-      cudaStreamDestroy(own);
-      throw;
-    }
-    halyard::testing::cuda_ok(cudaStreamSynchronize(compute), "cudaStreamSynchronize");
-    c.use_streams(nullptr, nullptr);
-    cudaStreamDestroy(own);
+    fn(c, *memory);
   });
-  halyard::testing::treat_host_memory_as_device(false);
-  return errors;
 }
 
 HALYARD_COLLECTIVE_CHECKS(DeviceCollectivesSim, on_simulated_gpus)
@@ -333,7 +347,7 @@ HALYARD_COLLECTIVE_CHECKS(DeviceCollectivesSim, on_simulated_gpus)
 // Without use_streams the transfer would not wait for the copies before it:
 // an error that names the fix, before anything is queued.
 TEST(DeviceCollectivesSim, ACommunicatorNotOrderedAfterTheCopiesIsAClearError) {
-  halyard::testing::treat_host_memory_as_device(true);
+  HostCountsAsDevice host_counts;
   using halyard::testing::collective_checks::spec;
   const BufferSpec x = spec("x", ElemType::F32, {1, 2, 4, 2}), y = spec("y", ElemType::F32, {1, 4, 2, 2});
   auto errors = run_nccl_ranks(2, 10, [&](Communicator& c) {
@@ -348,7 +362,6 @@ TEST(DeviceCollectivesSim, ACommunicatorNotOrderedAfterTheCopiesIsAClearError) {
                              " of 2) whose calls do not wait"));
     EXPECT_THAT(e, HasSubstr("fix: comm.use_streams(runtime_cuda_context().comm_stream, runtime_cuda_context().stream)"));
   });
-  halyard::testing::treat_host_memory_as_device(false);
   expect_no_errors(errors);
 }
 
