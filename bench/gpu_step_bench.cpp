@@ -2,12 +2,14 @@
 // libraries, and of Llama-3.2-1B's at 32k tokens (the target), one
 // library per process:
 //
-//   gpu_step_bench --seq N [--steps K] [--precision f32|bf16] [--model tiny|llama-3.2-1b] [--no-update]
+//   gpu_step_bench --seq N [--steps K] [--precision f32|bf16] [--model tiny|llama-3.2-1b]
+//                  [--schedule autosp] [--no-update]
 //
 // (bf16: the mixed-precision libraries, examples/llama/schedules/
 // bf16_mixed.json: contractions through cuBLAS's bf16 GEMM with f32 sums,
-// saved values in bf16, everything else f32. --no-update skips the AdamW
-// timings, three steps and more of a large model.) It
+// saved values in bf16, everything else f32. --schedule autosp: Llama-3.2-1B
+// as AutoSP planned it for one H100 (bench/CMakeLists.txt). --no-update
+// skips the AdamW timings, three steps and more of a large model.) It
 // prints one JSON line: median step time after one warm-up step (which pays
 // the driver's PTX compilation), tokens/s, the device memory the step held
 // at its peak (sampled, above what was in use before the model existed), and
@@ -17,7 +19,10 @@
 // forward and backward) and of the others (other_kernels_s); then, with
 // AdamW on the device (Model::use_adamw: parameters and gradients stay
 // there), the median of a step and its update (step_and_update_s_median),
-// of the update alone (update_s_median), and a step's copies each way.
+// of the update alone (update_s_median), and a step's copies each way; and
+// what the library's plan predicted for its cluster (plan_cluster): the step
+// (predicted_step_s) and the peak per rank (predicted_peak_mib, AdamW's
+// moments included: predicted_optimizer_mib of it).
 // Without a CUDA device it
 // prints {"skip": "<why>"} and exits 77; a step that fails (out of device
 // memory, say) prints {"error": "<what>"} and exits 1. scripts/gpu_check.sh
@@ -32,7 +37,9 @@
 #include "bench/bench_util.h"
 #include "runtime/cuda_probe.h"
 #include "runtime/error.h"
+#include "runtime/measure.h"
 #include "runtime/model.h"
+#include "gpu_1b_autosp_s32768.h"
 #include "gpu_1b_bf16_s32768.h"
 #include "gpu_tiny_bf16_s16384.h"
 #include "gpu_tiny_bf16_s32768.h"
@@ -58,10 +65,26 @@ std::string json_escape(const std::string& s) {
   return out;
 }
 
+// The library's schedule and what its plan predicted (ModelSpec::plan_json)
+// for its cluster, as JSON fields after a comma; "" without a plan.
+std::string plan_fields(const runtime::ModelSpec& spec) {
+  if (!spec.plan_json || !*spec.plan_json) return "";
+  const auto plan = nlohmann::ordered_json::parse(spec.plan_json);
+  const double mib = 1 << 20;
+  char out[512];
+  std::snprintf(out, sizeof out,
+                ",\"schedule\":\"%s\",\"plan_cluster\":\"%s\",\"predicted_step_s\":%.4f,\"predicted_peak_mib\":%.1f,"
+                "\"predicted_optimizer_mib\":%.1f",
+                json_escape(plan.value("schedule", "")).c_str(), json_escape(plan.value("cluster", "")).c_str(),
+                plan.value("predicted_step_s", 0.0), plan.value("predicted_peak_bytes_per_rank", 0.0) / mib,
+                plan["memory_per_rank"].value("optimizer_state", 0.0) / mib);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  using Key = std::tuple<std::string, std::string, int64_t>;  // model, precision, seq
+  using Key = std::tuple<std::string, std::string, int64_t>;  // model, precision or "autosp", seq
   const std::map<Key, const runtime::ModelSpec& (*)()> models = {
       {{"tiny", "f32", 8192}, &halyard_models::gpu_tiny_s8192},
       {{"tiny", "f32", 16384}, &halyard_models::gpu_tiny_s16384},
@@ -69,10 +92,11 @@ int main(int argc, char** argv) {
       {{"tiny", "bf16", 8192}, &halyard_models::gpu_tiny_bf16_s8192},
       {{"tiny", "bf16", 16384}, &halyard_models::gpu_tiny_bf16_s16384},
       {{"tiny", "bf16", 32768}, &halyard_models::gpu_tiny_bf16_s32768},
-      {{"llama-3.2-1b", "bf16", 32768}, &halyard_models::gpu_1b_bf16_s32768}};
+      {{"llama-3.2-1b", "bf16", 32768}, &halyard_models::gpu_1b_bf16_s32768},
+      {{"llama-3.2-1b", "autosp", 32768}, &halyard_models::gpu_1b_autosp_s32768}};
   int64_t seq = 0;
   int steps = 3;
-  std::string precision = "f32", model = "tiny";
+  std::string precision = "f32", model = "tiny", schedule;
   bool update = true, bad = false;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
@@ -82,11 +106,15 @@ int main(int argc, char** argv) {
     else if (k == "--steps") steps = std::atoi(argv[++i]);
     else if (k == "--precision") precision = argv[++i];
     else if (k == "--model") model = argv[++i];
+    else if (k == "--schedule") schedule = argv[++i];
     else bad = true;
   }
-  if (bad || !models.count({model, precision, seq}) || steps < 1) {
-    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1] [--precision f32|bf16] [--model M] [--no-update]; "
-                         "the libraries (model precision seq):");
+  // AutoSP's plan computes its contractions in bf16: it is a mixed-precision library.
+  if (schedule == "autosp" && precision == "f32") precision = "bf16";
+  const std::string variant = schedule == "autosp" ? schedule : precision;
+  if (bad || (!schedule.empty() && schedule != "autosp") || !models.count({model, variant, seq}) || steps < 1) {
+    std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1] [--precision f32|bf16] [--model M] [--schedule autosp] "
+                         "[--no-update]; the libraries (model precision-or-schedule seq):");
     for (const auto& [key, f] : models)
       std::fprintf(stderr, " %s/%s/%lld", std::get<0>(key).c_str(), std::get<1>(key).c_str(),
                    static_cast<long long>(std::get<2>(key)));
@@ -100,7 +128,7 @@ int main(int argc, char** argv) {
   }
   const int64_t baseline = gpu.memory_used_bytes();
   try {
-    runtime::Model m(models.at({model, precision, seq})());
+    runtime::Model m(models.at({model, variant, seq})());
     m.init_params(0);
     const int64_t n = m.tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
@@ -147,17 +175,18 @@ int main(int argc, char** argv) {
     std::printf("{\"peer\":\"halyard\",\"device\":\"%s\",\"target\":\"%s\",\"model\":\"%s\",\"config\":\"%s\",\"dtype\":\"%s\","
                 "\"seq\":%lld,\"batch\":%lld,\"loss\":%.6f,\"step_s_median\":%.4f,\"tokens_per_s\":%.1f,"
                 "\"peak_device_mib\":%.1f,\"executor_blocks_mib\":%.1f,\"device_to_host_copies\":%lld,"
-                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f%s}\n",
+                "\"device_buffers_freed\":%lld,\"attention_s\":%.5f,\"other_kernels_s\":%.5f%s%s}\n",
                 json_escape(gpu.name()).c_str(), m.spec().target, m.spec().name, json_escape(model).c_str(), precision.c_str(),
                 static_cast<long long>(m.spec().seq),
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
                 static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(blocks) / (1 << 20),
                 static_cast<long long>(copies), static_cast<long long>(freed), attention_s, other_kernels_s,
-                updates_json);
+                updates_json, plan_fields(m.spec()).c_str());
   } catch (const std::exception& e) {
     gpu.stop_sampling();
-    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"error\":\"%s\"}\n",
-                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq), json_escape(e.what()).c_str());
+    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"error\":\"%s\"%s}\n",
+                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq), json_escape(e.what()).c_str(),
+                plan_fields(models.at({model, variant, seq})()).c_str());
     return 1;
   }
   return 0;

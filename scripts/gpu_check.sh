@@ -15,18 +15,23 @@
 #       (label gpu; test_cuda's ranks as threads on one GPU on their own,
 #       within 240 s), NCCL on one rank, llama_train on the tiny Llama's CUDA
 #       library against its CPU library (losses, a resumed checkpoint), the
-#       tiny Llama's step against PyTorch on the same GPU at 8k-32k tokens,
-#       then the issue's target: Llama-3.2-1B at 32k tokens, Halyard's mixed
-#       precision against PyTorch bf16 (one timed step). Everything goes to RESULTS
-#       (logs, test XML, bench.jsonl, summary.md, and in bench.err each step's
-#       kernels' device times); under 8 minutes in all.
+#       issue's target: Llama-3.2-1B at 32k tokens, Halyard's mixed precision
+#       (AutoSP's plan) against PyTorch bf16 (one timed step), the tiny
+#       Llama's step against PyTorch on the same GPU at 8k-32k tokens, and
+#       the 1B step under a hand-written schedule. Everything goes to
+#       RESULTS (logs, test XML, bench.jsonl, summary.md, and in bench.err
+#       each step's kernels' device times); under 8 minutes in all.
 #       Exits 1 if a test failed; a benchmark that fails (out of memory, say)
 #       is a result, written down, not a failure. Without a GPU every device
 #       part says why it skipped.
+#   bash DIR/gpu_check.sh summarize RESULTS DIR
+#       writes RESULTS/summary.md again from RESULTS/bench.jsonl (run's last
+#       step): tokens/s and ratios, attention, the target, and each plan's
+#       predictions against the measurement.
 set -euo pipefail
 
 die() { echo "gpu_check: error: $*" >&2; exit 2; }
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 readonly max_bytes=$((60 * 1024 * 1024))
 readonly programs=(test_cuda test_nccl_single_rank gpu_step_bench llama_train_cuda llama_train_cpu_s256)
@@ -118,6 +123,7 @@ prepare() {
 readonly budget_s=${HALYARD_GPU_CHECK_BUDGET_S:-470}
 start_s=$SECONDS
 left() { local l=$((budget_s - (SECONDS - start_s))); echo $((l > 1 ? l : 1)); }
+left_at_most() { local l; l=$(left); echo $((l < $1 ? l : $1)); }
 
 run() {
   local dir results
@@ -213,13 +219,33 @@ EOF
     train "$dir" "$results/train" || failed=1
   fi
 
-  # 3. The step against PyTorch on the same GPU: Halyard's f32 CUDA library,
-  # PyTorch eager in bf16 (the target's peer) and in f32 (same precision).
   : >"$results/bench.jsonl"
   if ((gpu == 0)); then
     echo "[SKIP] bench: $why"
   else
     local seq line
+    # 3. The target, first should time run short: Llama-3.2-1B (32 heads on
+    # 8 kv heads, head_dim 64) at 32,768 tokens, mixed precision against
+    # PyTorch bf16 with SDPA: the schedule AutoSP chose for one H100, then
+    # PyTorch (the hand-written bf16_mixed_loss_tiled comes last of all).
+    # One timed step and no AdamW timings: a step takes seconds here. Each
+    # run has at most 150 s, so that a slow one leaves time for the rest.
+    bench_1b "$dir" "$results" autosp
+    if [[ -n $py ]]; then
+      rc=0
+      line=$(timeout "$(left_at_most 150)" $py "$dir/bench/torch_peer.py" step --config "$dir/configs/llama-3.2-1b.json" --seq 32768 \
+        --steps 3 --device cuda --dtype bf16 --tokens "$dir/data/corpus.txt" 2>>"$results/bench.err") || rc=$?
+      [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"config\":\"llama-3.2-1b\",\"dtype\":\"bf16\",\"seq\":32768,\"error\":\"exit $rc (see bench.err)\"}"
+      echo "$line" | tee -a "$results/bench.jsonl"
+      rc=0
+      line=$(timeout "$(left_at_most 150)" $py "$dir/bench/torch_peer.py" attention --seq 32768 --heads 32 --kv-heads 8 \
+        --head-dim 64 --reps 3 --device cuda --dtype bf16 2>>"$results/bench.err") || rc=$?
+      [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"bench\":\"attention\",\"heads\":32,\"kv_heads\":8,\"head_dim\":64,\"dtype\":\"bf16\",\"seq\":32768,\"error\":\"exit $rc (see bench.err)\"}"
+      echo "$line" | tee -a "$results/bench.jsonl"
+    fi
+    # 4. The tiny Llama's step against PyTorch on the same GPU: Halyard's
+    # mixed-precision and f32 CUDA libraries, PyTorch eager in bf16 (the
+    # target's peer) and in f32 (same precision).
     for seq in "${bench_seqs[@]}"; do
       echo "== bench seq $seq"
       local precision
@@ -248,32 +274,25 @@ EOF
         done
       fi
     done
-    # 4. The target: Llama-3.2-1B (32 heads on 8 kv heads, head_dim 64) at
-    # 32,768 tokens, mixed precision against PyTorch bf16 with SDPA. One
-    # timed step and no AdamW timings: a step takes seconds here.
-    echo "== bench llama-3.2-1b seq 32768"
-    rc=0
-    line=$(HALYARD_PROFILE=1 timeout "$(left)" "$dir/bin/gpu_step_bench" --model llama-3.2-1b --seq 32768 --steps 1 \
-      --precision bf16 --no-update 2>>"$results/bench.err") || rc=$?
-    [[ -n $line ]] ||
-      line="{\"peer\":\"halyard\",\"config\":\"llama-3.2-1b\",\"dtype\":\"bf16\",\"seq\":32768,\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
-    echo "$line" | tee -a "$results/bench.jsonl"
-    if [[ -n $py ]]; then
-      rc=0
-      line=$(timeout "$(left)" $py "$dir/bench/torch_peer.py" step --config "$dir/configs/llama-3.2-1b.json" --seq 32768 \
-        --steps 3 --device cuda --dtype bf16 --tokens "$dir/data/corpus.txt" 2>>"$results/bench.err") || rc=$?
-      [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"config\":\"llama-3.2-1b\",\"dtype\":\"bf16\",\"seq\":32768,\"error\":\"exit $rc (see bench.err)\"}"
-      echo "$line" | tee -a "$results/bench.jsonl"
-      rc=0
-      line=$(timeout "$(left)" $py "$dir/bench/torch_peer.py" attention --seq 32768 --heads 32 --kv-heads 8 \
-        --head-dim 64 --reps 3 --device cuda --dtype bf16 2>>"$results/bench.err") || rc=$?
-      [[ -n $line ]] || line="{\"peer\":\"pytorch-eager\",\"bench\":\"attention\",\"heads\":32,\"kv_heads\":8,\"head_dim\":64,\"dtype\":\"bf16\",\"seq\":32768,\"error\":\"exit $rc (see bench.err)\"}"
-      echo "$line" | tee -a "$results/bench.jsonl"
-    fi
+    # 5. Should time be left: the 1B step under the hand-written schedule.
+    bench_1b "$dir" "$results" hand-written
   fi
   summarize "$results" "$dir"
   echo "gpu_check: results in $results ($((SECONDS - start_s)) s)"
   return $failed
+}
+
+# bench_1b DIR RESULTS SCHEDULE: Llama-3.2-1B's mixed-precision step at 32,768
+# tokens, as AutoSP planned it ("autosp") or bf16_mixed_loss_tiled
+# ("hand-written"), one line into bench.jsonl.
+bench_1b() {
+  local dir=$1 results=$2 schedule=$3 line rc=0 choice=()
+  echo "== bench llama-3.2-1b seq 32768 ($schedule)"
+  [[ $schedule == autosp ]] && choice=(--schedule autosp)
+  line=$(HALYARD_PROFILE=1 timeout "$(left_at_most 150)" "$dir/bin/gpu_step_bench" --model llama-3.2-1b --seq 32768 --steps 1 \
+    --precision bf16 "${choice[@]}" --no-update 2>>"$results/bench.err") || rc=$?
+  [[ -n $line ]] || line="{\"peer\":\"halyard\",\"config\":\"llama-3.2-1b\",\"dtype\":\"bf16\",\"seq\":32768,\"schedule\":\"$schedule\",\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
+  echo "$line" | tee -a "$results/bench.jsonl"
 }
 
 # train DIR OUT: llama_train_cuda against llama_train_cpu_s256; fails when a
@@ -341,6 +360,8 @@ for line in open(os.path.join(results, "bench.jsonl")):
         continue
     r = json.loads(line)
     key = ("halyard_" if r.get("peer") == "halyard" else "torch_") + r.get("dtype", "f32")
+    if r.get("schedule") == "autosp":
+        key += "_autosp"
     if r.get("bench") == "attention":
         key = "attention_" + key
     if config_of(r) == "tiny":
@@ -408,26 +429,58 @@ print("\nHalyard's is the device time of its step's attention kernels (set_kerne
       " waiting for the device around each kernel) divided by its %d layers; a ratio is PyTorch's time over"
       " Halyard's (the issue's target: >= 0.8 against SDPA)." % layers)
 if target:
-    h, p, a = target.get("halyard_bf16"), target.get("torch_bf16"), target.get("attention_torch_bf16")
+    auto, hand = target.get("halyard_bf16_autosp"), target.get("halyard_bf16")
+    p, a = target.get("torch_bf16"), target.get("attention_torch_bf16")
     layers_1b = configs["llama-3.2-1b"]["num_hidden_layers"]
+    def ratio(h, field, inverse=False):
+        if not (h and p and "error" not in h and "error" not in p):
+            return "-"
+        return "%.3fx" % ((p[field] / h[field]) if inverse else (h[field] / p[field]))
     print("\n## The target: Llama-3.2-1B at 32,768 tokens, mixed precision against PyTorch bf16\n")
-    print("| | Halyard bf16 mixed | PyTorch bf16 (SDPA) | ratio |")
-    print("|---|---|---|---|")
-    ok = h and p and "error" not in h and "error" not in p
-    print("| tokens/s | %s | %s | %s |" % (cell(h, "tokens_per_s", "%.0f"), cell(p, "tokens_per_s", "%.0f"),
-                                         "%.3fx" % (h["tokens_per_s"] / p["tokens_per_s"]) if ok else "-"))
-    print("| peak device MiB | %s | %s | |" % (cell(h, "peak_device_mib", "%.0f"), cell(p, "peak_device_mib", "%.0f")))
-    hm, h_text = ms_of(h, lambda r: r["attention_s"] / layers_1b)
+    print("| | Halyard, AutoSP's plan | Halyard, hand-written | PyTorch bf16 (SDPA) | AutoSP / PyTorch | hand-written / PyTorch |")
+    print("|---|---|---|---|---|---|")
+    print("| tokens/s | %s | %s | %s | %s | %s |" % (
+        cell(auto, "tokens_per_s", "%.0f"), cell(hand, "tokens_per_s", "%.0f"), cell(p, "tokens_per_s", "%.0f"),
+        ratio(auto, "tokens_per_s"), ratio(hand, "tokens_per_s")))
+    print("| peak device MiB | %s | %s | %s | %s | %s |" % (
+        cell(auto, "peak_device_mib", "%.0f"), cell(hand, "peak_device_mib", "%.0f"), cell(p, "peak_device_mib", "%.0f"),
+        ratio(auto, "peak_device_mib"), ratio(hand, "peak_device_mib")))
+    cells = []
+    for h in (auto, hand):
+        cells.append(ms_of(h, lambda r: r["attention_s"] / layers_1b))
     pm, p_text = ms_of(a, lambda r: r["s_median"])
-    print("| attention fwd+bwd, one layer, ms | %s | %s | %s |" % (h_text, p_text, "%.3fx" % (pm / hm) if hm and pm else "-"))
-    print("\nHalyard's schedule is examples/llama/schedules/bf16_mixed_loss_tiled.json (bf16_mixed, the loss in"
-          " tiles of 8,192 tokens). The issue's targets: the step >= 1.0x PyTorch bf16 at <= its peak memory;"
-          " attention >= 0.8x SDPA. Halyard's attention here is bf16 on tensor cores (runtime/attention_cuda.cu).")
+    print("| attention fwd+bwd, one layer, ms | %s | %s | %s | %s | %s |" % (
+        cells[0][1], cells[1][1], p_text, *("%.3fx" % (pm / hm) if hm and pm else "-" for hm, _ in cells)))
+    print("\nAutoSP's plan is the schedule `halyard_add_model(... SCHEDULE autosp RANKS 1 BF16 store contract)` chose"
+          " for one H100 (bench/CMakeLists.txt: the fastest predicted plan within 80 GiB); the hand-written one is"
+          " examples/llama/schedules/bf16_mixed_loss_tiled.json (bf16_mixed, the loss in tiles of 8,192 tokens)."
+          " The issue's targets: the step >= 1.0x PyTorch bf16 at <= its peak memory (a peak ratio <= 1.000x);"
+          " attention >= 0.8x SDPA (the attention ratio is PyTorch's time over Halyard's). Halyard's attention"
+          " here is bf16 on tensor cores (runtime/attention_cuda.cu).")
+# What each library's plan predicted (for the cluster it was built for)
+# beside what this GPU measured: the memory and time model's error.
+planned = [r for by_key in list(rows.values()) + [target] for r in by_key.values()
+           if r.get("peer") == "halyard" and "predicted_step_s" in r and "error" not in r]
+if planned:
+    print("\n## The plan's predictions against this GPU\n")
+    print("| library | predicted for | step s predicted | measured | measured / predicted |"
+          " peak MiB predicted | measured | measured / predicted |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(planned, key=lambda r: (r.get("config", ""), r["seq"], r.get("schedule", ""))):
+        peak = r["predicted_peak_mib"] - r["predicted_optimizer_mib"]
+        print("| %s %s %d | %s | %.4f | %.4f | %.2fx | %.0f | %.0f | %.2fx |" % (
+            r.get("config", "tiny"), r.get("schedule", ""), r["seq"], r["plan_cluster"], r["predicted_step_s"],
+            r["step_s_median"], r["step_s_median"] / r["predicted_step_s"], peak, r["peak_device_mib"],
+            r["peak_device_mib"] / peak))
+    print("\nThe predicted peak leaves out AdamW's moments (the timed steps run before any update). The step's"
+          " prediction prices each kernel at the cluster preset's share of the GPU's peak (schedules/cluster.cpp);"
+          " a ratio far above 1 is a kernel far from that share.")
 EOF
 }
 
 case ${1:-} in
   prepare) (($# >= 2)) || usage; shift; prepare "$@" ;;
   run) (($# == 3)) || usage; run "$2" "$3" ;;
+  summarize) (($# == 3)) || usage; summarize "$2" "$3" ;;
   *) usage ;;
 esac
