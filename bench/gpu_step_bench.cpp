@@ -3,7 +3,7 @@
 // library per process:
 //
 //   gpu_step_bench --seq N [--steps K] [--precision f32|bf16] [--model tiny|llama-3.2-1b]
-//                  [--schedule autosp] [--no-update]
+//                  [--schedule autosp] [--no-update] [--profile-dir DIR]
 //
 // (bf16: the mixed-precision libraries, examples/llama/schedules/
 // bf16_mixed.json: contractions through cuBLAS's bf16 GEMM with f32 sums,
@@ -16,7 +16,9 @@
 // the copies home the executor made in a step; then one more step waiting
 // for the device around each kernel (Model::set_kernel_times_on_device) for
 // the device time of its attention kernels (attention_s: every layer's
-// forward and backward) and of the others (other_kernels_s); then, with
+// forward and backward) and of the others (other_kernels_s), whose profile
+// (each kernel's device time, Model::profile()) --profile-dir writes to
+// DIR/<library>.profile.txt for halyard-fit-kernels; then, with
 // AdamW on the device (Model::use_adamw: parameters and gradients stay
 // there), the median of a step and its update (step_and_update_s_median),
 // of the update alone (update_s_median), and a step's copies each way; and
@@ -29,6 +31,7 @@
 // runs it beside bench/torch_peer.py on the same GPU.
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <string>
 #include <tuple>
@@ -96,7 +99,7 @@ int main(int argc, char** argv) {
       {{"llama-3.2-1b", "autosp", 32768}, &halyard_models::gpu_1b_autosp_s32768}};
   int64_t seq = 0;
   int steps = 3;
-  std::string precision = "f32", model = "tiny", schedule;
+  std::string precision = "f32", model = "tiny", schedule, profile_dir;
   bool update = true, bad = false;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
@@ -107,6 +110,7 @@ int main(int argc, char** argv) {
     else if (k == "--precision") precision = argv[++i];
     else if (k == "--model") model = argv[++i];
     else if (k == "--schedule") schedule = argv[++i];
+    else if (k == "--profile-dir") profile_dir = argv[++i];
     else bad = true;
   }
   // AutoSP's plan computes its contractions in bf16: it is a mixed-precision library.
@@ -114,7 +118,7 @@ int main(int argc, char** argv) {
   const std::string variant = schedule == "autosp" ? schedule : precision;
   if (bad || (!schedule.empty() && schedule != "autosp") || !models.count({model, variant, seq}) || steps < 1) {
     std::fprintf(stderr, "usage: gpu_step_bench --seq N [--steps K>=1] [--precision f32|bf16] [--model M] [--schedule autosp] "
-                         "[--no-update]; the libraries (model precision-or-schedule seq):");
+                         "[--no-update] [--profile-dir DIR]; the libraries (model precision-or-schedule seq):");
     for (const auto& [key, f] : models)
       std::fprintf(stderr, " %s/%s/%lld", std::get<0>(key).c_str(), std::get<1>(key).c_str(),
                    static_cast<long long>(std::get<2>(key)));
@@ -145,10 +149,17 @@ int main(int argc, char** argv) {
     const auto& t = m.last_step_times();
     const int64_t copies = t.device_to_host_copies, freed = t.device_buffers_freed;
     m.set_kernel_times_on_device(true);
+    if (!profile_dir.empty()) setenv("HALYARD_PROFILE", "1", 1);
     m.train_step(ids.data(), labels.data(), pos.data());
     const double attention_s = t.attention_s, other_kernels_s = t.other_kernels_s;
     // With HALYARD_PROFILE set, each kernel's device time in that step, on stderr.
     if (std::getenv("HALYARD_PROFILE")) std::fputs(m.profile().c_str(), stderr);
+    if (!profile_dir.empty()) {
+      const std::string path = profile_dir + "/" + m.spec().name + ".profile.txt";
+      std::ofstream out(path);
+      out << m.profile();
+      if (!out) throw runtime::Error("error: cannot write the profile to \"" + path + "\".");
+    }
     m.set_kernel_times_on_device(false);
     const int64_t blocks = m.device_bytes();
     double with_update = 0, update_s = 0;

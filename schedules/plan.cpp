@@ -412,7 +412,8 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
       for (int x : st.extra_outputs)
         if (g.node(x).op == Op::AttentionGradQ) sc.flops += 2 * extra_output_flops(g, g.node(x));
     sc.bytes = stored(bytes);
-    sc.time_s = cluster.kernel_time(sc.kind, sc.flops * (reads_bf16(root) || root.attrs.bf16 ? 1.0 : f32_flops), static_cast<double>(sc.bytes));
+    sc.charged_flops = sc.flops * (reads_bf16(root) || root.attrs.bf16 ? 1.0 : f32_flops);
+    sc.time_s = cluster.kernel_time(sc.kind, sc.charged_flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
     const Scratch k =
         kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16, gpu);
@@ -606,7 +607,7 @@ std::string Plan::to_json() const {
   j["cluster"] = nlohmann::json::parse(cluster.to_json());
   for (const StageCost& s : stages)
     j["stages"].push_back({{"stage", s.stage}, {"kind", s.kind}, {"label", s.label}, {"layer", s.layer},
-                           {"backward", s.backward}, {"flops", s.flops}, {"bytes", s.bytes},
+                           {"backward", s.backward}, {"flops", s.flops}, {"charged_flops", s.charged_flops}, {"bytes", s.bytes},
                            {"scratch_estimate", s.scratch_estimate}, {"time_s", s.time_s}});
   for (const CollectiveCost& c : collectives)
     j["collectives"].push_back({{"stage", c.stage}, {"op", c.op}, {"kind", c.kind}, {"axis", c.axis},

@@ -67,6 +67,9 @@ struct StageCost {
   std::string layer;  // "model.layers.3", "lm_head", ... ("" when unnamed)
   bool backward = false;
   double flops = 0;
+  // What the time model charges: flops at the bf16 rate, where f32 work on a
+  // cluster with a bf16 peak counts peak_bf16 / peak_f32 times (plan()).
+  double charged_flops = 0;
   int64_t bytes = 0;  // read + written
   int64_t scratch_estimate = 0;  // temporaries the lowering allocates for the cluster's device (kernel_scratch's estimate)
   double time_s = 0;

@@ -17,10 +17,12 @@
 #       library against its CPU library (losses, a resumed checkpoint), the
 #       issue's target: Llama-3.2-1B at 32k tokens, Halyard's mixed precision
 #       (AutoSP's plan) against PyTorch bf16 (one timed step), the tiny
-#       Llama's step against PyTorch on the same GPU at 8k-32k tokens, and
-#       the 1B step under a hand-written schedule. Everything goes to
-#       RESULTS (logs, test XML, bench.jsonl, summary.md, and in bench.err
-#       each step's kernels' device times); under 8 minutes in all.
+#       Llama's step against PyTorch on the same GPU at 8k-32k tokens, the
+#       1B step under a hand-written schedule, and the time model's kernel
+#       coefficients fitted to the kernel times measured (gpu_profile.json,
+#       a cluster profile). Everything goes to RESULTS (logs, test XML,
+#       bench.jsonl, summary.md, profiles/ and in bench.err each step's
+#       kernels' device times); under 8 minutes in all.
 #       Exits 1 if a test failed; a benchmark that fails (out of memory, say)
 #       is a result, written down, not a failure. Without a GPU every device
 #       part says why it skipped.
@@ -31,10 +33,10 @@
 set -euo pipefail
 
 die() { echo "gpu_check: error: $*" >&2; exit 2; }
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 readonly max_bytes=$((60 * 1024 * 1024))
-readonly programs=(test_cuda test_nccl_single_rank gpu_step_bench llama_train_cuda llama_train_cpu_s256)
+readonly programs=(test_cuda test_nccl_single_rank gpu_step_bench llama_train_cuda llama_train_cpu_s256 halyard-fit-kernels)
 readonly train_steps=20
 readonly bench_seqs=(8192 16384 32768)
 # What a GPU node provides: the C library and libgcc_s, and NCCL (through its
@@ -67,7 +69,7 @@ prepare() {
   fi
 
   rm -rf "$out"
-  mkdir -p "$out/bin" "$out/fixtures" "$out/bench" "$out/configs" "$out/data"
+  mkdir -p "$out/bin" "$out/fixtures" "$out/bench" "$out/configs" "$out/data" "$out/plans"
   local p f
   for p in "${programs[@]}"; do
     f=$(find "$build" -name "$p" -type f -perm -u+x | head -1)
@@ -80,6 +82,11 @@ prepare() {
   cp "$root/examples/llama/configs/tiny.json" "$root/examples/llama/configs/llama-3.2-1b.json" "$out/configs/"
   cp "$root/examples/llama/data/corpus.txt" "$out/data/"
   cp "$root/scripts/gpu_check.sh" "$out/gpu_check.sh"
+  # The plans of gpu_step_bench's libraries, whose stages halyard-fit-kernels
+  # pairs with the kernel times the node measures.
+  local plans=("$build"/bench/gpu_*.generated/gpu_*.plan.json)
+  [[ -f ${plans[0]} ]] || die "prepare: no plan of gpu_step_bench's libraries under $build/bench"
+  cp "${plans[@]}" "$out/plans/"
 
   # Every shared library a program needs must be one the node has.
   local lib bad=0 glibc=0 need
@@ -220,6 +227,7 @@ EOF
   fi
 
   : >"$results/bench.jsonl"
+  mkdir -p "$results/profiles"
   if ((gpu == 0)); then
     echo "[SKIP] bench: $why"
   else
@@ -253,7 +261,7 @@ EOF
         rc=0
         # (HALYARD_PROFILE: each kernel's device time in the timed step, into bench.err)
         line=$(HALYARD_PROFILE=1 timeout "$(left)" "$dir/bin/gpu_step_bench" --seq "$seq" --steps 3 --precision "$precision" \
-          2>>"$results/bench.err") || rc=$?
+          --profile-dir "$results/profiles" 2>>"$results/bench.err") || rc=$?
         [[ -n $line ]] ||
           line="{\"peer\":\"halyard\",\"dtype\":\"$precision\",\"seq\":$seq,\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
         echo "$line" | tee -a "$results/bench.jsonl"
@@ -276,6 +284,10 @@ EOF
     done
     # 5. Should time be left: the 1B step under the hand-written schedule.
     bench_1b "$dir" "$results" hand-written
+    # 6. The time model fitted to this GPU: each kernel kind's coefficients
+    # from the kernel times of every library the benchmarks ran, paired with
+    # their plans' stages; the rest from the preset of this GPU's kind.
+    fit_kernels "$dir" "$results"
   fi
   summarize "$results" "$dir"
   echo "gpu_check: results in $results ($((SECONDS - start_s)) s)"
@@ -290,9 +302,30 @@ bench_1b() {
   echo "== bench llama-3.2-1b seq 32768 ($schedule)"
   [[ $schedule == autosp ]] && choice=(--schedule autosp)
   line=$(HALYARD_PROFILE=1 timeout "$(left_at_most 150)" "$dir/bin/gpu_step_bench" --model llama-3.2-1b --seq 32768 --steps 1 \
-    --precision bf16 "${choice[@]}" --no-update 2>>"$results/bench.err") || rc=$?
+    --precision bf16 "${choice[@]}" --no-update --profile-dir "$results/profiles" 2>>"$results/bench.err") || rc=$?
   [[ -n $line ]] || line="{\"peer\":\"halyard\",\"config\":\"llama-3.2-1b\",\"dtype\":\"bf16\",\"seq\":32768,\"schedule\":\"$schedule\",\"error\":\"exit $rc (timeout or crash; see bench.err)\"}"
   echo "$line" | tee -a "$results/bench.jsonl"
+}
+
+# fit_kernels DIR RESULTS: halyard-fit-kernels over RESULTS/profiles, into
+# RESULTS/gpu_profile.json (a cluster profile: halyard-plan --cluster it)
+# and RESULTS/fit.txt.
+fit_kernels() {
+  local dir=$1 results=$2 base=8xH100-80GB pairs=() f name
+  grep -q H200 "$results/device.txt" && base=8xH200
+  grep -q A100 "$results/device.txt" && base=8xA100-80GB
+  for f in "$results"/profiles/*.profile.txt; do
+    [[ -f $f ]] || continue
+    name=$(basename "$f" .profile.txt)
+    [[ -f $dir/plans/$name.plan.json ]] && pairs+=("$dir/plans/$name.plan.json" "$f")
+  done
+  echo "== fit the time model's kernels ($((${#pairs[@]} / 2)) libraries, base $base)"
+  if ((${#pairs[@]} == 0)); then
+    echo "no kernel profile to fit (every benchmark failed?)" | tee "$results/fit.txt"
+    return
+  fi
+  "$dir/bin/halyard-fit-kernels" --base "$base" --out "$results/gpu_profile.json" "${pairs[@]}" 2>&1 |
+    tee "$results/fit.txt" || true
 }
 
 # train DIR OUT: llama_train_cuda against llama_train_cpu_s256; fails when a
@@ -475,6 +508,10 @@ if planned:
     print("\nThe predicted peak leaves out AdamW's moments (the timed steps run before any update). The step's"
           " prediction prices each kernel at the cluster preset's share of the GPU's peak (schedules/cluster.cpp);"
           " a ratio far above 1 is a kernel far from that share.")
+fit = os.path.join(results, "fit.txt")
+if os.path.exists(fit):
+    print("\n## The time model fitted to this GPU (halyard-fit-kernels; gpu_profile.json)\n")
+    print("```\n" + open(fit).read().strip() + "\n```")
 EOF
 }
 

@@ -43,67 +43,12 @@
 #include "runtime/lr_schedule.h"
 #include "runtime/measure.h"
 #include "runtime/model.h"
+#include "schedules/calibration.h"
 #include "schedules/plan.h"
 
 using namespace halyard;
 
 namespace {
-
-struct Sample {
-  double flops, bytes, t;
-  double scratch_estimate, scratch;  // the plan's estimate of the kernel's temporaries, and what it held
-};
-
-// Least squares of the relative error (each sample weighted by 1/t, so that
-// short and long kernels count alike) over the non-empty subsets of the
-// three coefficients; the best fit whose coefficients are all >= 0.
-KernelCoefficients fit(const std::vector<Sample>& s, double* rel_error) {
-  KernelCoefficients best;
-  double best_err = INFINITY;
-  for (int mask = 1; mask < 8; ++mask) {
-    std::vector<int> cols;
-    for (int c = 0; c < 3; ++c)
-      if (mask & (1 << c)) cols.push_back(c);
-    const size_t n = cols.size();
-    std::vector<double> ata(n * n, 0), atb(n, 0);
-    for (const Sample& x : s) {
-      const double w = 1 / std::max(x.t, 1e-9);
-      const double f[3] = {x.flops * w, x.bytes * w, w};
-      for (size_t i = 0; i < n; ++i) {
-        atb[i] += f[cols[i]];  // x.t * w
-        for (size_t j = 0; j < n; ++j) ata[i * n + j] += f[cols[i]] * f[cols[j]];
-      }
-    }
-    // Gaussian elimination (n <= 3).
-    std::vector<double> a = ata, b = atb;
-    bool ok = true;
-    for (size_t i = 0; i < n && ok; ++i) {
-      size_t p = i;
-      for (size_t r = i + 1; r < n; ++r)
-        if (std::abs(a[r * n + i]) > std::abs(a[p * n + i])) p = r;
-      if (std::abs(a[p * n + i]) < 1e-300) { ok = false; break; }
-      for (size_t c = 0; c < n; ++c) std::swap(a[i * n + c], a[p * n + c]);
-      std::swap(b[i], b[p]);
-      for (size_t r = 0; r < n; ++r) {
-        if (r == i) continue;
-        const double m = a[r * n + i] / a[i * n + i];
-        for (size_t c = 0; c < n; ++c) a[r * n + c] -= m * a[i * n + c];
-        b[r] -= m * b[i];
-      }
-    }
-    if (!ok) continue;
-    double coef[3] = {0, 0, 0};
-    for (size_t i = 0; i < n; ++i) coef[cols[i]] = b[i] / a[i * n + i];
-    if (coef[0] < 0 || coef[1] < 0 || coef[2] < 0) continue;
-    double err = 0;
-    for (const Sample& x : s) {
-      const double rel = (coef[0] * x.flops + coef[1] * x.bytes + coef[2] - x.t) / std::max(x.t, 1e-9);
-      err += rel * rel;
-    }
-    if (err < best_err) best_err = err, best = {coef[0], coef[1], coef[2]}, *rel_error = std::sqrt(err / static_cast<double>(s.size()));
-  }
-  return best;
-}
 
 struct Options {
   std::string out, data = HALYARD_SOURCE_DIR "/examples/llama/data/corpus.txt";
@@ -213,7 +158,7 @@ int run(const Options& o) {
                          " ranks.\nfix: launch it on as many ranks as one of its libraries splits the sequence over.");
 
   // Pair the calls with the plan's stages; one sample per call (median over steps).
-  std::map<std::string, std::vector<Sample>> samples;
+  std::map<std::string, std::vector<KernelSample>> samples;
   int64_t baseline = 0;
   std::ostringstream report;
   for (const Measured& r : runs) {
@@ -230,8 +175,7 @@ int run(const Options& o) {
       std::vector<double> t;
       for (const auto& step : r.call_ms) t.push_back(step[static_cast<size_t>(st.stage)] / 1e3);
       std::sort(t.begin(), t.end());
-      samples[st.kind].push_back({st.flops, static_cast<double>(st.bytes), t[t.size() / 2],
-                                  static_cast<double>(st.scratch_estimate), r.call_scratch[static_cast<size_t>(st.stage)]});
+      samples[st.kind].push_back({st.charged_flops, static_cast<double>(st.bytes), t[t.size() / 2]});
       if (std::getenv("HALYARD_CALIBRATE_VERBOSE") && rank == 0)
         std::printf("  %-10s %-44s %8.3f ms  %12.0f flops %10lld bytes  scratch %10lld est %10.0f held\n", st.kind.c_str(),
                     st.label.substr(0, 44).c_str(), t[t.size() / 2] * 1e3, st.flops, static_cast<long long>(st.bytes),
@@ -273,7 +217,7 @@ int run(const Options& o) {
       continue;
     }
     double err = 0;
-    c.kernels[kind] = fit(it->second, &err);
+    c.kernels[kind] = fit_kernel(it->second, &err);
     char line[256];
     std::snprintf(line, sizeof line, "  %-10s %4zu calls: %.3g s/flop (%.2f GFLOP/s), %.3g s/byte (%.2f GB/s), %.1f us/call; rms error %.1f%%\n",
                   kind.c_str(), it->second.size(), c.kernels[kind].s_per_flop,

@@ -12,6 +12,7 @@ mkdir -p "$work/node/configs" "$work/results"
 cp "$src/examples/llama/configs/tiny.json" "$src/examples/llama/configs/llama-3.2-1b.json" "$work/node/configs/"
 cp "$src/tests/gpu/summary_bench.jsonl" "$work/results/bench.jsonl"
 echo "NVIDIA H100 80GB HBM3 (made up)" >"$work/results/device.txt"
+printf 'halyard-fit-kernels: base 8xH100-80GB\n  contract  30 calls: (made up)\n' >"$work/results/fit.txt"
 bash "$src/scripts/gpu_check.sh" summarize "$work/results" "$work/node" >"$work/out.txt"
 cat "$work/out.txt"
 cmp -s "$work/out.txt" "$work/results/summary.md" || { echo "FAIL: summary.md is not what summarize printed"; exit 1; }
@@ -34,6 +35,9 @@ expect '| attention fwd+bwd, one layer, ms | 30.00 | error: exit 137 (timeout or
 expect '| llama-3.2-1b autosp 32768 | 8xH100-80GB | 1.6384 | 3.2768 | 2.00x | 40000 | 40000 | 1.00x |'
 expect '| tiny bf16_mixed 8192 | 8xH100-80GB | 0.0151 | 0.8192 | 54.25x | 1390 | 700 | 0.50x |'
 expect '| tiny default 8192 | 8xH100-80GB | 0.0160 | 0.4096 | 25.60x | 1340 | 1000 | 0.75x |'
+# The time model fitted to the GPU (halyard-fit-kernels' output).
+expect '## The time model fitted to this GPU (halyard-fit-kernels; gpu_profile.json)'
+expect '  contract  30 calls: (made up)'
 if grep -q 'default 16384' "$work/out.txt"; then echo "FAIL: a failed run has a row of predictions"; fail=1; fi
 # Every table's rows have as many cells as its header.
 python3 - "$work/out.txt" <<'PY' || fail=1
