@@ -26,7 +26,7 @@
 // (predicted_step_s) and the peak per rank (predicted_peak_mib, AdamW's
 // moments included: predicted_optimizer_mib of it).
 // Without a CUDA device it
-// prints {"skip": "<why>"} and exits 77; a step that fails (out of device
+// prints the line with "skip": "<why>" and exits 77; a step that fails (out of device
 // memory, say) prints {"error": "<what>"} and exits 1. scripts/gpu_check.sh
 // runs it beside bench/torch_peer.py on the same GPU.
 #include <cstdio>
@@ -127,7 +127,9 @@ int main(int argc, char** argv) {
   }
   runtime::CudaProbe gpu;
   if (!gpu.present()) {
-    std::printf("{\"skip\":\"%s\"}\n", json_escape(gpu.why_absent()).c_str());
+    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"skip\":\"%s\"%s}\n",
+                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq),
+                json_escape(gpu.why_absent()).c_str(), plan_fields(models.at({model, variant, seq})()).c_str());
     return 77;
   }
   const int64_t baseline = gpu.memory_used_bytes();

@@ -392,6 +392,8 @@ for line in open(os.path.join(results, "bench.jsonl")):
     if not line:
         continue
     r = json.loads(line)
+    if "skip" in r:  # (a device the program could not use: a result like an error)
+        r["error"] = "skipped: " + r["skip"]
     key = ("halyard_" if r.get("peer") == "halyard" else "torch_") + r.get("dtype", "f32")
     if r.get("schedule") == "autosp":
         key += "_autosp"
@@ -410,7 +412,7 @@ def cell(r, field, fmt):
     if r is None:
         return "-"
     if "error" in r:
-        return "error: " + r["error"].splitlines()[0][:60]
+        return r["error"].splitlines()[0][:69] if "skip" in r else "error: " + r["error"].splitlines()[0][:60]
     return fmt % r[field]
 print("| seq | Halyard bf16 mixed tok/s | PyTorch bf16 tok/s | ratio | Halyard f32 tok/s | PyTorch f32 tok/s | ratio |"
       " Halyard bf16 / f32 peak MiB | PyTorch bf16 peak MiB | copies home/step |")
@@ -447,7 +449,7 @@ def ms_of(r, seconds):
     if r is None:
         return None, "-"
     if "error" in r:
-        return None, "error: " + r["error"].splitlines()[0][:60]
+        return None, cell(r, "", "")
     return seconds(r) * 1e3, "%.2f" % (seconds(r) * 1e3)
 for seq in sorted(rows):
     cells = [str(seq)]

@@ -2,8 +2,9 @@
 # ctest gpu_check_summary: the summary gpu_check.sh run ends with, from a
 # bench.jsonl of every kind of line the GPU node writes (summary_bench.jsonl:
 # made-up figures, chosen so that each ratio is exact; a timeout, an
-# out-of-memory error, a crash). The summary runs only on a GPU node; a
-# slip in it would cost that node's run its tables, so it is checked here.
+# out-of-memory error, a crash, a device that could not be used). The
+# summary runs only on a GPU node; a slip in it would cost that node's run
+# its tables, so it is checked here.
 set -euo pipefail
 src=$1
 work=$(mktemp -d)
@@ -24,6 +25,8 @@ expect() {  # a line that must be in the summary, as a fixed string
 # The tiny Llama: tokens/s and their ratios, peaks, copies; an error cell.
 expect '| 8192 | 10000 | 1000000 | 0.01x | 20000 | 400000 | 0.05x | 700 / 1000 | 300 | 1 |'
 expect '| 16384 | error: exit 124 (timeout or crash; see bench.err) | - | - | error: out of device memory | - | - |'
+# A device the program could not use (a driver that does not load) is a result too.
+expect '| 32768 | skipped: no CUDA driver (libcuda.so.1 not found) | - | - | - | - | - |'
 # Attention per layer (2 layers): 10 ms and 5 ms against 1 ms and 8 ms.
 expect '| 8192 | 5.00 | 1.00 | 0.20x | 10.00 | 8.00 | 0.80x |'
 # The target: AutoSP's plan against PyTorch, the hand-written run crashed.

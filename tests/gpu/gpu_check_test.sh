@@ -29,5 +29,23 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   grep -q 'NoDeviceIsAClearError' "$work/results/test_cuda.log" || { echo "FAIL: a CUDA step's no-device error was not checked"; exit 1; }
   grep -q "\[SKIP\] no CUDA" "$work/results/test_cuda.log" || { echo "FAIL: test_cuda did not say why it skipped"; exit 1; }
   grep -q 'NoDeviceThrowsAClearError' "$work/results/test_nccl_single_rank.log" || { echo "FAIL: NCCL's no-device error was not checked"; exit 1; }
+
+  # The node-side steps past the tests, which no run here reaches without a
+  # device: an nvidia-smi that names a GPU whose driver the programs cannot
+  # load. Every benchmark must write its line (skipped, with the plan's
+  # predictions), the fit must say it had nothing to fit, and the summary
+  # must be whole; llama_train's failure to find the device fails the run.
+  mkdir -p "$work/fake"
+  printf '#!/bin/sh\necho "NVIDIA H100 80GB HBM3 (a stand-in), 81559 MiB, 0.0"\n' >"$work/fake/nvidia-smi"
+  chmod +x "$work/fake/nvidia-smi"
+  rc=0
+  PATH="$work/fake:$PATH" bash "$work/node/gpu_check.sh" run "$work/node" "$work/fake_results" >"$work/fake_out.txt" 2>&1 || rc=$?
+  ((rc == 1)) || { cat "$work/fake_out.txt"; echo "FAIL: run with a driver that does not load exited $rc, not 1"; exit 1; }
+  skipped=$(grep -c '"peer":"halyard".*"skip":"no CUDA driver.*"predicted_step_s"' "$work/fake_results/bench.jsonl" || true)
+  ((skipped == 8)) || { cat "$work/fake_out.txt"; echo "FAIL: $skipped of 8 benchmark lines say they skipped"; exit 1; }
+  grep -q 'no kernel profile to fit' "$work/fake_results/fit.txt" || { echo "FAIL: the fit did not say it had nothing"; exit 1; }
+  for table in '## The target: Llama-3.2-1B' '## The time model fitted to this GPU'; do
+    grep -q "$table" "$work/fake_results/summary.md" || { cat "$work/fake_out.txt"; echo "FAIL: the summary lacks '$table'"; exit 1; }
+  done
 fi
 echo "gpu_check test: passed"
