@@ -107,6 +107,10 @@ struct Attrs {
   // sum, the softmax's and D_i = dO_i . O_i included, in f32 (what
   // tensor-core attention kernels compute).
   bool bf16 = false;
+  // Made by sequence tiling (schedules/tiling.h): one tile of a tiled op.
+  // The schedule term "seq_tiles" matches the wide ones; a wide value that
+  // stays whole (the MLP's when only the loss is tiled) is not a tile.
+  bool seq_tile = false;
   bool operator==(const Attrs&) const = default;
 };
 

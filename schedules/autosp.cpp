@@ -240,7 +240,7 @@ std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Sc
     if (cls == OpClass::Leaf || cls == OpClass::View) continue;
     // bf16 copies follow their values' decisions (schedules/precision.h): not a decision of their own.
     if (n.op == Op::StoreBf16 || n.op == Op::LoadBf16) continue;
-    if (is_wide(n) && n.type.has("seq") && n.type.size("seq") < local_seq) continue;  // a tile: the tiling rule's
+    if (is_wide(n) && n.attrs.seq_tile) continue;  // a tile: the tiling rule's
     const std::pair<std::string, std::string> key{module_pattern(n.name), op_info(n.op).name};
     auto [it, fresh] = index.try_emplace(key, out.size());
     if (fresh) out.push_back({key.first, key.second});

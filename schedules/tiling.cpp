@@ -69,7 +69,9 @@ struct Tiler {
     }
     std::vector<Value> ins;
     for (int i : n.inputs) ins.push_back(src.node(i).type.has("seq") ? get_tile(i, k, r) : get_whole(i));
-    return ts[k] = g.add(n.op, ins, n.attrs, n.name);
+    Attrs a = n.attrs;
+    a.seq_tile = true;
+    return ts[k] = g.add(n.op, ins, a, n.name);
   }
 };
 

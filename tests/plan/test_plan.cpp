@@ -352,6 +352,35 @@ TEST(Plan, TileSizesPerTiledRegion) {
   EXPECT_THAT(s.str(), ::testing::HasSubstr("tile_sequence(256), loss tile 128"));
 }
 
+// "seq_tiles" matches the tiles, not every wide value: with only the loss
+// tiled, "seq_tiles: recompute" recomputes the logits tile by tile and
+// leaves the whole MLP as the other rules say (saved here). It used to
+// match the MLP's [seq, ffn] values too, so that AutoSP's GPU plans, whose
+// loss is tiled for Halide's 32-bit indexing, recomputed every layer's gate
+// and up projections: 35 TFLOP more a step for Llama-3.2-1B at 32k tokens.
+TEST(Plan, LossTilesRecomputeOnlyTheLoss) {
+  Schedule whole = Schedule::named("default"), tiled = whole;
+  tiled.loss_seq_tile = 1024;
+  tiled.values.push_back(recompute_seq_tiles_rule());
+  const Plan a = plan(llama::llama_builder(), {kTiny, 1, 4096}, whole, Cluster::named("local-cpu"));
+  const Plan b = plan(llama::llama_builder(), {kTiny, 1, 4096}, tiled, Cluster::named("local-cpu"));
+  auto flops = [](const Plan& p, const std::string& layer, bool backward) {
+    double f = 0;
+    for (const StageCost& c : p.stages)
+      if (c.layer == layer && c.backward == backward) f += c.flops;
+    return f;
+  };
+  for (const char* layer : {"model.layers.0", "model.layers.1"}) {
+    EXPECT_DOUBLE_EQ(flops(b, layer, true), flops(a, layer, true)) << layer;
+    EXPECT_DOUBLE_EQ(flops(b, layer, false), flops(a, layer, false)) << layer;
+  }
+  // The loss's backward recomputes its tiles' logits: the forward's product
+  // once more (the forward's FLOPs but the loss's own sums, under 1%).
+  EXPECT_NEAR(flops(b, "lm_head", true) - flops(a, "lm_head", true), flops(a, "lm_head", false), 1e-2 * flops(a, "lm_head", false));
+  for (const Node& n : b.model.graph->nodes())
+    if (n.type.has("ffn") && !n.backward) EXPECT_FALSE(n.attrs.seq_tile) << n.name;
+}
+
 // keep "offload": a value saved for the backward leaves the device after
 // its last forward use and comes back before its first backward one, and
 // its arena bytes serve other buffers in between; the host holds it in a
