@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -40,7 +41,6 @@
 #include "bench/bench_util.h"
 #include "runtime/cuda_probe.h"
 #include "runtime/error.h"
-#include "runtime/measure.h"
 #include "runtime/model.h"
 #include "gpu_1b_autosp_s32768.h"
 #include "gpu_1b_bf16_s32768.h"
@@ -125,16 +125,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "\n");
     return 2;
   }
+  const runtime::ModelSpec& spec = models.at({model, variant, seq})();
+  // The line of a run that measured nothing: which one, and `key` ("skip" or "error") saying why.
+  auto unmeasured = [&](const char* key, const std::string& why) {
+    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"%s\":\"%s\"%s}\n",
+                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq), key, json_escape(why).c_str(),
+                plan_fields(spec).c_str());
+  };
   runtime::CudaProbe gpu;
   if (!gpu.present()) {
-    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"skip\":\"%s\"%s}\n",
-                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq),
-                json_escape(gpu.why_absent()).c_str(), plan_fields(models.at({model, variant, seq})()).c_str());
+    unmeasured("skip", gpu.why_absent());
     return 77;
   }
   const int64_t baseline = gpu.memory_used_bytes();
   try {
-    runtime::Model m(models.at({model, variant, seq})());
+    runtime::Model m(spec);
     m.init_params(0);
     const int64_t n = m.tokens();
     std::vector<int32_t> ids(static_cast<size_t>(n)), labels(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
@@ -194,12 +199,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(m.spec().batch), loss, secs, static_cast<double>(n) / secs,
                 static_cast<double>(peak - baseline) / (1 << 20), static_cast<double>(blocks) / (1 << 20),
                 static_cast<long long>(copies), static_cast<long long>(freed), attention_s, other_kernels_s,
-                updates_json, plan_fields(m.spec()).c_str());
+                updates_json, plan_fields(spec).c_str());
   } catch (const std::exception& e) {
     gpu.stop_sampling();
-    std::printf("{\"peer\":\"halyard\",\"config\":\"%s\",\"dtype\":\"%s\",\"seq\":%lld,\"error\":\"%s\"%s}\n",
-                json_escape(model).c_str(), precision.c_str(), static_cast<long long>(seq), json_escape(e.what()).c_str(),
-                plan_fields(models.at({model, variant, seq})()).c_str());
+    unmeasured("error", e.what());
     return 1;
   }
   return 0;

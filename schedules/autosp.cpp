@@ -225,7 +225,7 @@ Precision frugal_precision(const SearchOptions& o) {
 
 }  // namespace
 
-std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Schedule& base) {
+std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
   std::vector<RematGroup> out;
   std::map<std::pair<std::string, std::string>, size_t> index;
   // Values read by a node of another layer: what full checkpointing keeps.
@@ -270,7 +270,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   if (groups.empty()) {
     const Plan p = plan(build, probe(build, req), base, cluster);
     ++r.plans;
-    groups = remat_groups(*p.model.graph, p.local_seq, base);
+    groups = remat_groups(*p.model.graph, base);
   }
   r.groups = groups;
   const size_t n = groups.size();

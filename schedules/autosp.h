@@ -45,7 +45,7 @@ struct RematGroup {
 // The groups of a scheduled forward graph: named values that are not inputs,
 // parameters or views, and not tiles of a tiled region (the tiling rule
 // decides those: they are recomputed per tile).
-std::vector<RematGroup> remat_groups(const Graph& g, int64_t local_seq, const Schedule& base);
+std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base);
 
 // `base` with one rule per group (recompute where `recompute[i]`, else save;
 // offload where `offload[i]`, when given), placed before base's

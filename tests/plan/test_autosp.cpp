@@ -28,7 +28,7 @@ Cluster local() { return Cluster::named("local-cpu"); }
 
 std::vector<RematGroup> groups_of(const ModelRequest& req, const Schedule& base) {
   const Plan p = plan(llama::llama_builder(), req, base, local());
-  return remat_groups(*p.model.graph, p.local_seq, base);
+  return remat_groups(*p.model.graph, base);
 }
 
 // `keep` groups whose module or op contains one of the words.
