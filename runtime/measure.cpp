@@ -292,12 +292,21 @@ namespace {
 
 // "model.layers.*.mlp.gate_proj op:contract" -> "mlp.gate_proj": the module a
 // rule names, without the layer wildcard and the op (several ops of one module
-// read as one).
+// read as one). A module's sequence tiles, which AutoSP decides apart from its
+// whole values ("... op:contract seq_tiles"), read "mlp.gate_proj tiles"; the
+// rule for every tile, "sequence tiles".
 std::string module_of(const std::string& match) {
-  std::string m = match.substr(0, match.find(' '));
+  std::istringstream terms(match);
+  std::string m, t;
+  bool tiles = false;
+  while (terms >> t) {
+    if (t == "seq_tiles") tiles = true;
+    else if (m.empty()) m = t;
+  }
+  if (m.empty()) return tiles ? "sequence tiles" : "*";
   const std::string layers = "model.layers.*.";
   if (m.rfind(layers, 0) == 0) m = m.substr(layers.size());
-  return m;
+  return tiles ? m + " tiles" : m;
 }
 
 // Bytes as MiB with one decimal: "41.2".
@@ -364,29 +373,43 @@ std::string describe_schedule(const nlohmann::ordered_json& plan) {
   std::string attention;
   for (const auto& st : strategies) attention += (attention.empty() ? "" : "+") + st;
   out += "; attention " + (attention.empty() ? std::string("on one rank") : attention);
+  // seq_tile tiles the loss too unless loss_seq_tile says otherwise (Schedule::loss_tile).
+  auto tile = [&](const char* key) -> int64_t {
+    return spec.contains(key) && spec[key].is_number_integer() ? spec[key].get<int64_t>() : 0;
+  };
+  const int64_t mlp = tile("seq_tile"), loss = tile("loss_seq_tile") > 0 ? tile("loss_seq_tile") : mlp;
   std::string tiles;
-  for (const char* key : {"seq_tile", "loss_seq_tile"})
-    if (spec.contains(key) && spec[key].is_number_integer())
-      tiles += (tiles.empty() ? "" : ", ") + std::string(key == std::string("seq_tile") ? "mlp " : "loss ") +
-               std::to_string(spec[key].get<int64_t>()) + " tokens";
+  if (mlp > 0 && mlp == loss) tiles = "mlp and loss " + std::to_string(mlp) + " tokens";
+  else if (mlp > 0) tiles = "mlp " + std::to_string(mlp) + " tokens";
+  if (loss > 0 && loss != mlp) tiles += (tiles.empty() ? "" : ", ") + std::string("loss ") + std::to_string(loss) + " tokens";
   out += "; sequence tiles: " + (tiles.empty() ? std::string("none") : tiles) + "\n";
-  // The last rule naming a module wins, as in the schedule itself.
+  // Per match the last rule wins, as in the schedule itself; a module whose
+  // matches (its ops) disagree is partly recomputed.
   std::vector<std::string> order;
-  std::map<std::string, std::string> keep;
+  std::map<std::string, std::map<std::string, std::string>> keep;  // module -> match -> keep
   if (spec.contains("values") && spec["values"].is_array())
     for (const auto& v : spec["values"]) {
       if (!v.is_object() || !v.contains("keep") || !v.contains("match") || !v["match"].is_string()) continue;
-      const std::string m = module_of(v["match"].get<std::string>());
+      const std::string match = v["match"].get<std::string>(), m = module_of(match);
       if (m == "*" || m.rfind("op:", 0) == 0 || m.rfind("class:", 0) == 0) continue;
       if (!keep.count(m)) order.push_back(m);
-      keep[m] = v["keep"].is_string() ? v["keep"].get<std::string>() : "";
+      keep[m][match] = v["keep"].is_string() ? v["keep"].get<std::string>() : "";
     }
-  std::string recomputed, kept;
+  // Where the modules' tiles are decided one by one, the rule for every
+  // tile decides nothing they do not.
+  const bool tile_groups = std::any_of(order.begin(), order.end(), [](const std::string& m) {
+    return m.ends_with(" tiles") && m != "sequence tiles";
+  });
+  if (tile_groups) std::erase(order, std::string("sequence tiles"));
+  std::string recomputed, partly, kept;
   for (const auto& m : order) {
-    std::string& list = keep[m] == "recompute" ? recomputed : kept;
+    size_t r = 0;
+    for (const auto& [match, k] : keep[m]) r += k == "recompute";
+    std::string& list = r == keep[m].size() ? recomputed : r > 0 ? partly : kept;
     list += (list.empty() ? "" : ", ") + m;
   }
   if (!recomputed.empty()) out += "  recomputed in the backward: " + recomputed + "\n";
+  if (!partly.empty()) out += "  partly recomputed: " + partly + "\n";
   if (!kept.empty()) out += "  kept from the forward: " + kept + "\n";
   if (plan.contains("autosp") && plan["autosp"].is_object()) {
     const auto& a = plan["autosp"];

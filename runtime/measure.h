@@ -108,11 +108,13 @@ std::string describe_plan(const nlohmann::ordered_json& plan);
 
 // The lines before it that say what the schedule does and, when SCHEDULE
 // autosp chose it ("autosp" in the plan), why: the mesh and ZeRO stage, the
-// attention strategy, which modules are recomputed and which kept, the
-// sequence tiles, the budget and what one rank alone would need, e.g.
-//   schedule "autosp": mesh dp=1 x sp=4, ZeRO-1; attention ulysses; tiles: none
-//     recomputed in the backward: input_layernorm, self_attn.q_proj, ...
-//     kept: model.embed_tokens, self_attn, self_attn.residual, ...
+// attention strategy, the sequence tiles, which modules (and modules' tiles)
+// are recomputed, partly recomputed and kept, the budget and what one rank
+// alone would need, e.g.
+//   schedule "autosp": mesh dp=1 x sp=4, ZeRO-1; attention ulysses; sequence tiles: mlp and loss 128 tokens
+//     recomputed in the backward: self_attn.o_proj, self_attn.residual, ...
+//     partly recomputed: lm_head
+//     kept from the forward: model.embed_tokens, self_attn, ..., mlp.gate_proj tiles, lm_head tiles
 //     chosen by AutoSP for 4 ranks x 88.0 MiB (212 plans scored in 2.3 s); one rank alone
 //     would need 245.1 MiB saving everything, 113.0 MiB with every layer checkpointed
 // Each line ends in "\n"; "" when the plan has no "schedule_spec".

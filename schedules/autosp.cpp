@@ -8,6 +8,7 @@
 #include <map>
 #include <queue>
 #include <set>
+#include <tuple>
 
 #include "dsl/error.h"
 #include "dsl/op_table.h"
@@ -131,7 +132,8 @@ std::vector<int64_t> tile_options(int64_t local, int64_t cap) {
 }
 
 // `s` with the MLP region in tiles of `mlp` tokens and the LM head + loss in
-// tiles of `loss` (0: whole), the tiles recomputed in the backward.
+// tiles of `loss` (0: whole), the tiles recomputed in the backward (unless
+// the recompute solver keeps some: their groups' rules come after this one).
 Schedule with_tiles(Schedule s, int64_t mlp, int64_t loss) {
   s.seq_tile = mlp;
   s.loss_seq_tile = loss > 0 && loss != mlp ? loss : 0;
@@ -227,7 +229,7 @@ Precision frugal_precision(const SearchOptions& o) {
 
 std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
   std::vector<RematGroup> out;
-  std::map<std::pair<std::string, std::string>, size_t> index;
+  std::map<std::tuple<std::string, std::string, bool>, size_t> index;
   // Values read by a node of another layer: what full checkpointing keeps.
   std::vector<bool> leaves_layer(static_cast<size_t>(g.size()), false);
   for (const Node& n : g.nodes())
@@ -240,10 +242,10 @@ std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
     if (cls == OpClass::Leaf || cls == OpClass::View) continue;
     // bf16 copies follow their values' decisions (schedules/precision.h): not a decision of their own.
     if (n.op == Op::StoreBf16 || n.op == Op::LoadBf16) continue;
-    if (is_wide(n) && n.attrs.seq_tile) continue;  // a tile: the tiling rule's
-    const std::pair<std::string, std::string> key{module_pattern(n.name), op_info(n.op).name};
+    const bool tile = is_wide(n) && n.attrs.seq_tile;
+    const std::tuple<std::string, std::string, bool> key{module_pattern(n.name), op_info(n.op).name, tile};
     auto [it, fresh] = index.try_emplace(key, out.size());
-    if (fresh) out.push_back({key.first, key.second});
+    if (fresh) out.push_back({std::get<0>(key), std::get<1>(key), tile});
     ++out[it->second].values;
     out[it->second].bytes += value_bytes(n.type);
     out[it->second].layer_output = out[it->second].layer_output || leaves_layer[static_cast<size_t>(n.id)];
@@ -258,9 +260,12 @@ Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& gro
   s.values.clear();
   std::vector<ValueRule> tile_rules;
   for (const ValueRule& r : base.values) (r.match == "seq_tiles" ? tile_rules : s.values).push_back(r);
-  for (size_t i = 0; i < groups.size(); ++i)
-    s.values.push_back({groups[i].match(), !offload.empty() && offload[i] ? "offload" : recompute[i] ? "recompute" : "save", "", ""});
-  for (const ValueRule& r : tile_rules) s.values.push_back(r);
+  for (bool tiles : {false, true}) {
+    if (tiles) s.values.insert(s.values.end(), tile_rules.begin(), tile_rules.end());
+    for (size_t i = 0; i < groups.size(); ++i)
+      if (groups[i].tile == tiles)
+        s.values.push_back({groups[i].match(), !offload.empty() && offload[i] ? "offload" : recompute[i] ? "recompute" : "save", "", ""});
+  }
   return s;
 }
 
@@ -333,13 +338,15 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   // Incumbents, so that a capped search still answers: every decision
   // recomputed; full checkpointing (every layer's values recomputed, the
   // rest kept); the op table's checkpointing (SAC: keep what checkpointing
-  // keeps); and, below, a greedy fill by bytes saved per second added.
-  for (int policy = 0; policy < 3; ++policy) {
+  // keeps); the tiles recomputed and the rest kept (what the tiling rule
+  // alone does); and, below, a greedy fill by bytes saved per second added.
+  for (int policy = 0; policy < 4; ++policy) {
     std::vector<bool> d = start;
     for (size_t j : decide)
       d[j] = policy == 0   ? true
              : policy == 1 ? groups[j].module.rfind("model.layers.", 0) == 0
-                           : !op_info(op_by_name(groups[j].op)).checkpoint_keeps;
+             : policy == 2 ? !op_info(op_by_name(groups[j].op)).checkpoint_keeps
+                           : groups[j].tile;
     consider(d, eval(d));
   }
   if (s0.peak > budget && decide.size() > 8) {
@@ -768,7 +775,10 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
         for (int64_t loss : {int64_t{0}, t.back()})
           for (Precision pr : precisions(opts)) {
             const Schedule base = in_precision(with_tiles(configs[i].base, mlp, loss), pr);
-            const Scored f = score(build, req, base, cluster, &out.plans);
+            // (The bound saves every value, the tiles too.)
+            Schedule fastest = base;
+            std::erase_if(fastest.values, [](const ValueRule& r) { return r.match == "seq_tiles"; });
+            const Scored f = score(build, req, fastest, cluster, &out.plans);
             auto it = pr == least_precision ? leans.find({mlp, loss}) : leans.end();
             const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans);
             options.push_back({i, base, lean_of(mlp, loss, pr), f, l});

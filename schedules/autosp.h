@@ -31,25 +31,29 @@
 namespace halyard {
 
 // One recompute decision: every forward value whose label is `module` with
-// the layer index as '*' and whose op is `op`.
+// the layer index as '*' and whose op is `op`; the wide tiles of a tiled
+// region (tiling.h) are groups of their own (`tile`).
 struct RematGroup {
   std::string module;  // "model.layers.*.mlp.gate_proj"
   std::string op;      // "contract"
+  bool tile = false;   // the module's wide sequence tiles
   int64_t values = 0;  // forward values it covers, all layers
   int64_t bytes = 0;   // their bytes
   bool layer_output = false;  // read by another layer: kept (what full checkpointing keeps)
   bool inlined = false;       // computed inside its consumers (the schedule's compute rules)
-  std::string match() const { return module + " op:" + op; }
+  std::string match() const { return module + " op:" + op + (tile ? " seq_tiles" : ""); }
 };
 
 // The groups of a scheduled forward graph: named values that are not inputs,
-// parameters or views, and not tiles of a tiled region (the tiling rule
-// decides those: they are recomputed per tile).
+// parameters or views. A tiled region's wide tiles form groups apart from
+// whole values: recomputing them per tile is what makes tiling save memory,
+// and keeping them (the logits of a loss tiled for a GPU's 32-bit indexing,
+// say) is the faster choice where they fit.
 std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base);
 
 // `base` with one rule per group (recompute where `recompute[i]`, else save;
-// offload where `offload[i]`, when given), placed before base's
-// sequence-tile rule so that tiles stay per tile.
+// offload where `offload[i]`, when given): the whole values' rules before
+// base's sequence-tile rule, the tiles' after it.
 Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& groups, const std::vector<bool>& recompute,
                         const std::vector<bool>& offload = {});
 

@@ -90,8 +90,9 @@ std::map<std::string, std::vector<KernelSample>> pair_profile(const std::string&
   if (!plan.contains("stages") || !plan["stages"].is_array())
     throw UserError("error: " + what + ": the plan has no \"stages\".\nfix: pass the <name>.plan.json that "
                     "halyard_add_model wrote next to the library (the whole plan, not its summary).");
-  // Seconds by root node; "wait" lines (a collective finishing) time no kernel.
-  std::map<long, double> seconds;
+  // Seconds and scratch by root node; "wait" lines (a collective finishing)
+  // time no kernel.
+  std::map<long, double> seconds, scratch;
   std::istringstream lines(profile);
   for (std::string line; std::getline(lines, line);) {
     std::istringstream words(line);
@@ -100,7 +101,10 @@ std::map<std::string, std::vector<KernelSample>> pair_profile(const std::string&
     std::string rest;
     std::getline(words, rest);
     const long root = root_of(rest);
-    if (root >= 0) seconds[root] += std::atof(ms.c_str()) / 1e3;
+    if (root < 0) continue;
+    seconds[root] += std::atof(ms.c_str()) / 1e3;
+    if (const size_t at = rest.rfind("  scratch "); at != std::string::npos)
+      scratch[root] = std::max(scratch[root], std::atof(rest.c_str() + at + 10));
   }
   std::map<std::string, std::vector<KernelSample>> samples;
   for (const nlohmann::json& st : plan["stages"]) {
@@ -110,7 +114,7 @@ std::map<std::string, std::vector<KernelSample>> pair_profile(const std::string&
       throw UserError("error: " + what + ": the profile has no call of stage \"" + label + "\" of the plan.\nfix: pass "
                       "the profile (Model::profile() with HALYARD_PROFILE set) of a step of the library this plan built.");
     samples[st.value("kind", "pointwise")].push_back(
-        {st.value("charged_flops", st.value("flops", 0.0)), st.value("bytes", 0.0), it->second});
+        {st.value("charged_flops", st.value("flops", 0.0)), st.value("bytes", 0.0), it->second, scratch[it->first]});
   }
   return samples;
 }

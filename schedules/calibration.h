@@ -16,6 +16,7 @@ namespace halyard {
 // StageCost) and the seconds it took.
 struct KernelSample {
   double flops = 0, bytes = 0, t = 0;
+  double scratch = 0;  // the most scratch bytes a call held at once, where the profile states it
 };
 
 // t = flops * s_per_flop + bytes * s_per_byte + s_per_call by least squares
@@ -29,8 +30,9 @@ KernelCoefficients fit_kernel(const std::vector<KernelSample>& samples, double* 
 // <label>", the label starting "<op> %<root>") with the kernel stages of
 // the plan that built the library (Plan::to_json: "stages", each with
 // "label", "kind", "charged_flops" and "bytes") by their root node, and
-// returns the samples by kernel kind. Calls of one root in the step are
-// summed. Throws naming `what` and the stage when the profile lacks a
+// returns the samples by kernel kind, each kind's in the plan's stage
+// order. Calls of one root in the step are summed (their scratch: the
+// most). Throws naming `what` and the stage when the profile lacks a
 // stage: the profile is another library's, or no kernel call was timed.
 std::map<std::string, std::vector<KernelSample>> pair_profile(const std::string& plan_json, const std::string& profile,
                                                               const std::string& what);

@@ -11,7 +11,8 @@
 // AdamW state and batches), timing every call of the step (HALYARD_PROFILE)
 // and the whole step, and records its peak resident memory. Then it
 //   - re-plans each library (plan() from the library's own plan summary),
-//     pairs the measured calls with the plan's stages, and fits per stage
+//     pairs the measured calls with the plan's stages by root node
+//     (pair_profile, schedules/calibration.h), and fits per stage
 //     kind t = flops * s_per_flop + bytes * s_per_byte + s_per_call (least
 //     squares with non-negative coefficients);
 //   - takes the memory the plan does not model (the process, its libraries,
@@ -34,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "dsl/error.h"
 #include "examples/llama/linked_models.h"
 #include "examples/llama/llama_builder.h"
 #include "runtime/adamw.h"
@@ -85,9 +87,8 @@ Options parse(int argc, char** argv) {
 
 struct Measured {
   const runtime::ModelSpec* spec;
-  std::vector<std::vector<double>> call_ms;  // per profiled step: every call's milliseconds, in program order
-  std::vector<double> call_scratch;          // every call's most scratch bytes held at once (max over steps)
-  double step_s = 0;                         // median over the profiled steps
+  std::vector<std::string> profiles;  // Model::profile() of each profiled step
+  double step_s = 0;                  // median over the profiled steps
   int64_t peak_rss = 0;
 };
 
@@ -111,7 +112,7 @@ Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, co
                                  spec.batch, spec.seq, spec.vocab, 0, runtime::Shard{rank, spec.sp, 0, 1, runtime::zigzag_layout(spec)});
   const int64_t n = batcher.local_tokens();
   std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
-  Measured r{&spec, {}, {}, 0, 0};
+  Measured r{&spec, {}, 0, 0};
   std::vector<double> steps;
   for (int step = 1; step <= o.steps; ++step) {
     batcher.fill(step, ids.data(), labels.data(), pos.data());
@@ -122,17 +123,7 @@ Measured measure(const runtime::ModelSpec& spec, runtime::Communicator* comm, co
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (step == 1) continue;  // warm-up: first touches, thread pool start
     steps.push_back(secs);
-    std::vector<double> ms;
-    std::istringstream lines(m.profile());
-    size_t k = 0;
-    for (std::string line; std::getline(lines, line); ++k) {
-      ms.push_back(std::atof(line.c_str()));
-      const size_t at = line.rfind("  scratch ");
-      const double scratch = at == std::string::npos ? 0 : std::atof(line.c_str() + at + 10);
-      if (r.call_scratch.size() <= k) r.call_scratch.resize(k + 1, 0);
-      r.call_scratch[k] = std::max(r.call_scratch[k], scratch);
-    }
-    r.call_ms.push_back(ms);
+    r.profiles.push_back(m.profile());
   }
   std::sort(steps.begin(), steps.end());
   r.step_s = steps[steps.size() / 2];
@@ -157,7 +148,8 @@ int run(const Options& o) {
     throw runtime::Error("error: halyard-calibrate links no library for sp = " + std::to_string(ranks) +
                          " ranks.\nfix: launch it on as many ranks as one of its libraries splits the sequence over.");
 
-  // Pair the calls with the plan's stages; one sample per call (median over steps).
+  // Pair the calls with the plan's stages by root node (pair_profile); one
+  // sample per stage, its median over the steps.
   std::map<std::string, std::vector<KernelSample>> samples;
   int64_t baseline = 0;
   std::ostringstream report;
@@ -166,20 +158,32 @@ int run(const Options& o) {
     const Schedule s = Schedule::parse(summary.at("schedule_spec").dump(), r.spec->name);
     const Plan p = plan(llama::llama_builder(), {summary.at("config").get<std::string>(), r.spec->batch, r.spec->seq}, s,
                         Cluster::named("local-cpu"));
-    const size_t calls = p.train.stages.size();
-    if (r.call_ms.empty() || r.call_ms[0].size() < calls)
-      throw runtime::Error(std::string("error: library \"") + r.spec->name + "\" ran " +
-                           std::to_string(r.call_ms.empty() ? 0 : r.call_ms[0].size()) + " calls, but its plan has " +
-                           std::to_string(calls) + " stages: the library is not the one this build plans.");
+    const std::string plan_json = p.to_json();
+    std::vector<std::map<std::string, std::vector<KernelSample>>> steps;
+    for (const std::string& profile : r.profiles) {
+      try {
+        steps.push_back(pair_profile(plan_json, profile, std::string("library \"") + r.spec->name + "\""));
+      } catch (const halyard::UserError& e) {
+        const std::string why = e.what();
+        throw runtime::Error(why.substr(0, why.find('\n')) +
+                             "\nfix: the library is not the one this build plans; rebuild halyard-calibrate.");
+      }
+    }
+    std::map<std::string, size_t> seen;  // per kind: its stages so far, in the plan's order
     for (const StageCost& st : p.stages) {
+      const size_t i = seen[st.kind]++;
       std::vector<double> t;
-      for (const auto& step : r.call_ms) t.push_back(step[static_cast<size_t>(st.stage)] / 1e3);
+      double held = 0;
+      for (const auto& step : steps) {
+        t.push_back(step.at(st.kind)[i].t);
+        held = std::max(held, step.at(st.kind)[i].scratch);
+      }
       std::sort(t.begin(), t.end());
-      samples[st.kind].push_back({st.charged_flops, static_cast<double>(st.bytes), t[t.size() / 2]});
+      samples[st.kind].push_back({st.charged_flops, static_cast<double>(st.bytes), t[t.size() / 2], held});
       if (std::getenv("HALYARD_CALIBRATE_VERBOSE") && rank == 0)
         std::printf("  %-10s %-44s %8.3f ms  %12.0f flops %10lld bytes  scratch %10lld est %10.0f held\n", st.kind.c_str(),
                     st.label.substr(0, 44).c_str(), t[t.size() / 2] * 1e3, st.flops, static_cast<long long>(st.bytes),
-                    static_cast<long long>(st.scratch_estimate), r.call_scratch[static_cast<size_t>(st.stage)]);
+                    static_cast<long long>(st.scratch_estimate), held);
     }
     const int64_t modeled = p.memory.total() - p.memory.runtime_baseline;
     int64_t gap = r.peak_rss - modeled;
@@ -194,7 +198,7 @@ int run(const Options& o) {
     if (&r == &runs.front()) baseline = gap;
     char line[256];
     std::snprintf(line, sizeof line, "  %s: step %.4f s (median of %zu), peak %.1f MiB of which the plan models %.1f MiB\n",
-                  r.spec->name, r.step_s, r.call_ms.size(), static_cast<double>(r.peak_rss) / (1 << 20),
+                  r.spec->name, r.step_s, r.profiles.size(), static_cast<double>(r.peak_rss) / (1 << 20),
                   static_cast<double>(modeled) / (1 << 20));
     report << line;
   }

@@ -79,7 +79,8 @@ std::vector<Case> cases() {
       {kTiny, 256, inl, {"mlp", "o_proj", "v_proj"}},
       {kMicro, 512, inl, {"self_attn op:", "q_proj", "k_proj", "o_proj", "post_attention"}},
       {kMicro, 256, uly, {"self_attn op:", "q_proj", "mlp.residual", "down_proj"}},
-      {kTiny, 256, tiled, {"mlp", "o_proj", "self_attn op:attention"}},
+      // (the tiles' groups: gate and up projections, the logits)
+      {kTiny, 256, tiled, {"gate_proj", "up_proj", "down_proj", "lm_head op:contract", "o_proj", "self_attn op:attention"}},
   };
 }
 
@@ -377,6 +378,38 @@ TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
   EXPECT_EQ(p.step_s, mixed.best().step_s);
   EXPECT_EQ(p.memory.total(), mixed.best().peak_bytes);
   EXPECT_EQ(Schedule::parse(s.to_json(), "autosp").contract_precision, "bf16");
+}
+
+// A loss tiled only because a GPU's 32-bit indexing requires it need not be
+// recomputed: its tiles' logits are a group of their own, which the solver
+// keeps where they fit. Llama-3.2-1B at 32k tokens on one H200 (the GPU
+// target's config): the plan keeps them, as the hand-written
+// bf16_mixed_loss_tiled does, and is predicted at least as fast as it.
+TEST(Autosp, LossTilesAreKeptWhereTheyFit) {
+  const std::string one_b = HALYARD_SOURCE_DIR "/examples/llama/configs/llama-3.2-1b.json";
+  const ModelRequest req{one_b, 1, 32768};
+  const Cluster h200 = Cluster::named("8xH200");
+  SearchOptions o = split_over(1, 0);
+  o.bf16 = {"store", "contract"};
+  const SearchResult r = autosp(llama::llama_builder(), req, h200, o);
+  ASSERT_TRUE(r.feasible) << r.infeasible;
+  const Schedule& s = r.best().schedule;
+  ASSERT_GT(s.loss_tile(), 0) << s.str();  // whole, the logits are beyond 32-bit indexing
+  const Plan p = plan(llama::llama_builder(), req, s, h200);
+  const Plan hand = plan(llama::llama_builder(), req,
+                         Schedule::named(HALYARD_SOURCE_DIR "/examples/llama/schedules/bf16_mixed_loss_tiled.json"), h200);
+  std::printf("  Llama-3.2-1B at 32768 on one H200: autosp %.4f s, %.1f GiB (%s); hand-written %.4f s, %.1f GiB\n",
+              p.step_s, p.memory.total() / 1073741824.0, s.str().c_str(), hand.step_s,
+              hand.memory.total() / 1073741824.0);
+  int kept = 0;
+  for (const Node& n : p.model.graph->nodes())
+    if (!n.backward && n.type.has("vocab") && n.attrs.seq_tile && s.keep(n) == Keep::Save) ++kept;
+  EXPECT_EQ(kept, 32768 / s.loss_tile());  // every tile's logits
+  EXPECT_LE(p.step_s, hand.step_s);
+  // Recomputing them instead (the tiling rule alone) is slower.
+  Schedule recomputed = s;
+  std::erase_if(recomputed.values, [](const ValueRule& v) { return v.match == "lm_head op:contract seq_tiles"; });
+  EXPECT_GT(plan(llama::llama_builder(), req, recomputed, h200).step_s, p.step_s);
 }
 
 // Where memory binds, saved values stored in bf16 are a lever like

@@ -5,6 +5,7 @@
 // (tests/plan/fit_kernels_check.sh) and halyard-calibrate build on these.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -64,13 +65,21 @@ void check_pairs(const runtime::ModelSpec& spec, const std::string& plan_path) {
   const std::string plan = read(plan_path), profile = m.profile();
   const auto samples = pair_profile(plan, profile, spec.name);
   size_t paired = 0;
+  double held = 0;
   for (const auto& [kind, calls] : samples) {
     paired += calls.size();
     for (const KernelSample& x : calls) {
       EXPECT_GT(x.t, 0) << kind;
       EXPECT_GT(x.bytes, 0) << kind;
+      held = std::max(held, x.scratch);
     }
   }
+  // The most scratch any call held, as the profile's lines state it.
+  double most = 0;
+  for (size_t at = profile.find("  scratch "); at != std::string::npos; at = profile.find("  scratch ", at + 1))
+    most = std::max(most, std::atof(profile.c_str() + at + 10));
+  EXPECT_GT(most, 0);
+  EXPECT_EQ(held, most);
   EXPECT_EQ(paired, nlohmann::json::parse(plan)["stages"].size()) << spec.name;
   EXPECT_GT(samples.count("contract"), 0u);
   EXPECT_GT(samples.count("attention"), 0u);

@@ -219,18 +219,39 @@ TEST(DescribeSchedule, SaysWhatIsRecomputedAndWhyAutoSPChoseIt) {
                                  {"match": "model.layers.*.mlp.gate_proj op:contract", "keep": "save"},
                                  {"match": "model.layers.*.mlp.gate_proj op:contract", "keep": "recompute"},
                                  {"match": "model.layers.*.self_attn op:attention", "keep": "save"},
-                                 {"match": "lm_head op:contract", "keep": "recompute"}]},
+                                 {"match": "lm_head op:contract", "keep": "recompute"},
+                                 {"match": "model.norm op:rms_norm", "keep": "save"},
+                                 {"match": "model.norm op:mul", "keep": "recompute"}]},
     "autosp": {"ranks": 4, "memory_per_rank_bytes": 125829120, "plans_scored": 80, "seconds": 0.3,
                "one_rank_peak_bytes": {"default": 477102080, "checkpoint": 277872640},
                "rejected": [{"what": "ulysses at sp=2 (dp=2)", "reason": "181.0 MiB > 120.0 MiB per rank"}]}})json");
   EXPECT_EQ(describe_schedule(plan),
             "schedule \"autosp\": mesh dp=1 x sp=4, ZeRO-1; attention ulysses; sequence tiles: loss 128 tokens\n"
             "  recomputed in the backward: mlp.gate_proj, lm_head\n"
+            "  partly recomputed: model.norm\n"
             "  kept from the forward: self_attn\n"
             "  chosen by AutoSP for 4 ranks x 120.0 MiB (80 plans scored in 0.3 s); one rank alone would need "
             "455.0 MiB saving everything, 265.0 MiB with every layer checkpointed\n"
             "  rejected: ulysses at sp=2 (dp=2): 181.0 MiB > 120.0 MiB per rank\n");
   EXPECT_EQ(describe_schedule(nlohmann::ordered_json::parse(R"({"schedule": "default"})")), "");
+  EXPECT_THAT(describe_schedule(nlohmann::ordered_json::parse(
+                  R"({"schedule": "s", "schedule_spec": {"seq_tile": 512, "loss_seq_tile": 64}})")),
+              HasSubstr("sequence tiles: mlp 512 tokens, loss 64 tokens\n"));
+  // Sequence tiles: the rule for every tile, then AutoSP's per module.
+  auto tiled = [](const std::string& groups) {
+    return describe_schedule(nlohmann::ordered_json::parse(
+        R"({"schedule": "autosp", "schedule_spec": {"seq_tile": 64, "values": [)"
+        R"({"match": "model.layers.*.self_attn op:attention", "keep": "save"},)"
+        R"({"match": "seq_tiles", "keep": "recompute"})" + groups + "]}}"));
+  };
+  EXPECT_EQ(tiled(""), "schedule \"autosp\": ; attention on one rank; sequence tiles: mlp and loss 64 tokens\n"
+                       "  recomputed in the backward: sequence tiles\n"
+                       "  kept from the forward: self_attn\n");
+  EXPECT_EQ(tiled(R"(, {"match": "model.layers.*.mlp.up_proj op:contract seq_tiles", "keep": "recompute"},)"
+                  R"( {"match": "lm_head op:contract seq_tiles", "keep": "save"})"),
+            "schedule \"autosp\": ; attention on one rank; sequence tiles: mlp and loss 64 tokens\n"
+            "  recomputed in the backward: mlp.up_proj tiles\n"
+            "  kept from the forward: self_attn, lm_head tiles\n");
 }
 
 }  // namespace
