@@ -172,6 +172,14 @@ std::string summary(const Schedule& s, const RematResult* r) {
     out += ", " + std::to_string(n) + " of " + std::to_string(r->groups.size()) + " value groups recomputed";
     const auto off = static_cast<int>(std::count(r->offload.begin(), r->offload.end(), true));
     if (off > 0) out += " (" + std::to_string(off) + " of them offloaded to the host instead)";
+    // Whether tiles were kept decides what tiling saves: say it.
+    int tiles = 0, kept = 0;
+    for (size_t i = 0; i < r->groups.size(); ++i)
+      if (r->groups[i].tile) ++tiles, kept += !r->recompute[i];
+    if (tiles > 0)
+      out += "; tiles " + (kept == tiles ? std::string("kept")
+                           : kept == 0   ? std::string("recomputed")
+                                         : std::to_string(kept) + " of " + std::to_string(tiles) + " groups kept");
   }
   if (r && r->offloaded) out += ", every layer checkpointed and its input offloaded to the host";
   return out;

@@ -47,6 +47,12 @@ PY
   --schedule-out "$dir/mixed.json" >"$dir/mixed.txt" || { cat "$dir/mixed.txt"; fail "autosp with --bf16"; }
 grep -q '"contract_precision": "bf16"' "$dir/mixed.json" || fail "autosp on 8xH200 with bf16 allowed kept f32 contractions"
 
+# A loss tiled for a GPU's 32-bit indexing alone keeps its tiles where they
+# fit (Llama-3.2-1B at 32k on one H200), and the choice's line says so.
+"$plan" --model llama-3.2-1b --cluster 8xH200 --ranks 1 --seq 32768 --bf16 store,contract --families none \
+  >"$dir/1b.txt" || { cat "$dir/1b.txt"; fail "Llama-3.2-1B on one H200"; }
+grep -A1 "autosp chose" "$dir/1b.txt" | grep -q "; tiles kept" || { head -5 "$dir/1b.txt"; fail "the 1B plan's loss tiles are not kept"; }
+
 expect_error() {  # expect_error <text> <command...>
   local want=$1
   shift
