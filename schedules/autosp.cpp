@@ -131,6 +131,9 @@ std::vector<int64_t> tile_options(int64_t local, int64_t cap) {
   return t;
 }
 
+// The rule sequence tiling's tiles follow unless their groups say otherwise.
+bool is_tile_rule(const ValueRule& r) { return r.match == recompute_seq_tiles_rule().match; }
+
 // `s` with the MLP region in tiles of `mlp` tokens and the LM head + loss in
 // tiles of `loss` (0: whole), the tiles recomputed in the backward (unless
 // the recompute solver keeps some: their groups' rules come after this one).
@@ -242,7 +245,7 @@ std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
     if (cls == OpClass::Leaf || cls == OpClass::View) continue;
     // bf16 copies follow their values' decisions (schedules/precision.h): not a decision of their own.
     if (n.op == Op::StoreBf16 || n.op == Op::LoadBf16) continue;
-    const bool tile = is_wide(n) && n.attrs.seq_tile;
+    const bool tile = is_wide_tile(n);
     const std::tuple<std::string, std::string, bool> key{module_pattern(n.name), op_info(n.op).name, tile};
     auto [it, fresh] = index.try_emplace(key, out.size());
     if (fresh) out.push_back({std::get<0>(key), std::get<1>(key), tile});
@@ -259,7 +262,7 @@ Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& gro
   Schedule s = base;
   s.values.clear();
   std::vector<ValueRule> tile_rules;
-  for (const ValueRule& r : base.values) (r.match == "seq_tiles" ? tile_rules : s.values).push_back(r);
+  for (const ValueRule& r : base.values) (is_tile_rule(r) ? tile_rules : s.values).push_back(r);
   for (bool tiles : {false, true}) {
     if (tiles) s.values.insert(s.values.end(), tile_rules.begin(), tile_rules.end());
     for (size_t i = 0; i < groups.size(); ++i)
@@ -777,7 +780,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
             const Schedule base = in_precision(with_tiles(configs[i].base, mlp, loss), pr);
             // (The bound saves every value, the tiles too.)
             Schedule fastest = base;
-            std::erase_if(fastest.values, [](const ValueRule& r) { return r.match == "seq_tiles"; });
+            std::erase_if(fastest.values, is_tile_rule);
             const Scored f = score(build, req, fastest, cluster, &out.plans);
             auto it = pr == least_precision ? leans.find({mlp, loss}) : leans.end();
             const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans);

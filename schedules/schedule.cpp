@@ -35,7 +35,7 @@ bool term_matches(std::string_view term, const Node& n) {
   if (term == "*") return true;
   if (term.starts_with("op:")) return op_info(n.op).name == term.substr(3);
   if (term.starts_with("class:")) return op_class_name(op_info(n.op).cls) == term.substr(6);
-  if (term == "seq_tiles") return (is_wide(n) && n.attrs.seq_tile) || n.op == Op::SliceSeq;
+  if (term == "seq_tiles") return is_wide_tile(n) || n.op == Op::SliceSeq;
   return !n.name.empty() && label_matches(term, n.name);
 }
 

@@ -81,6 +81,8 @@ bool is_wide(const Node& n) {
   return n.type.has("seq") && (n.type.has("ffn") || n.type.has("vocab"));
 }
 
+bool is_wide_tile(const Node& n) { return is_wide(n) && n.attrs.seq_tile; }
+
 RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t tile) { return tile_sequence(src, loss, tile, tile); }
 
 RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t mlp_tile, int64_t loss_tile) {

@@ -26,6 +26,9 @@ namespace halyard {
 
 // True for a value that sequence tiling keeps from existing whole.
 bool is_wide(const Node& n);
+// One tile of such a value (what the schedule term "seq_tiles" names; a wide
+// value left whole, the MLP's when only the loss is tiled, is not one).
+bool is_wide_tile(const Node& n);
 
 // Rebuilds `src` (forward only, up to `loss`) with the wide ops tiled: the
 // MLP's (ffn-wide) chains in tiles of `mlp_tile` tokens, the LM head and loss

@@ -254,8 +254,12 @@ TEST(Plan, GpuPlansSayWhatIsBeyondHalidesGpuIndexing) {
   for (const Stage& st : whole.train.stages) {
     const int big = gpu_index_overflow(*whole.model.graph, st);
     refused += big >= 0;
-    if (big >= 0) EXPECT_GT(whole.model.graph->node(big).type.numel(), kMax32Bit);
-    if (st.gemm) EXPECT_LT(big, 0) << "cuBLAS writes the logits: " << whole.model.graph->node(st.root).name;
+    if (big >= 0) {
+      EXPECT_GT(whole.model.graph->node(big).type.numel(), kMax32Bit);
+    }
+    if (st.gemm) {
+      EXPECT_LT(big, 0) << "cuBLAS writes the logits: " << whole.model.graph->node(st.root).name;
+    }
   }
   EXPECT_GT(refused, 0);
 }
@@ -378,7 +382,9 @@ TEST(Plan, LossTilesRecomputeOnlyTheLoss) {
   // once more (the forward's FLOPs but the loss's own sums, under 1%).
   EXPECT_NEAR(flops(b, "lm_head", true) - flops(a, "lm_head", true), flops(a, "lm_head", false), 1e-2 * flops(a, "lm_head", false));
   for (const Node& n : b.model.graph->nodes())
-    if (n.type.has("ffn") && !n.backward) EXPECT_FALSE(n.attrs.seq_tile) << n.name;
+    if (n.type.has("ffn") && !n.backward) {
+      EXPECT_FALSE(n.attrs.seq_tile) << n.name;
+    }
 }
 
 // keep "offload": a value saved for the backward leaves the device after
