@@ -100,8 +100,12 @@ void run_case(const Graph& g, const Stage& st, int reps, Totals& tot) {
   // VM would otherwise decide a whole row. Each side starts after a pause:
   // the other's idle workers spin for milliseconds after returning (libgomp's
   // and Halide's alike) and would hold a core, halving the rate measured.
+  // Each pool's workers then run on CPUs of their own (spread_threads: a
+  // worker woken after the pause could share the caller's vCPU).
   auto side = [&](const std::function<void()>& f) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    f();  // starts the side's pool, on the first round
+    bench::spread_threads();
     return bench::median_seconds(f, reps);
   };
   auto time_gemm = [&](const auto& L, const auto& R) {  // C = L R^T, L and R [kept x summed]
