@@ -227,12 +227,60 @@ Precision frugal_precision(const SearchOptions& o) {
   return p;
 }
 
+// The group a forward node's value belongs to ("" module: none).
+using GroupKey = std::tuple<std::string, std::string, bool>;
+GroupKey group_key(const Node& n) {
+  if (n.backward || n.name.empty()) return {};
+  const OpClass cls = op_info(n.op).cls;
+  if (cls == OpClass::Leaf || cls == OpClass::View) return {};
+  // bf16 copies follow their values' decisions (schedules/precision.h): not a decision of their own.
+  if (n.op == Op::StoreBf16 || n.op == Op::LoadBf16) return {};
+  return {module_pattern(n.name), op_info(n.op).name, is_wide_tile(n)};
+}
+
+// Per group, the bytes the backward holds of its values in `p`, a plan that
+// saves every group: values a backward kernel reads (directly, through
+// their bf16 copies or through views of them), with those copies; values
+// computed inside their readers hold nothing. Recomputing a set of groups
+// frees at most the sum over it at any point of the step: a value no
+// backward kernel reads is not held, and one that is stays held unless
+// recomputed (recomputing a cheap one may fuse it into its forward reader
+// as well, which frees the same bytes, earlier).
+std::vector<double> held_bytes(const Plan& p, const std::vector<RematGroup>& groups) {
+  const Graph& g = *p.model.graph;
+  std::map<GroupKey, size_t> index;
+  for (size_t i = 0; i < groups.size(); ++i) index[{groups[i].module, groups[i].op, groups[i].tile}] = i;
+  std::vector<bool> stored(static_cast<size_t>(g.size()), false), held(stored);
+  for (const Stage& st : p.train.stages) {
+    stored[static_cast<size_t>(st.root)] = true;
+    for (int v : st.extra_outputs) stored[static_cast<size_t>(v)] = true;
+  }
+  auto through = [&](const Node& n) {  // a copy or a view of its first input
+    return !n.inputs.empty() && (n.op == Op::StoreBf16 || n.op == Op::LoadBf16 || op_info(n.op).cls == OpClass::View);
+  };
+  for (const Stage& st : p.train.stages) {
+    if (!g.node(st.root).backward) continue;
+    for (int i : st.inputs)
+      for (int v = i; !g.node(v).backward; v = g.node(v).inputs[0]) {
+        held[static_cast<size_t>(v)] = true;
+        if (!through(g.node(v))) break;
+      }
+  }
+  std::vector<double> out(groups.size(), 0.0);
+  for (const Node& n : g.nodes()) {
+    if (!held[static_cast<size_t>(n.id)] || !stored[static_cast<size_t>(n.id)]) continue;
+    const Node* v = &n;  // a copy's bytes count for its value's group
+    while (through(*v)) v = &g.node(v->inputs[0]);
+    if (auto it = index.find(group_key(*v)); it != index.end()) out[it->second] += static_cast<double>(value_bytes(n.type));
+  }
+  return out;
+}
 
 }  // namespace
 
 std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
   std::vector<RematGroup> out;
-  std::map<std::tuple<std::string, std::string, bool>, size_t> index;
+  std::map<GroupKey, size_t> index;
   // Values read by a node of another layer: what full checkpointing keeps.
   std::vector<bool> leaves_layer(static_cast<size_t>(g.size()), false);
   for (const Node& n : g.nodes())
@@ -240,15 +288,10 @@ std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
       for (int i : n.inputs)
         if (layer_of(g.node(i).name) != layer_of(n.name)) leaves_layer[static_cast<size_t>(i)] = true;
   for (const Node& n : g.nodes()) {
-    if (n.backward || n.name.empty()) continue;
-    const OpClass cls = op_info(n.op).cls;
-    if (cls == OpClass::Leaf || cls == OpClass::View) continue;
-    // bf16 copies follow their values' decisions (schedules/precision.h): not a decision of their own.
-    if (n.op == Op::StoreBf16 || n.op == Op::LoadBf16) continue;
-    const bool tile = is_wide_tile(n);
-    const std::tuple<std::string, std::string, bool> key{module_pattern(n.name), op_info(n.op).name, tile};
+    const GroupKey key = group_key(n);
+    if (std::get<0>(key).empty()) continue;
     auto [it, fresh] = index.try_emplace(key, out.size());
-    if (fresh) out.push_back({std::get<0>(key), std::get<1>(key), tile});
+    if (fresh) out.push_back({std::get<0>(key), std::get<1>(key), std::get<2>(key)});
     ++out[it->second].values;
     out[it->second].bytes += value_bytes(n.type);
     out[it->second].layer_output = out[it->second].layer_output || leaves_layer[static_cast<size_t>(n.id)];
@@ -312,19 +355,64 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   }
   // The biggest first: cuts come sooner.
   std::stable_sort(decide.begin(), decide.end(), [&](size_t a, size_t b) { return groups[a].bytes > groups[b].bytes; });
+  // What recomputing each group adds to the step alone (measured), and the
+  // most bytes it can free (held_bytes, at full depth: a deep model's plans
+  // are probes of kProbeLayers layers). Where saving the rest misses the
+  // budget by D bytes, any completion recomputes groups that free at least D
+  // and adds at least their times: so the cheapest fractional cover of D by
+  // time per byte (a knapsack's relaxation) adds to a node's bound. It holds
+  // as far as recompute times add up, which plan() keeps within the slack
+  // below (the tests compare with enumeration). (Covering the saved plan's
+  // excess at each call of the step instead, jointly as a linear program,
+  // bound the tiny Llama's 4 x 88 MiB no tighter: recomputing a group alone
+  // moved the peak elsewhere rather than lower.)
+  std::vector<double> adds(n, 0.0), frees(n, 0.0);
+  std::vector<size_t> by_rate;  // positions in `decide`, least time per byte first
+  if (s0.peak > budget) {
+    const Plan saved = plan(build, probe(build, req), with_recompute(base, groups, std::vector<bool>(n, false)), cluster);
+    ++r.plans;
+    const std::vector<double> held = held_bytes(saved, groups);
+    const double depth = deep(build, req) ? static_cast<double>(layers_of(build, req.config)) / kProbeLayers : 1.0;
+    for (size_t q = 0; q < decide.size(); ++q) {
+      const size_t j = decide[q];
+      frees[j] = held[j] * (groups[j].module.rfind("model.layers.", 0) == 0 ? depth : 1.0);
+      if (frees[j] <= 0) continue;
+      std::vector<bool> d = start;
+      d[j] = true;
+      adds[j] = std::max(0.0, eval(d).step - s0.step);
+      by_rate.push_back(q);
+    }
+    std::stable_sort(by_rate.begin(), by_rate.end(), [&](size_t a, size_t b) {
+      return adds[decide[a]] * frees[decide[b]] < adds[decide[b]] * frees[decide[a]];
+    });
+  }
+  // A node's bound: its decisions with the rest saved (x), plus the least
+  // time the undecided groups (positions k on) must add to fit.
+  auto bound = [&](const Scored& x, size_t k) {
+    double missing = static_cast<double>(x.peak - budget - slack_bytes), more = 0;
+    for (size_t q : by_rate) {
+      if (missing <= 0) break;
+      if (q < k) continue;
+      const size_t j = decide[q];
+      const double part = std::min(1.0, missing / frees[j]);
+      more += part * adds[j];
+      missing -= part * frees[j];
+    }
+    return x.step + more;
+  };
   // Branch and bound over the decisions in order. A node has decided the
-  // first k; its time is that of saving the rest, a bound on every
-  // completion's from below (recomputing more adds work and removes none),
-  // and its memory bound is that of recomputing the rest (recomputing more
-  // within layers holds fewer values). Both hold for plan() up to what its
-  // arena packing and its fusion of single-use cheap values move: `slack`
-  // (a node is cut only when its bound misses by more; the search stops only
-  // when no open node can be faster by more). Nodes come up in order of time,
-  // so the first completions that fit are the optimum. The tests check the
-  // properties within the slack and the optimum against enumerating plan()
-  // over every decision.
+  // first k; its time bound is that of saving the rest (recomputing more
+  // adds work and removes none) plus what fitting the budget must add
+  // (`bound`), and its memory bound is that of recomputing the rest
+  // (recomputing more within layers holds fewer values). Both hold for
+  // plan() up to what its arena packing and its fusion of single-use cheap
+  // values move: `slack` (a node is cut only when its bound misses by more;
+  // the search stops only when no open node can be faster by more). Nodes
+  // come up in order of their bound, so the first completions that fit are
+  // the optimum. The tests check the properties within the slack and the
+  // optimum against enumerating plan() over every decision.
   struct Node {
-    double time;
+    double time;          // no completion is faster (bound)
     std::vector<bool> d;  // the decisions so far, the rest saved
     size_t k;
   };
@@ -384,7 +472,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
       }
     }
   }
-  if (lean(start, 0).peak - slack_bytes <= budget) open.push({eval(start).step, start, 0});
+  if (lean(start, 0).peak - slack_bytes <= budget) open.push({bound(eval(start), 0), start, 0});
   while (!open.empty()) {
     Node x = open.top();
     open.pop();
@@ -397,10 +485,10 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
       break;
     }
     const size_t j = decide[x.k];
-    if (lean(x.d, x.k + 1).peak - slack_bytes <= budget) open.push({x.time, x.d, x.k + 1});  // save j
+    if (lean(x.d, x.k + 1).peak - slack_bytes <= budget) open.push({bound(eval(x.d), x.k + 1), x.d, x.k + 1});  // save j
     std::vector<bool> d = x.d;  // recompute j: its memory bound is this node's
     d[j] = true;
-    open.push({eval(d).step, d, x.k + 1});
+    open.push({bound(eval(d), x.k + 1), d, x.k + 1});
   }
   if (best) {
     r.feasible = true;
