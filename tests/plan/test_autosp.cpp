@@ -162,17 +162,31 @@ TEST(Autosp, RecomputingMoreNeverTakesLessTime) {
   }
 }
 
+// The tiny Llama at 4,096 tokens under Ulysses on 4 ranks, and the budgets
+// from what the op table's checkpointing needs (a decision known to fit) to
+// what keeping everything needs.
+struct BudgetRange {
+  ModelRequest req{kTiny, 1, 4096};
+  Schedule base;
+  int64_t lo = 0, hi = 0;
+};
+BudgetRange tiny_ulysses_budgets() {
+  BudgetRange r;
+  r.base = Schedule::named("ulysses");
+  r.base.mesh = {1, 4, 1};
+  r.base.values = inline_cheap_rules();
+  const auto groups = groups_of(r.req, r.base);
+  std::vector<bool> sac(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) sac[i] = !op_info(op_by_name(groups[i].op)).checkpoint_keeps;
+  const ModelBuilder build = llama::llama_builder();
+  r.lo = plan(build, r.req, with_recompute(r.base, groups, sac), local()).memory.total();
+  r.hi = plan(build, r.req, r.base, local()).memory.total();
+  return r;
+}
+
 TEST(Autosp, MoreBudgetIsNeverSlowerAndTheChoiceFits) {
   const ModelBuilder build = llama::llama_builder();
-  const ModelRequest req{kTiny, 1, 4096};
-  Schedule base = Schedule::named("ulysses");
-  base.mesh = {1, 4, 1};
-  base.values = inline_cheap_rules();
-  const auto groups = groups_of(req, base);
-  std::vector<bool> sac(groups.size());  // the op table's checkpointing: a decision that is known to exist
-  for (size_t i = 0; i < groups.size(); ++i) sac[i] = !op_info(op_by_name(groups[i].op)).checkpoint_keeps;
-  const int64_t lo = plan(build, req, with_recompute(base, groups, sac), local()).memory.total();
-  const int64_t hi = plan(build, req, base, local()).memory.total();
+  const auto [req, base, lo, hi] = tiny_ulysses_budgets();
   ASSERT_LT(lo, hi);
   double last = INFINITY;
   for (int k = 0; k <= 4; ++k) {
@@ -195,15 +209,7 @@ TEST(Autosp, MoreBudgetIsNeverSlowerAndTheChoiceFits) {
 // must not be above it.
 TEST(Autosp, ACappedSearchsBoundIsNotAboveWhatALongerOneFinds) {
   const ModelBuilder build = llama::llama_builder();
-  const ModelRequest req{kTiny, 1, 4096};
-  Schedule base = Schedule::named("ulysses");
-  base.mesh = {1, 4, 1};
-  base.values = inline_cheap_rules();
-  const auto groups = groups_of(req, base);
-  std::vector<bool> sac(groups.size());  // the op table's checkpointing: a decision that fits the least budget here
-  for (size_t i = 0; i < groups.size(); ++i) sac[i] = !op_info(op_by_name(groups[i].op)).checkpoint_keeps;
-  const int64_t lo = plan(build, req, with_recompute(base, groups, sac), local()).memory.total();
-  const int64_t hi = plan(build, req, base, local()).memory.total();
+  const auto [req, base, lo, hi] = tiny_ulysses_budgets();
   ASSERT_LT(lo, hi);
   for (int k = 0; k < 6; ++k) {
     const int64_t budget = lo + (hi - lo) * k / 6;
