@@ -120,10 +120,12 @@ CollectivePlan plan_collective(CallKind kind, const BufferSpec& in, const Buffer
   }
 }
 
-void* HostCollectiveMemory::staging(int64_t bytes) {
+void* HostCollectiveMemory::staging(int64_t bytes, int slot) {
+  if (staging_.size() <= static_cast<size_t>(slot)) staging_.resize(static_cast<size_t>(slot) + 1);
+  std::vector<float>& area = staging_[static_cast<size_t>(slot)];
   const auto floats = static_cast<size_t>((bytes + 3) / 4);
-  if (staging_.size() < floats) staging_.resize(floats);
-  return staging_.data();
+  if (area.size() < floats) area.resize(floats);
+  return area.data();
 }
 
 void HostCollectiveMemory::rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) {
@@ -154,40 +156,69 @@ void check_ordered(const Communicator* comm, const CollectiveMemory& memory) {
               "runtime_cuda_context().stream) first (a Model over NCCL does so).");
 }
 
-void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory) {
+namespace {
+
+// The start of area `a` of a plan's call.
+char* area(Area a, const void* in, void* out, char* staging) {
+  return static_cast<char*>(a == Area::In ? const_cast<void*>(in) : a == Area::Out ? out : staging);
+}
+
+void run_rows(const Rows& r, const void* in, void* out, char* staging, int64_t esize, CollectiveMemory& memory) {
+  char* src = area(r.src, in, out, staging);
+  char* dst = area(r.dst, in, out, staging);
+  // A sum over ranks in place of its input has nothing to copy.
+  if (!r.add && src + r.src_offset * esize == dst + r.dst_offset * esize) return;
+  memory.rows(r, src, dst, esize);
+}
+
+}  // namespace
+
+StartedPlan start_plan(CollectivePlan plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory,
+                       int slot) {
   check_ordered(comm, memory);
-  const int64_t esize = comm_type_size(plan.type);
-  void* staging = plan.staging ? memory.staging(plan.staging * esize) : nullptr;
-  auto at = [&](Area a) -> char* {
-    return static_cast<char*>(a == Area::In ? const_cast<void*>(in) : a == Area::Out ? out : staging);
-  };
-  auto run = [&](const Rows& r) {
-    // A sum over ranks in place of its input has nothing to copy.
-    if (!r.add && at(r.src) + r.src_offset * esize == at(r.dst) + r.dst_offset * esize) return;
-    memory.rows(r, at(r.src), at(r.dst), esize);
-  };
-  for (const Rows& r : plan.pack) run(r);
-  char* from = at(plan.from) + plan.from_offset * esize;
-  char* to = at(plan.to) + plan.to_offset * esize;
+  StartedPlan s;
+  s.plan = std::move(plan);
+  s.out = out;
+  const CollectivePlan& p = s.plan;
+  const int64_t esize = comm_type_size(p.type);
+  s.staging = p.staging ? static_cast<char*>(memory.staging(p.staging * esize, slot)) : nullptr;
+  for (const Rows& r : p.pack) run_rows(r, in, out, s.staging, esize, memory);
+  char* from = area(p.from, in, out, s.staging) + p.from_offset * esize;
+  char* to = area(p.to, in, out, s.staging) + p.to_offset * esize;
   if (!comm) {  // one rank: what it sends itself is what it receives, and a sum of one is the value
-    if (plan.transfer != Transfer::AllReduce) run({plan.from, plan.to, plan.from_offset, plan.count, plan.to_offset,
-                                                   plan.count, plan.count, 1});
-  } else if (plan.transfer == Transfer::AllToAll) {
-    const std::vector<int64_t> counts(static_cast<size_t>(comm->size()), plan.count);
-    if (plan.type != CommType::F32) throw Error("error: an all-to-all of a step moves f32 only.");
-    comm->all_to_all_v(reinterpret_cast<const float*>(from), counts.data(), reinterpret_cast<float*>(to), counts.data());
-  } else if (plan.transfer == Transfer::AllGather) {
-    if (plan.type == CommType::I32)
-      comm->all_gather(reinterpret_cast<const int32_t*>(from), plan.count, reinterpret_cast<int32_t*>(to));
+    if (p.transfer != Transfer::AllReduce)
+      run_rows({p.from, p.to, p.from_offset, p.count, p.to_offset, p.count, p.count, 1}, in, out, s.staging, esize,
+               memory);
+  } else if (p.transfer == Transfer::AllToAll) {
+    const std::vector<int64_t> counts(static_cast<size_t>(comm->size()), p.count);
+    if (p.type != CommType::F32) throw Error("error: an all-to-all of a step moves f32 only.");
+    s.transfer = comm->start_all_to_all_v(reinterpret_cast<const float*>(from), counts.data(),
+                                          reinterpret_cast<float*>(to), counts.data());
+  } else if (p.transfer == Transfer::AllGather) {
+    if (p.type == CommType::I32)
+      comm->all_gather(reinterpret_cast<const int32_t*>(from), p.count, reinterpret_cast<int32_t*>(to));
     else
-      comm->all_gather(reinterpret_cast<const float*>(from), plan.count, reinterpret_cast<float*>(to));
-  } else if (plan.type == CommType::F64) {
-    comm->all_reduce_sum(reinterpret_cast<double*>(to), plan.count);
+      comm->all_gather(reinterpret_cast<const float*>(from), p.count, reinterpret_cast<float*>(to));
+  } else if (p.type == CommType::F64) {
+    comm->all_reduce_sum(reinterpret_cast<double*>(to), p.count);
   } else {
-    comm->all_reduce_sum(reinterpret_cast<float*>(to), plan.count);
+    comm->all_reduce_sum(reinterpret_cast<float*>(to), p.count);
   }
-  if (plan.zero_out) memory.zero(out, plan.zero_out * esize);
-  for (const Rows& r : plan.unpack) run(r);
+  return s;
+}
+
+void finish_plan(StartedPlan& s, CollectiveMemory& memory) {
+  if (s.transfer) memory.join(std::move(s.transfer));
+  const int64_t esize = comm_type_size(s.plan.type);
+  if (s.plan.zero_out) memory.zero(s.out, s.plan.zero_out * esize);
+  // (The unpack reads the staging area and writes `out`, never `in`.)
+  for (const Rows& r : s.plan.unpack) run_rows(r, nullptr, s.out, s.staging, esize, memory);
+}
+
+void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory) {
+  StartedPlan s = start_plan(plan, in, out, comm, memory);
+  if (s.transfer) s.transfer->wait();  // (the host waits, as a blocking call does)
+  finish_plan(s, memory);
 }
 
 void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,

@@ -71,12 +71,22 @@ CollectivePlan plan_collective(CallKind kind, const BufferSpec& in, const Buffer
 class CollectiveMemory {
  public:
   virtual ~CollectiveMemory() = default;
-  virtual void* staging(int64_t bytes) = 0;  // at least `bytes`, kept for the next call
+  // At least `bytes`, kept for the next call. Collectives in flight together
+  // (started, not yet finished) each stage in a slot of their own.
+  virtual void* staging(int64_t bytes, int slot = 0) = 0;
   virtual void rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) = 0;  // src, dst: the areas' starts
   virtual void zero(void* dst, int64_t bytes) = 0;
   // The stream its copies and sums are queued on (nullptr: done when the
   // call returns, as on the host).
   virtual void* stream() const { return nullptr; }
+  // Orders the copies queued from now on after `transfer`'s end. On a
+  // device stream by an event, the host not waiting (Exchange::join); the
+  // transfer is kept until settle(). Elsewhere by waiting for it now.
+  virtual void join(std::unique_ptr<Exchange> transfer) { transfer->wait(); }
+  // Waits for every transfer joined so far, each with its communicator's
+  // timeout: call it before the host waits for stream() (a copy home, a
+  // synchronize), so that a dead peer is that timeout's error, not a hang.
+  virtual void settle() {}
 };
 
 // Throws Error, naming the fix, when `comm` moves device memory but its
@@ -88,17 +98,36 @@ void check_ordered(const Communicator* comm, const CollectiveMemory& memory);
 // Host memory: memcpy, plain sums, a staging vector.
 class HostCollectiveMemory final : public CollectiveMemory {
  public:
-  void* staging(int64_t bytes) override;
+  void* staging(int64_t bytes, int slot = 0) override;
   void rows(const Rows& r, const void* src, void* dst, int64_t elem_bytes) override;
   void zero(void* dst, int64_t bytes) override;
 
  private:
-  std::vector<float> staging_;
+  std::vector<std::vector<float>> staging_;  // by slot
 };
 
 // Runs `plan` from `in` to `out` (in `memory`) over `comm`, whose buffers
 // must be of that memory; without one (a single rank) the transfer is a copy.
 void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory);
+
+// run_plan in two halves, for a transfer that runs while the caller goes
+// on. start_plan queues the copies before the transfer and starts it (an
+// all-to-all in the background where `comm` can: over NCCL, on its
+// stream; every other transfer finishes inside start_plan). finish_plan
+// joins it (CollectiveMemory::join: on a device, the host does not wait)
+// and queues the copies after it. In between, `in` may be overwritten once
+// the memory's stream has passed the start, `out` must not be touched, and
+// the plan's staging slot is its own; every rank starts and finishes its
+// plans in the same order as its other calls.
+struct StartedPlan {
+  CollectivePlan plan;
+  void* out = nullptr;
+  char* staging = nullptr;
+  std::unique_ptr<Exchange> transfer;  // null: already done
+};
+StartedPlan start_plan(CollectivePlan plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory,
+                       int slot = 0);
+void finish_plan(StartedPlan& started, CollectiveMemory& memory);
 
 // plan_collective and run_plan.
 void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, const BufferSpec& out, void* out_data,
@@ -107,8 +136,10 @@ void run_collective(CallKind kind, const BufferSpec& in, const void* in_data, co
 // The runtime's CUDA memory (runtime/cuda_context.h): copies and zeros on
 // the compute stream (cuMemcpy2DAsync, cuMemsetD8Async), sums through
 // cuBLAS on it (runtime/gemm.h), a staging allocation grown as needed and
-// kept. Methods throw Error naming the driver's error.
-std::unique_ptr<CollectiveMemory> make_cuda_collective_memory();
+// kept. Methods throw Error naming the driver's error. `stream`: a CUstream
+// of the runtime's context to queue on instead (tests: a rank's own, as
+// each process has its own on GPUs).
+std::unique_ptr<CollectiveMemory> make_cuda_collective_memory(void* stream = nullptr);
 
 // Communicator::all_reduce_sum_bf16 on the runtime's CUDA device memory
 // over a communicator of device memory (NCCL), with the same bits: each

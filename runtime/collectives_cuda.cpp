@@ -2,7 +2,9 @@
 // sums of its rows queued on the runtime's compute stream, where the
 // kernels that wrote its input and will read its output run, so no host
 // wait orders them; the transfer is the communicator's (NCCL), which waits
-// for the compute stream by an event.
+// for the compute stream by an event, and a transfer started in the
+// background is joined to the compute stream by another (join), so the
+// host waits only in settle().
 #include <algorithm>
 #include <climits>
 #include <string>
@@ -54,44 +56,68 @@ const Kernels& kernels() {
   return k;
 }
 
-// One thread per element of `n`, on the compute stream.
+// One thread per element of `n`, on `stream`.
 template <class Args>
-void launch(void* kernel, Args args, int64_t n, const char* what) {
+void launch(void* kernel, Args args, int64_t n, void* stream, const char* what) {
   const int64_t blocks = (n + collectives_cuda::kThreads - 1) / collectives_cuda::kThreads;
   if (blocks > INT32_MAX) throw Error(std::string("error: ") + what + ": too many elements for one launch.");
   void* params[] = {&args};
   RuntimeContextScope scope;
   if (int rc = cuda_driver().launch_kernel(kernel, static_cast<unsigned>(blocks), 1, 1, collectives_cuda::kThreads, 1,
-                                           1, 0, runtime_cuda_context().stream, params, nullptr))
+                                           1, 0, stream, params, nullptr))
     throw Error(std::string("error: ") + what + ": cuLaunchKernel failed: " + cuda_driver().text(rc));
 }
 
 class CudaCollectiveMemory final : public CollectiveMemory {
  public:
+  explicit CudaCollectiveMemory(void* stream) : stream_(stream) {}
   ~CudaCollectiveMemory() override {
-    if (!staging_) return;
     const CudaDriver& d = cuda_driver();
-    if (d.ctx_push(runtime_cuda_context().context) != 0) return;
-    d.stream_synchronize(runtime_cuda_context().stream);  // (a copy may still read it)
-    d.mem_free(staging_);
+    try {
+      settle();
+    } catch (const Error&) {  // (a failed transfer: its communicator is aborted, the stream can finish)
+    }
+    if (slots_.empty() || d.ctx_push(runtime_cuda_context().context) != 0) return;
+    d.stream_synchronize(stream_);  // (a copy may still read them)
+    for (const Slot& s : slots_)
+      if (s.address) d.mem_free(s.address);
     void* popped = nullptr;
     d.ctx_pop(&popped);
   }
 
-  void* staging(int64_t bytes) override {
-    if (bytes <= staging_bytes_) return address(staging_);
+  void* staging(int64_t bytes, int slot) override {
+    if (slots_.size() <= static_cast<size_t>(slot)) slots_.resize(static_cast<size_t>(slot) + 1);
+    Slot& s = slots_[static_cast<size_t>(slot)];
+    if (bytes <= s.bytes) return address(s.address);
     RuntimeContextScope scope;
     const CudaDriver& d = cuda_driver();
-    if (staging_) {
-      check(d.stream_synchronize(runtime_cuda_context().stream), "cuStreamSynchronize");
-      check(d.mem_free(staging_), "cuMemFree");
-      staging_ = 0, staging_bytes_ = 0;
+    if (s.address) {
+      settle();  // (the stream may wait on a transfer: a dead peer must not hang the synchronize)
+      check(d.stream_synchronize(stream_), "cuStreamSynchronize");
+      check(d.mem_free(s.address), "cuMemFree");
+      s = Slot{};
     }
-    if (int rc = d.mem_alloc(&staging_, static_cast<size_t>(bytes)))
+    if (int rc = d.mem_alloc(&s.address, static_cast<size_t>(bytes)))
       throw Error("error: allocating " + std::to_string(bytes) + " bytes of device memory to stage a collective failed: " +
                   d.text(rc) + "\nfix: a schedule that needs less device memory (halyard-plan shows it).");
-    staging_bytes_ = bytes;
-    return address(staging_);
+    s.bytes = bytes;
+    return address(s.address);
+  }
+
+  void join(std::unique_ptr<Exchange> transfer) override {
+    if (!transfer->join(stream_)) {
+      transfer->wait();
+      return;
+    }
+    joined_.push_back(std::move(transfer));
+  }
+
+  void settle() override {
+    // (Each in order, so the first failure is the one reported; the rest
+    // are aborted with their communicator.)
+    std::vector<std::unique_ptr<Exchange>> joined;
+    joined.swap(joined_);
+    for (auto& t : joined) t->wait();
   }
 
   void rows(const Rows& r, const void* src, void* dst, int64_t esize) override {
@@ -99,7 +125,7 @@ class CudaCollectiveMemory final : public CollectiveMemory {
     const auto t = reinterpret_cast<unsigned long long>(dst) + static_cast<unsigned long long>(r.dst_offset * esize);
     if (r.add) {
       const std::string why = gemm::add_rows_on_device(address_of<float>(t), r.dst_pitch, address_of<const float>(s),
-                                                       r.src_pitch, r.width, r.count);
+                                                       r.src_pitch, r.width, r.count, stream_);
       if (!why.empty()) throw Error("error: summing the replicas of a collective on the device failed: " + why);
       return;
     }
@@ -119,16 +145,16 @@ class CudaCollectiveMemory final : public CollectiveMemory {
       // them at least its width.)
       c.src_pitch = c.height > 1 ? static_cast<size_t>(r.src_pitch * esize) : c.width_bytes;
       c.dst_pitch = c.height > 1 ? static_cast<size_t>(r.dst_pitch * esize) : c.width_bytes;
-      check(cuda_driver().memcpy_2d_async(&c, runtime_cuda_context().stream), "cuMemcpy2DAsync");
+      check(cuda_driver().memcpy_2d_async(&c, stream_), "cuMemcpy2DAsync");
     }
   }
 
-  void* stream() const override { return runtime_cuda_context().stream; }
+  void* stream() const override { return stream_; }
 
   void zero(void* dst, int64_t bytes) override {
     RuntimeContextScope scope;
     check(cuda_driver().memset_d8_async(reinterpret_cast<unsigned long long>(dst), 0, static_cast<size_t>(bytes),
-                                        runtime_cuda_context().stream),
+                                        stream_),
           "cuMemsetD8Async");
   }
 
@@ -144,8 +170,13 @@ class CudaCollectiveMemory final : public CollectiveMemory {
       throw Error(std::string("error: ") + what + " of a collective on the device failed: " + cuda_driver().text(rc));
   }
 
-  unsigned long long staging_ = 0;
-  int64_t staging_bytes_ = 0;
+  void* stream_;
+  struct Slot {
+    unsigned long long address = 0;
+    int64_t bytes = 0;
+  };
+  std::vector<Slot> slots_;
+  std::vector<std::unique_ptr<Exchange>> joined_;  // joined to the stream, not yet waited for
 };
 
 }  // namespace
@@ -166,11 +197,12 @@ float* sums_from_bf16(collectives_cuda::RoundArgs round, int64_t wide, int64_t e
   uint16_t* received = sent + P * wide;
   auto* sums = reinterpret_cast<float*>(received + P * wide);
   round.out = sent;
-  launch(k.round, round, P * wide, "rounding to bf16");
+  launch(k.round, round, P * wide, memory.stream(), "rounding to bf16");
   const std::vector<int64_t> words(static_cast<size_t>(P), wide / 2);
   comm.all_to_all_v(reinterpret_cast<const int32_t*>(sent), words.data(), reinterpret_cast<int32_t*>(received),
                     words.data());
-  launch(k.sum, collectives_cuda::SumArgs{received, sums, wide, static_cast<int>(P)}, wide, "summing bf16 in f32");
+  launch(k.sum, collectives_cuda::SumArgs{received, sums, wide, static_cast<int>(P)}, wide, memory.stream(),
+         "summing bf16 in f32");
   return sums;
 }
 
@@ -203,10 +235,10 @@ void reduce_scatter_sum_bf16_on_device(const float* send, float* recv, int64_t n
   }
 }
 
-std::unique_ptr<CollectiveMemory> make_cuda_collective_memory() {
+std::unique_ptr<CollectiveMemory> make_cuda_collective_memory(void* stream) {
   const RuntimeCudaContext& c = runtime_cuda_context();
   if (!c.context) throw Error("error: a collective on the device needs a CUDA context: " + c.error);
-  return std::make_unique<CudaCollectiveMemory>();
+  return std::make_unique<CudaCollectiveMemory>(stream ? stream : c.stream);
 }
 
 }  // namespace halyard::runtime

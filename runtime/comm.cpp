@@ -134,8 +134,8 @@ void Communicator::check_peer(CommOp op, int peer, int tag) const {
                 std::to_string(kMaxCommTag));
 }
 
-void Communicator::all_to_all_v_any(const void* send, const int64_t* send_counts, void* recv,
-                                    const int64_t* recv_counts, CommType type) {
+int64_t Communicator::check_all_to_all_v(const void* send, const int64_t* send_counts, const void* recv,
+                                         const int64_t* recv_counts) const {
   check_counts(CommOp::AllToAllV, "send_counts", send_counts);
   check_counts(CommOp::AllToAllV, "recv_counts", recv_counts);
   int64_t send_total = 0, recv_total = 0, to_peers = 0;
@@ -146,6 +146,12 @@ void Communicator::all_to_all_v_any(const void* send, const int64_t* send_counts
   }
   check_buffer(CommOp::AllToAllV, "send", send, send_total);
   check_buffer(CommOp::AllToAllV, "recv", recv, recv_total);
+  return to_peers;
+}
+
+void Communicator::all_to_all_v_any(const void* send, const int64_t* send_counts, void* recv,
+                                    const int64_t* recv_counts, CommType type) {
+  const int64_t to_peers = check_all_to_all_v(send, send_counts, recv, recv_counts);
   do_all_to_all_v(send, send_counts, recv, recv_counts, type);
   all_to_all_bytes_sent_ += to_peers * comm_type_size(type);
 }
@@ -279,6 +285,22 @@ std::unique_ptr<Exchange> Communicator::start_all_reduce_sum(float* data, int64_
 
 std::unique_ptr<Exchange> Communicator::do_start_all_reduce_sum(float* data, int64_t n) {
   return std::make_unique<DeferredExchange>([=, this] { do_all_reduce_sum(data, n, CommType::F32); });
+}
+
+std::unique_ptr<Exchange> Communicator::start_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                                                           const int64_t* recv_counts) {
+  const int64_t to_peers = check_all_to_all_v(send, send_counts, recv, recv_counts);
+  auto started = do_start_all_to_all_v(send, send_counts, recv, recv_counts, CommType::F32);
+  all_to_all_bytes_sent_ += to_peers * comm_type_size(CommType::F32);
+  return started;
+}
+
+std::unique_ptr<Exchange> Communicator::do_start_all_to_all_v(const void* send, const int64_t* send_counts, void* recv,
+                                                              const int64_t* recv_counts, CommType type) {
+  // (The counts are the caller's; they may be gone by wait().)
+  return std::make_unique<DeferredExchange>(
+      [=, this, s = std::vector<int64_t>(send_counts, send_counts + size()),
+       r = std::vector<int64_t>(recv_counts, recv_counts + size())] { do_all_to_all_v(send, s.data(), recv, r.data(), type); });
 }
 
 std::unique_ptr<Communicator> Communicator::do_split(int, int) {

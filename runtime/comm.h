@@ -56,6 +56,14 @@ class Exchange {
  public:
   virtual ~Exchange() = default;
   virtual void wait() = 0;
+  // Device backends: makes the work queued on `stream` (a CUstream of the
+  // communicator's device) from now on wait for the exchange's end, by an
+  // event, without the host waiting; true if so. False where the backend
+  // cannot (host memory): call wait() instead. Either way wait() is still
+  // due: it returns at once if the work is done and throws at the timeout,
+  // so calling it before the host next waits for `stream` makes a dead
+  // peer an error, not a hang.
+  virtual bool join(void* stream) { return false; }
 };
 
 class Communicator {
@@ -106,6 +114,14 @@ class Communicator {
   // itself is copied locally and not counted as traffic.
   void all_to_all_v(const float* send, const int64_t* send_counts, float* recv, const int64_t* recv_counts);
   void all_to_all_v(const int32_t* send, const int64_t* send_counts, int32_t* recv, const int64_t* recv_counts);
+  // all_to_all_v(...) of f32, finished by wait() (or join): in the
+  // background where the backend can (NCCL: queued now on its stream, after
+  // the caller's compute stream's work); others move the blocks inside
+  // wait(). Both buffers stay untouched until then. A GPU step's Ulysses
+  // all-to-alls run so, under the kernels between their start and the
+  // first kernel that reads what they bring.
+  std::unique_ptr<Exchange> start_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                                               const int64_t* recv_counts);
 
   // In place: data[i] becomes the sum of data[i] over all ranks. Every rank gets
   // bitwise the same result (the in-process group sums in rank order).
@@ -198,6 +214,9 @@ class Communicator {
                                                       int tag, CommType type);
   // Default: the sum inside wait().
   virtual std::unique_ptr<Exchange> do_start_all_reduce_sum(float* data, int64_t n);
+  // Default: the all-to-all inside wait().
+  virtual std::unique_ptr<Exchange> do_start_all_to_all_v(const void* send, const int64_t* send_counts, void* recv,
+                                                          const int64_t* recv_counts, CommType type);
 
   // "all_to_all_v on rank 1 of 4"
   std::string where(CommOp op) const;
@@ -218,6 +237,9 @@ class Communicator {
   void check_peer(CommOp op, int peer, int tag) const;
   void all_to_all_v_any(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
                         CommType type);
+  // all_to_all_v's checks; returns the elements sent to other ranks.
+  int64_t check_all_to_all_v(const void* send, const int64_t* send_counts, const void* recv,
+                             const int64_t* recv_counts) const;
   void send_any(const void* data, int64_t n, int peer, int tag, CommType type);
   void recv_any(void* data, int64_t n, int peer, int tag, CommType type);
   std::unique_ptr<Exchange> start_exchange_any(const void* send, void* recv, int64_t n, int to, int from, int tag,

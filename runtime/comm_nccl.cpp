@@ -177,44 +177,25 @@ class NcclCommunicator final : public Communicator {
                        CommType type) override {
     const CommOp op = CommOp::AllToAllV;
     throw_if_broken(op);
-    const int me = rank();
-    if (send_counts[me] != recv_counts[me])
-      throw Error("error: " + where(op) + ": send_counts[" + std::to_string(me) + "] is " +
-                  std::to_string(send_counts[me]) + " but recv_counts[" + std::to_string(me) + "] is " +
-                  std::to_string(recv_counts[me]) +
-                  "; the block a rank sends itself is the block it receives from itself, so they must be equal.");
-    check_device_buffer(op, "send", send);
-    check_device_buffer(op, "recv", recv);
+    check_own_block(op, send_counts, recv_counts);
     OnDevice on(*this, op);
-
-    const int64_t esize = comm_type_size(type);
-    auto send_at = [&](int64_t elements) { return static_cast<const char*>(send) + elements * esize; };
-    auto recv_at = [&](int64_t elements) { return static_cast<char*>(recv) + elements * esize; };
-    int64_t send_offset = 0, recv_offset = 0;
-    for (int p = 0; p < me; ++p) send_offset += send_counts[p], recv_offset += recv_counts[p];
-    if (send_counts[me] > 0)
-      check_cuda(cudaMemcpyAsync(recv_at(recv_offset), send_at(send_offset),
-                                 static_cast<size_t>(send_counts[me] * esize), cudaMemcpyDeviceToDevice, stream()),
-                 op, "cudaMemcpyAsync");
-
-    // Zero blocks are skipped on both sides alike: recv_counts[p] here is
-    // send_counts[me] on p, so the pairs still match.
-    check_nccl(ncclGroupStart(), op, "ncclGroupStart");
-    send_offset = recv_offset = 0;
-    for (int p = 0; p < size(); ++p) {
-      if (p != me && send_counts[p] > 0)
-        check_nccl(ncclSend(send_at(send_offset), static_cast<size_t>(send_counts[p]), nccl_type(type), p, comm_,
-                            stream()),
-                   op, "ncclSend");
-      if (p != me && recv_counts[p] > 0)
-        check_nccl(ncclRecv(recv_at(recv_offset), static_cast<size_t>(recv_counts[p]), nccl_type(type), p, comm_,
-                            stream()),
-                   op, "ncclRecv");
-      send_offset += send_counts[p];
-      recv_offset += recv_counts[p];
-    }
-    check_nccl(ncclGroupEnd(), op, "ncclGroupEnd");
+    queue_all_to_all(op, send, send_counts, recv, recv_counts, type);
     wait(op, "ncclGroupEnd");
+  }
+
+  // Queued now; the Exchange waits for it, or orders a stream after it.
+  std::unique_ptr<Exchange> do_start_all_to_all_v(const void* send, const int64_t* send_counts, void* recv,
+                                                  const int64_t* recv_counts, CommType type) override {
+    const CommOp op = CommOp::AllToAllV;
+    throw_if_broken(op);
+    check_own_block(op, send_counts, recv_counts);
+    OnDevice on(*this, op);
+    int64_t elements = 0;
+    for (int p = 0; p < size(); ++p) elements += send_counts[p];
+    queue_all_to_all(op, send, send_counts, recv, recv_counts, type);
+    return in_background(op, "ncclGroupEnd",
+                         "the all-to-all of " + std::to_string(elements) + " " + comm_type_name(type) +
+                             " started in the background did not finish.");
   }
 
   void do_all_reduce_sum(void* data, int64_t n, CommType type) override {
@@ -392,17 +373,28 @@ class NcclCommunicator final : public Communicator {
    public:
     void wait() override {}
   };
-  // Work queued in the background (a ring pass, a sum), waited for by wait().
+  // Work queued in the background (a ring pass, a sum, an all-to-all),
+  // waited for by wait(); `end` (owned) is recorded on the stream right
+  // after it, for join() and wait().
   class Pass final : public Exchange {
    public:
-    Pass(NcclCommunicator& comm, CommOp op, const char* call, std::string detail)
-        : comm_(comm), op_(op), call_(call), detail_(std::move(detail)) {}
+    Pass(NcclCommunicator& comm, CommOp op, const char* call, std::string detail, cudaEvent_t end)
+        : comm_(comm), op_(op), call_(call), detail_(std::move(detail)), end_(end) {}
+    ~Pass() override { cudaEventDestroy(end_); }  // (a pending record still completes)
     void wait() override {
       if (waited_) return;
       waited_ = true;
       DeviceScope on(comm_.device_);
       comm_.check_cuda(on.result(), op_, "cudaSetDevice");
-      comm_.wait(op_, call_, detail_);
+      comm_.wait_for(end_, op_, call_, detail_);
+    }
+    bool join(void* stream) override {
+      if (waited_) return true;
+      comm_.throw_if_broken(op_);
+      DeviceScope on(comm_.device_);
+      comm_.check_cuda(on.result(), op_, "cudaSetDevice");
+      comm_.check_cuda(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), end_, 0), op_, "cudaStreamWaitEvent");
+      return true;
     }
 
    private:
@@ -410,8 +402,53 @@ class NcclCommunicator final : public Communicator {
     CommOp op_;
     const char* call_;
     std::string detail_;
+    cudaEvent_t end_;
     bool waited_ = false;
   };
+
+  void check_own_block(CommOp op, const int64_t* send_counts, const int64_t* recv_counts) const {
+    const int me = rank();
+    if (send_counts[me] != recv_counts[me])
+      throw Error("error: " + where(op) + ": send_counts[" + std::to_string(me) + "] is " +
+                  std::to_string(send_counts[me]) + " but recv_counts[" + std::to_string(me) + "] is " +
+                  std::to_string(recv_counts[me]) +
+                  "; the block a rank sends itself is the block it receives from itself, so they must be equal.");
+  }
+
+  // The all-to-all's copy of this rank's own block and its sends and
+  // receives, queued on stream() (inside an OnDevice scope).
+  void queue_all_to_all(CommOp op, const void* send, const int64_t* send_counts, void* recv,
+                        const int64_t* recv_counts, CommType type) {
+    check_device_buffer(op, "send", send);
+    check_device_buffer(op, "recv", recv);
+    const int me = rank();
+    const int64_t esize = comm_type_size(type);
+    auto send_at = [&](int64_t elements) { return static_cast<const char*>(send) + elements * esize; };
+    auto recv_at = [&](int64_t elements) { return static_cast<char*>(recv) + elements * esize; };
+    int64_t send_offset = 0, recv_offset = 0;
+    for (int p = 0; p < me; ++p) send_offset += send_counts[p], recv_offset += recv_counts[p];
+    if (send_counts[me] > 0)
+      check_cuda(cudaMemcpyAsync(recv_at(recv_offset), send_at(send_offset),
+                                 static_cast<size_t>(send_counts[me] * esize), cudaMemcpyDeviceToDevice, stream()),
+                 op, "cudaMemcpyAsync");
+    // Zero blocks are skipped on both sides alike: recv_counts[p] here is
+    // send_counts[me] on p, so the pairs still match.
+    check_nccl(ncclGroupStart(), op, "ncclGroupStart");
+    send_offset = recv_offset = 0;
+    for (int p = 0; p < size(); ++p) {
+      if (p != me && send_counts[p] > 0)
+        check_nccl(ncclSend(send_at(send_offset), static_cast<size_t>(send_counts[p]), nccl_type(type), p, comm_,
+                            stream()),
+                   op, "ncclSend");
+      if (p != me && recv_counts[p] > 0)
+        check_nccl(ncclRecv(recv_at(recv_offset), static_cast<size_t>(recv_counts[p]), nccl_type(type), p, comm_,
+                            stream()),
+                   op, "ncclRecv");
+      send_offset += send_counts[p];
+      recv_offset += recv_counts[p];
+    }
+    check_nccl(ncclGroupEnd(), op, "ncclGroupEnd");
+  }
 
   void throw_if_broken(CommOp op) const {
     if (failure_.empty()) return;
@@ -500,7 +537,13 @@ class NcclCommunicator final : public Communicator {
   // next call may follow at once).
   std::unique_ptr<Exchange> in_background(CommOp op, const char* call, std::string detail) {
     if (!enqueued(op, call, deadline_after(timeout_s()))) timed_out(op, call, false, detail);
-    return std::make_unique<Pass>(*this, op, call, std::move(detail));
+    cudaEvent_t end = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&end, cudaEventDisableTiming), op, "cudaEventCreateWithFlags");
+    if (cudaError_t rc = cudaEventRecord(end, stream()); rc != cudaSuccess) {
+      cudaEventDestroy(end);
+      check_cuda(rc, op, "cudaEventRecord");
+    }
+    return std::make_unique<Pass>(*this, op, call, std::move(detail), end);
   }
 
   // The stream calls run on: the caller's (use_streams), or our own.
@@ -516,14 +559,21 @@ class NcclCommunicator final : public Communicator {
 
   // Waits until the work just issued by `call` is done on the GPU, at most
   // timeout_s() from now. `detail` explains a timeout of send or recv.
-  void wait(CommOp op, const char* call, const std::string& detail = "") {
+  void wait(CommOp op, const char* call, const std::string& detail = "") { wait_for(nullptr, op, call, detail); }
+
+  // wait(), for the work before `event` (recorded when it was queued;
+  // nullptr: all the stream's work so far).
+  void wait_for(cudaEvent_t event, CommOp op, const char* call, const std::string& detail) {
     const auto deadline = deadline_after(timeout_s());
     ncclResult_t state = ncclSuccess;
     const bool queued = enqueued(op, call, deadline);
     if (queued) {
-      check_cuda(cudaEventRecord(done_, stream()), op, "cudaEventRecord");
+      if (event == nullptr) {
+        check_cuda(cudaEventRecord(done_, stream()), op, "cudaEventRecord");
+        event = done_;
+      }
       if (poll_until(deadline, [&] {
-            cudaError_t rc = cudaEventQuery(done_);
+            cudaError_t rc = cudaEventQuery(event);
             if (rc == cudaSuccess) return true;
             if (rc != cudaErrorNotReady) check_cuda(rc, op, "cudaEventQuery");
             // A peer's failure shows here while our kernel still waits on it.

@@ -320,18 +320,27 @@ extern "C" int halyard_gemm(halide_buffer_t* a, halide_buffer_t* b, int m_dims, 
 
 namespace halyard::runtime::gemm {
 
-std::string add_rows_on_device(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t width, int64_t rows) {
+std::string add_rows_on_device(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t width, int64_t rows,
+                               void* stream) {
   const Cublas& lib = cublas();
   if (!lib.why_unusable.empty()) return lib.why_unusable;
   for (int64_t v : {ldy, ldx, width, rows})
     if (v > INT_MAX) return "a dimension exceeds cuBLAS's 32-bit sizes";
   const CudaDriver& drv = cuda_driver();
-  drv.ctx_push(runtime_cuda_context().context);
+  const RuntimeCudaContext& ctx = runtime_cuda_context();
+  drv.ctx_push(ctx.context);
   const float one = 1.f;
+  // (One handle for the process: another stream is set and put back under
+  // a lock.)
+  static std::mutex other_stream;
+  std::unique_lock<std::mutex> lock(other_stream, std::defer_lock);
+  const bool other = stream && stream != ctx.stream;
+  if (other) lock.lock(), lib.set_stream(lib.handle, stream);
   // Column-major, one row of ours a column: y = 1 y + 1 x, in place (geam
   // allows C = A when ldc = lda and A is not transposed).
   const int status = lib.sgeam(lib.handle, 0, 0, static_cast<int>(width), static_cast<int>(rows), &one, y,
                                static_cast<int>(ldy), &one, x, static_cast<int>(ldx), y, static_cast<int>(ldy));
+  if (other) lib.set_stream(lib.handle, ctx.stream);
   void* popped = nullptr;
   drv.ctx_pop(&popped);
   return status == 0 ? "" : "cublasSgeam failed with status " + std::to_string(status);

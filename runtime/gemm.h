@@ -56,10 +56,11 @@ struct Calls {
   std::string error;
 };
 // y[i * ldy + k] += x[i * ldx + k] for k < width, i < rows, on device
-// memory, queued on the runtime's compute stream (cuBLAS's geam, in place):
-// the sums of replicated heads in a collective on the device
-// (collectives.h). Empty, or why it could not.
-std::string add_rows_on_device(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t width, int64_t rows);
+// memory, queued on `stream` (nullptr: the runtime's compute stream) with
+// cuBLAS's geam, in place: the sums of replicated heads in a collective on
+// the device (collectives.h). Empty, or why it could not.
+std::string add_rows_on_device(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t width, int64_t rows,
+                               void* stream = nullptr);
 
 Calls describe(const halide_buffer_t* a, const halide_buffer_t* b, int m_dims, int n_dims, int k_dims, bool a_k_inner,
                bool b_k_inner, const halide_buffer_t* out);

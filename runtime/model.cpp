@@ -327,6 +327,7 @@ void Model::to_host(const ProgramSpec& p, halide_buffer_t* bufs, int b) {
 
 void Model::to_host(halide_buffer_t& hb) {
   if (!hb.device || !(hb.flags & halide_buffer_flag_device_dirty)) return;
+  settle_device_collectives();
   if (int err = halide_copy_to_host(nullptr, &hb))
     throw Error("error: model \"" + std::string(spec_.name) + "\": copying a device buffer home failed with Halide error " +
                 std::to_string(err) + "; Halide printed the reason above.");
@@ -345,6 +346,7 @@ void Model::wait_for_pinned_copies() {
 }
 
 void Model::wait_for_device(const char* what) {
+  settle_device_collectives();
   if (int err = device_blocks_.front()->sync())
     throw Error("error: model \"" + std::string(spec_.name) + "\": waiting for the device (" + what +
                 ") failed with Halide error " + std::to_string(err) + "; Halide printed the reason above.");
@@ -360,7 +362,7 @@ void Model::sum_over_mesh(float* grads, int64_t n) {
   }
 }
 
-void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs) {
+void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer_t* bufs, bool finish_later) {
   if (!device_collectives_) wait_for_pinned_copies();  // (the host is about to read or write their bytes)
   if (call.kind == CallKind::ConcatSeq) {
     concat(call, p, bufs);
@@ -395,11 +397,26 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   if (device_collectives_) {
     // The plan on the buffers' device memory: its copies on the compute
     // stream, its transfer over NCCL after them (the communicator waits for
-    // the compute stream by an event, and the host for the transfer, with
-    // its timeout), so nothing comes home.
-    run_plan(plan, device_address(p, bufs, call.args[0], true, call.kernel),
-             device_address(p, bufs, call.args[1], false, call.kernel), over, device_staging());
-    written_on_device(p, bufs, call.args[1]);
+    // the compute stream by an event). With overlap, an all-to-all's copies
+    // out of the staging wait for the transfer by another event, queued
+    // here or at the program's Wait, and the host waits for neither; without,
+    // the host waits for the transfer (the baseline). Nothing comes home.
+    const int out = call.args[1];
+    const void* src = device_address(p, bufs, call.args[0], true, call.kernel);
+    void* dst = device_address(p, bufs, out, false, call.kernel);
+    written_on_device(p, bufs, out);
+    if (!overlap_) {
+      run_plan(plan, src, dst, over, device_staging());
+      return;
+    }
+    // A slot no plan in flight stages in (they are few: q, k and v's).
+    int slot = 0;
+    while (slot < static_cast<int>(device_slots_.size()) && device_slots_[static_cast<size_t>(slot)]) ++slot;
+    if (slot == static_cast<int>(device_slots_.size())) device_slots_.push_back(false);
+    device_slots_[static_cast<size_t>(slot)] = true;
+    InFlightPlan& f = device_in_flight_[out] = InFlightPlan{start_plan(plan, src, dst, over, device_staging(), slot), slot};
+    // (A transfer done already, as a gather is: nothing to wait for later.)
+    if (!finish_later || !f.plan.transfer) finish_device_plan(out);
     return;
   }
   run_plan(plan, in.host, out.host, over, host_staging_);
@@ -428,6 +445,24 @@ void Model::written_on_device(const ProgramSpec& p, halide_buffer_t* bufs, int b
     bufs[w].flags = (bufs[w].flags & ~halide_buffer_flag_host_dirty) | halide_buffer_flag_device_dirty;
 }
 
+bool Model::finish_device_plan(int out) {
+  auto it = device_in_flight_.find(out);
+  if (it == device_in_flight_.end()) return false;
+  InFlightPlan f = std::move(it->second);
+  device_in_flight_.erase(it);
+  device_slots_[static_cast<size_t>(f.slot)] = false;  // (later copies into it queue after these)
+  finish_plan(f.plan, device_staging());
+  return true;
+}
+
+// Transfers the compute stream waits for by events (collective, ring
+// passes): the host waits for them first, with their timeouts, so that a
+// dead peer is the communicator's error rather than a synchronize that
+// never returns.
+void Model::settle_device_collectives() {
+  if (device_staging_) device_staging_->settle();
+}
+
 CollectiveMemory& Model::device_staging() {
   if (!device_staging_) device_staging_ = make_cuda_collective_memory();
   return *device_staging_;
@@ -441,6 +476,7 @@ void Model::offload(const CallSpec& call, const ProgramSpec& p, halide_buffer_t*
   if (!hb.device) return;
   const BufferSpec& s = p.buffers[call.args[0]];
   int err = 0;
+  settle_device_collectives();  // (a copy between pageable memory and the device waits for the stream)
   if (call.kind == CallKind::Offload) {
     if (hb.flags & halide_buffer_flag_device_dirty) {
       err = halide_copy_to_host(nullptr, &hb);
@@ -1131,6 +1167,8 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   }
   std::ostringstream prof;
   exchanges_.clear();  // left by a step that failed
+  device_in_flight_.clear();
+  device_slots_.assign(device_slots_.size(), false);
   // Eval and training alternate rarely: the other program's device buffers
   // go (those Halide allocated; both programs alias the same blocks).
   release_device(&p == &spec_.train ? forward_bufs_.get() : train_bufs_.get(), false);
@@ -1224,11 +1262,15 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       if (auto it = in_flight.find(call.args[1]); it != in_flight.end()) {
         finish(it->second.done, *it->second.time);
         in_flight.erase(it);
+      } else if (finish_device_plan(call.args[1])) {  // an all-to-all on the device: no host wait
+        times_.all_to_all.waited_s += since(t0);
       } else if (auto e = exchanges_.find(call.args[1]); e != exchanges_.end()) {  // a ring pass, no thread
         std::unique_ptr<Exchange> x = std::move(e->second);
         exchanges_.erase(e);
         const auto w0 = std::chrono::steady_clock::now();
-        x->wait();
+        // On the device the kernels after it wait for the pass by an event.
+        if (device_collectives_) device_staging().join(std::move(x));
+        else x->wait();
         const double took = since(w0);
         times_.ring.waited_s += took;
         times_.ring.busy_s += took;
@@ -1251,7 +1293,7 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
         if (waited[static_cast<size_t>(call.args[1])]) in_flight[call.args[1]] = InFlight{std::move(done), &t};
         else finish(done, t);
       } else {
-        collective(call, p, bufs.data());
+        collective(call, p, bufs.data(), waited[static_cast<size_t>(call.args[1])]);
         const double took = since(t0);
         t.waited_s += took;
         t.busy_s += took;
@@ -1298,13 +1340,19 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
       }
     }
   }
-  if (copies.active) copies.before(p.num_calls);
-  for (auto& f : grad_sums) finish(f, times_.grads);
+  if (!device_in_flight_.empty())
+    throw Error("error: model \"" + std::string(spec_.name) + "\": a collective of its step was started and never "
+                "waited for.\nfix: regenerate the library with this version of Halyard.");
+  // The transfers in the background first, each with its timeout: what
+  // follows synchronizes the streams they run on.
+  settle_device_collectives();
   for (auto& s : device_sums) {
     const auto t0 = std::chrono::steady_clock::now();
     s->wait();
     times_.grads.waited_s += since(t0);
   }
+  if (copies.active) copies.before(p.num_calls);
+  for (auto& f : grad_sums) finish(f, times_.grads);
   if (profile && !device_sums.empty())
     prof << "  all_reduce_grads on the device: " << device_sums.size() << " buckets in the background\n";
   auto timed_sum = [&](float* grads, const char* where) {

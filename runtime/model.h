@@ -264,7 +264,11 @@ class Model {
   void wait_for_device(const char* what);  // throws naming `what`
   int64_t token_slot_bytes() const;  // one of tokens_'s four int32 arrays, aligned
   void check_communicators();
-  void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs);
+  // `finish_later`: on the device, a plan whose transfer can run on is
+  // left in device_in_flight_ for the program's Wait (finish_device_plan).
+  void collective(const CallSpec& call, const ProgramSpec& p, ::halide_buffer_t* bufs, bool finish_later = false);
+  bool finish_device_plan(int out);  // false if out has none in flight
+  void settle_device_collectives();  // before the host waits for the compute stream
   void* device_address(const ProgramSpec& p, ::halide_buffer_t* bufs, int b, bool read, const char* what);
   void written_on_device(const ProgramSpec& p, ::halide_buffer_t* bufs, int b);
   CollectiveMemory& device_staging();  // made at first use
@@ -311,6 +315,14 @@ class Model {
   bool device_collectives_ = false;
   std::unique_ptr<CollectiveMemory> device_staging_;
   std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
+  // Device plans started, finished at their Wait, by output buffer: each
+  // stages in a slot of its own (device_slots_: which are taken).
+  struct InFlightPlan {
+    StartedPlan plan;
+    int slot;
+  };
+  std::map<int, InFlightPlan> device_in_flight_;
+  std::vector<bool> device_slots_;
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
   bool kernel_times_on_device_ = false;
   bool copies_at_edges_ = false;

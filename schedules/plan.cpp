@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 
 #include "dsl/autodiff.h"
@@ -44,6 +45,34 @@ struct Scratch {
   int64_t heap = 0, mapped = 0;
   void add(int64_t bytes) { (bytes >= kMapThreshold ? mapped : heap) += bytes; }
 };
+
+// The staging of a step's collectives (runtime::Model). On the host they
+// run one at a time, in one area as large as the largest. On a GPU an
+// all-to-all waited for later (a Ulysses all-to-all under the kernels
+// before its Wait) stages in a slot of its own until then (a gather is
+// done where it stands): the lowest slot free, grown to the largest plan
+// it holds, every slot kept.
+int64_t staging_bytes(const Program& program, const std::vector<int64_t>& staging_of,
+                      const std::vector<bool>& in_background, bool gpu) {
+  if (!gpu) return staging_of.empty() ? 0 : *std::max_element(staging_of.begin(), staging_of.end());
+  std::vector<int64_t> slots;
+  std::vector<int> held_by;  // the stage in flight in each slot, or -1
+  for (size_t c = 0; c < program.calls.size(); ++c) {
+    const PlannedCall& call = program.calls[c];
+    if (call.stage < 0 || staging_of[static_cast<size_t>(call.stage)] == 0) continue;
+    if (call.wait) {
+      std::replace(held_by.begin(), held_by.end(), call.stage, -1);
+      continue;
+    }
+    const size_t slot = static_cast<size_t>(std::find(held_by.begin(), held_by.end(), -1) - held_by.begin());
+    if (slot == slots.size()) slots.push_back(0), held_by.push_back(-1);
+    slots[slot] = std::max(slots[slot], staging_of[static_cast<size_t>(call.stage)]);
+    const bool waited = std::any_of(program.calls.begin() + static_cast<std::ptrdiff_t>(c) + 1, program.calls.end(),
+                                    [&](const PlannedCall& w) { return w.wait && w.stage == call.stage; });
+    if (waited && in_background[static_cast<size_t>(call.stage)]) held_by[slot] = call.stage;
+  }
+  return std::accumulate(slots.begin(), slots.end(), int64_t{0});
+}
 
 // The temporaries the CPU lowering (generators/lower.cpp) allocates while a
 // kernel runs: copies of operands it reads in another order or computes once
@@ -366,7 +395,9 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   };
   const int64_t ranks = schedule.mesh.ranks();
   const int threads = static_cast<int>(std::max<int64_t>(1, ranks >= cluster.ranks_per_node ? 1 : cluster.ranks_per_node / ranks));
-  int64_t heap_scratch = 0, mapped_scratch = 0, staging = 0;
+  int64_t heap_scratch = 0, mapped_scratch = 0;
+  std::vector<int64_t> staging_of(p.train.stages.size(), 0);  // by stage: an all-to-all's or gather's staging
+  std::vector<bool> all_to_all(p.train.stages.size(), false);
   for (size_t s = 0; s < p.train.stages.size(); ++s) {
     const Stage& st = p.train.stages[s];
     const Node& root = g.node(st.root);
@@ -392,7 +423,8 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
                                                   : static_cast<int64_t>(2 * static_cast<double>(out) * share);
       if (c.kind != "all_reduce") c.bytes_per_rank = stored(c.bytes_per_rank);  // the loss and counts stay f32
       c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
-      if (c.kind == "all_to_all" || c.kind == "all_gather") staging = std::max(staging, stored(2 * std::max(in, out)));
+      if (c.kind == "all_to_all" || c.kind == "all_gather") staging_of[s] = stored(2 * std::max(in, out));
+      all_to_all[s] = c.kind == "all_to_all";
       p.collectives.push_back(c);
       continue;
     }
@@ -489,7 +521,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   mem.activations = stored(std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes));
   mem.offloaded = stored(std::max(p.train_program.offload_bytes, p.forward_program.offload_bytes));
   mem.kernel_scratch = stored(heap_scratch + mapped_scratch);
-  mem.collective_buffers = staging;
+  mem.collective_buffers = staging_bytes(p.train_program, staging_of, all_to_all, gpu);
   const int64_t tokens = req.batch * p.local_seq;
   mem.data = 3 * round_up(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
   mem.runtime_baseline = cluster.process_baseline_bytes;

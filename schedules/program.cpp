@@ -127,8 +127,10 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
   };
   // A Ulysses all-to-all starts right after the kernel that computes its
   // input, so that the projections after it (k, v after q) run while it
-  // moves. (Ring passes are placed by the sharding itself: each starts when
-  // the pass before it has arrived.)
+  // moves; a backward's all-to-all of a value the forward computed stays
+  // in the backward (hoisted into the forward, its output would live
+  // through both, as if it were saved). (Ring passes are placed by the
+  // sharding itself: each starts when the pass before it has arrived.)
   std::vector<size_t> stage_order;
   {
     std::map<int, size_t> producer;  // node -> stage writing it
@@ -143,6 +145,7 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
       if (op != Op::SeqToHeads && op != Op::HeadsToSeq) continue;
       auto it = producer.find(p.stages[s].inputs.at(0));
       if (it == producer.end() || is_runtime_op(g.node(p.stages[it->second].root).op)) continue;
+      if (g.node(p.stages[it->second].root).backward != g.node(p.stages[s].root).backward) continue;
       after[it->second].push_back(s);
       hoisted[s] = true;
     }

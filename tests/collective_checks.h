@@ -7,8 +7,10 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "runtime/collectives.h"
@@ -83,6 +85,78 @@ inline void check_ulysses(const Ranks& run, const Case& c) {
           << what << ": heads_to_seq: rank " << r << " element " << e;
 }
 
+// Three seq_to_heads in flight together (q's, k's and v's, each in a
+// staging slot of its own) with a gather of positions run whole between
+// them in a fourth, and finished out of their start order, k's slot taken
+// again by a fourth all-to-all once k's is finished: each lands where the
+// layout says at its finish. Ranks start at different times, so that on a
+// device a plan staged where another's transfer still reads, or copied out
+// before its transfer ended, would show.
+inline void all_to_alls_in_flight_together_each_land_at_their_finish(const Ranks& run) {
+  using runtime::finish_plan;
+  using runtime::plan_collective;
+  using runtime::start_plan;
+  for (const Case& c : {Case{2, 2, 4}, Case{4, 1, 8}, Case{4, 2, 2}}) {
+    const int p = c.ranks;
+    const int64_t b = c.batch, sl = 3, h = c.heads, d = 2;
+    const int64_t hr = h % p == 0 ? h / p : 1;
+    const BufferSpec x = spec("x", ElemType::F32, {b, sl, h, d});
+    const BufferSpec y = spec("y", ElemType::F32, {b, sl * p, hr, d});
+    const BufferSpec pos = spec("pos", ElemType::I32, {b, sl});
+    const BufferSpec pos_all = spec("pos_all", ElemType::I32, {b, sl * p});
+    constexpr int kValues = 4;  // q, k, v, and one more into k's slot
+    auto input = [](int r, int v, int64_t i) { return value(r, i) + 1e6f * static_cast<float>(v); };
+    std::vector<std::vector<std::vector<float>>> ys(static_cast<size_t>(p));
+    std::vector<std::vector<int32_t>> gathered(static_cast<size_t>(p));
+    expect_no_errors(run(p, [&](Communicator& comm, CollectiveMemory& memory) {
+      const int r = comm.rank();
+      std::this_thread::sleep_for(std::chrono::milliseconds(15 * r));
+      std::vector<std::vector<float>> ins(kValues, std::vector<float>(static_cast<size_t>(b * sl * h * d)));
+      for (int v = 0; v < kValues; ++v)
+        for (size_t i = 0; i < ins[static_cast<size_t>(v)].size(); ++i)
+          ins[static_cast<size_t>(v)][i] = input(r, v, static_cast<int64_t>(i));
+      auto& outs = ys[static_cast<size_t>(r)];
+      outs.assign(kValues, std::vector<float>(static_cast<size_t>(b * sl * p * hr * d), -1.f));
+      auto start = [&](int v, int slot) {
+        return start_plan(plan_collective(CallKind::SeqToHeads, x, y, comm.size(), comm.backend()),
+                          ins[static_cast<size_t>(v)].data(), outs[static_cast<size_t>(v)].data(), &comm, memory, slot);
+      };
+      auto q = start(0, 0), k = start(1, 1), v = start(2, 2);
+      std::vector<int32_t> mine(static_cast<size_t>(b * sl));
+      for (size_t i = 0; i < mine.size(); ++i) mine[i] = r * 1000 + static_cast<int32_t>(i);
+      gathered[static_cast<size_t>(r)].assign(static_cast<size_t>(b * sl * p), -1);
+      auto g = start_plan(plan_collective(CallKind::GatherSeq, pos, pos_all, comm.size(), comm.backend()), mine.data(),
+                          gathered[static_cast<size_t>(r)].data(), &comm, memory, 3);
+      finish_plan(g, memory);
+      finish_plan(k, memory);
+      auto again = start(3, 1);
+      finish_plan(q, memory);
+      finish_plan(v, memory);
+      finish_plan(again, memory);
+      memory.settle();  // (every transfer done, so the copies of `ins` and `mine` too)
+    }));
+    const std::string what = std::to_string(p) + " ranks, batch " + std::to_string(b) + ", " + std::to_string(h) + " heads";
+    auto first_head = [&](int r) { return hr * p == h ? r * hr : r * h / p; };
+    for (int r = 0; r < p; ++r)
+      for (int v = 0; v < kValues; ++v)
+        for (int64_t i = 0; i < b; ++i)
+          for (int q = 0; q < p; ++q)
+            for (int64_t t = 0; t < sl; ++t)
+              for (int64_t j = 0; j < hr * d; ++j) {
+                const float got = ys[static_cast<size_t>(r)][static_cast<size_t>(v)]
+                                    [static_cast<size_t>(((i * sl * p) + q * sl + t) * hr * d + j)];
+                ASSERT_EQ(got, input(q, v, (i * sl + t) * h * d + first_head(r) * d + j))
+                    << what << ": all-to-all " << v << ": rank " << r << " row " << i << " from rank " << q << " token " << t;
+              }
+    for (int r = 0; r < p; ++r)
+      for (int64_t i = 0; i < b; ++i)
+        for (int q = 0; q < p; ++q)
+          for (int64_t t = 0; t < sl; ++t)
+            ASSERT_EQ(gathered[static_cast<size_t>(r)][static_cast<size_t>(i * sl * p + q * sl + t)], q * 1000 + i * sl + t)
+                << what << ": gather";
+  }
+}
+
 inline void ulysses_all_to_alls_move_heads_and_tokens_where_the_layout_says(const Ranks& run) {
   for (const Case& c : {Case{2, 1, 4}, Case{2, 2, 4}, Case{4, 1, 8}, Case{4, 2, 4}}) check_ulysses(run, c);
 }
@@ -152,4 +226,7 @@ inline void sum_over_ranks_in_place_or_into_another_buffer(const Ranks& run) {
   }                                                                                                          \
   TEST(suite, SumOverRanksInPlaceOrIntoAnotherBuffer) {                                                    \
     halyard::testing::collective_checks::sum_over_ranks_in_place_or_into_another_buffer(run);               \
+  }                                                                                                          \
+  TEST(suite, AllToAllsInFlightTogetherEachLandAtTheirFinish) {                                             \
+    halyard::testing::collective_checks::all_to_alls_in_flight_together_each_land_at_their_finish(run);     \
   }

@@ -44,6 +44,12 @@ inline void all_to_all_v_moves_uneven_blocks_and_counts_bytes(runtime::Communica
   const std::vector<int32_t> recv_i = i_recv.host();
   for (size_t i = 0; i < recv_total; ++i) EXPECT_EQ(recv_i[i], static_cast<int32_t>(recv[i]));
   EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * expected_bytes);
+
+  // Started in the background (a GPU step's Ulysses all-to-alls), the same.
+  DeviceBuffer<float> late(recv_total);
+  c.start_all_to_all_v(d_send.get(), send_counts.data(), late.get(), recv_counts.data())->wait();
+  EXPECT_EQ(late.host(), recv);
+  EXPECT_EQ(c.all_to_all_bytes_sent(), 3 * expected_bytes);
 }
 
 inline void all_reduce_sum_on_device_and_host_values(runtime::Communicator& c) {

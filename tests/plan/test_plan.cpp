@@ -283,6 +283,56 @@ TEST(Plan, AllToAllBytesEqualUlyssesFormula) {
   }
 }
 
+// Staging of the all-to-alls: on the host one area as large as the largest
+// (q's: its tokens' heads, sent and received); on a GPU q's, k's and v's
+// run under the projections after them, each in a staging slot of its own
+// (runtime::Model), so the three add up, and the gather of the positions
+// (done where it stands, while they are in flight) takes a fourth. Tiny
+// Llama, 4 ranks: k and v have 2 heads, so each rank receives one head,
+// replicated: twice what it sends.
+TEST(Plan, OnAGpuAllToAllsInFlightTogetherEachHaveTheirStaging) {
+  const auto cfg = llama::LlamaConfig::load(kTiny);
+  Schedule s = Schedule::named("ulysses");
+  s.mesh.sp = 4;
+  const int64_t seq = 256, local = seq / 4;
+  const int64_t q = 2 * local * cfg.num_attention_heads * cfg.head_dim * 4;  // sent and received alike
+  const int64_t kv = 2 * seq * 1 * cfg.head_dim * 4;                         // one head of every token received
+  const int64_t positions = 2 * seq * 4;                                      // every rank's, i32
+  const Plan cpu = plan(llama::llama_builder(), {kTiny, 1, seq}, s, Cluster::named("local-cpu"));
+  const Plan gpu = plan(llama::llama_builder(), {kTiny, 1, seq}, s, Cluster::named("8xH200"));
+  std::printf("  staging: host %lld bytes, GPU %lld (q %lld, k and v %lld each)\n",
+              static_cast<long long>(cpu.memory.collective_buffers), static_cast<long long>(gpu.memory.collective_buffers),
+              static_cast<long long>(q), static_cast<long long>(kv));
+  EXPECT_EQ(cpu.memory.collective_buffers, q);
+  EXPECT_EQ(gpu.memory.collective_buffers, q + 2 * kv + positions);
+}
+
+// The backward sends q, k and v again when their heads layout is
+// recomputed: those all-to-alls start in the backward. Started right after
+// the forward's projections (the inputs' producers), their outputs would
+// live through both passes, as if saved (on a GPU with a staging slot each).
+TEST(Plan, ABackwardsAllToAllOfAForwardValueStartsInTheBackward) {
+  Schedule s = Schedule::named("ulysses");
+  s.mesh.sp = 4;
+  s.values.push_back({"model.layers.*.self_attn op:seq_to_heads", "recompute", "", ""});
+  const Plan p = plan(llama::llama_builder(), {kTiny, 1, 256}, s, Cluster::named("local-cpu"));
+  const Graph& g = *p.model.graph;
+  auto root = [&](const PlannedCall& c) -> const Node& { return g.node(p.train.stages[static_cast<size_t>(c.stage)].root); };
+  size_t first_backward_kernel = p.train_program.calls.size();
+  for (size_t c = 0; c < p.train_program.calls.size() && first_backward_kernel == p.train_program.calls.size(); ++c) {
+    const PlannedCall& call = p.train_program.calls[c];
+    if (call.stage >= 0 && root(call).backward && !op_info(root(call).op).collective) first_backward_kernel = c;
+  }
+  int resent = 0;
+  for (size_t c = 0; c < p.train_program.calls.size(); ++c) {
+    const PlannedCall& call = p.train_program.calls[c];
+    if (call.stage < 0 || call.wait || root(call).op != Op::SeqToHeads || !root(call).backward) continue;
+    ++resent;
+    EXPECT_GT(c, first_backward_kernel) << "call " << c << " (" << root(call).name << ") starts in the forward";
+  }
+  EXPECT_EQ(resent, 4 * 2) << "q, k and v sent again and the output's gradient, in both layers";
+}
+
 // Gradients summed from bf16 (grad_reduce_precision): the reduce-scatter is
 // an all-to-all of half the bytes (ZeRO-1), and without ZeRO an all-gather
 // of the f32 sums follows (runtime::Communicator::all_reduce_sum_bf16).

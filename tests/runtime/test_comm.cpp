@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -64,6 +65,15 @@ TEST_P(Comm, AllToAllVPermutesUnevenBlocksExactly) {
     std::vector<int32_t> send_i(send.begin(), send.end()), recv_i(recv.size(), -1);
     c.all_to_all_v(send_i.data(), send_counts.data(), recv_i.data(), recv_counts.data());
     for (size_t i = 0; i < recv.size(); ++i) EXPECT_EQ(recv_i[i], static_cast<int32_t>(recv[i]));
+
+    // Started, then finished by wait(): the counts may be gone by then.
+    std::vector<float> late(recv.size(), -1.0f);
+    auto counts = std::make_unique<UnevenExchange>(r, n);
+    auto started = c.start_all_to_all_v(send.data(), counts->send_counts.data(), late.data(), counts->recv_counts.data());
+    counts.reset();
+    EXPECT_FALSE(started->join(nullptr)) << "host memory: nothing to join";
+    started->wait();
+    EXPECT_EQ(late, recv);
   }));
 }
 

@@ -330,14 +330,16 @@ TEST(NcclSimFaults, SplitThatAPeerSkipsTimesOut) {
 // Ranks over NCCL, each with CUDA collective memory; the host vectors of
 // collective_checks.h count as device memory, and every copy has landed
 // when a rank returns. As in a Model over NCCL (check_communicators), the
-// calls run after the compute stream's work (use_streams); each rank has a
-// stream of its own for them, as each process has on GPUs (ranks that
-// shared one would queue behind each other's waits).
+// calls run after the compute stream's work (use_streams). Each rank has a
+// compute stream and a communication stream of its own, as each process
+// has on GPUs: ranks that shared one would queue behind each other's waits
+// (a rank's copies joined to its transfer would hold up the copies its
+// peers' transfers wait for).
 std::vector<std::string> on_simulated_gpus(int p, const std::function<void(Communicator&, CollectiveMemory&)>& fn) {
   HostCountsAsDevice host_counts;
   return run_nccl_ranks(p, 10, [&](Communicator& c) {
-    BoundStreams streams(c, static_cast<cudaStream_t>(runtime_cuda_context().stream));
-    auto memory = make_cuda_collective_memory();
+    BoundStreams streams(c, nullptr);
+    auto memory = make_cuda_collective_memory(streams.compute());
     fn(c, *memory);
   });
 }
@@ -363,6 +365,61 @@ TEST(DeviceCollectivesSim, ACommunicatorNotOrderedAfterTheCopiesIsAClearError) {
     EXPECT_THAT(e, HasSubstr("fix: comm.use_streams(runtime_cuda_context().comm_stream, runtime_cuda_context().stream)"));
   });
   expect_no_errors(errors);
+}
+
+// A Ulysses all-to-all started and finished on the device (as a CUDA step
+// with overlap runs it) never makes the host wait for the peers: the copies
+// out of the staging wait for the transfer by an event. Here rank 1 comes
+// late; rank 0 queues everything at once, and only settle() waits.
+TEST(DeviceCollectivesSim, AnAllToAllStartedAndFinishedOnTheDeviceLeavesTheHostFree) {
+  using halyard::testing::collective_checks::spec;
+  // (Two rows: the blocks received are copied out of the staging, after the transfer.)
+  const BufferSpec x = spec("x", ElemType::F32, {2, 3, 4, 2}), y = spec("y", ElemType::F32, {2, 6, 2, 2});
+  std::vector<double> queued(2), settled(2);
+  std::vector<std::vector<float>> outs(2);
+  expect_no_errors(on_simulated_gpus(2, [&](Communicator& c, CollectiveMemory& memory) {
+    const size_t r = static_cast<size_t>(c.rank());
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<float> in(48);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(100 * r + i);
+    outs[r].assign(48, -1.f);
+    StartedPlan s = start_plan(plan_collective(CallKind::SeqToHeads, x, y, 2, "NCCL"), in.data(), outs[r].data(), &c, memory);
+    finish_plan(s, memory);
+    queued[r] = seconds_since(t0);
+    memory.settle();
+    settled[r] = seconds_since(t0);
+  }));
+  EXPECT_LT(queued[0], 0.2) << "rank 0 waited for its late peer while queueing";
+  EXPECT_GE(settled[0], 0.3) << "settle() returned before the late peer sent its blocks";
+  for (size_t r = 0; r < 2; ++r)
+    for (int i = 0; i < 2; ++i)
+      for (int q = 0; q < 2; ++q)
+        for (int t = 0; t < 3; ++t)
+          for (int j = 0; j < 4; ++j)  // rank r's 2 heads of 4: elements 4r..4r+3 of each token
+            EXPECT_EQ(outs[r][static_cast<size_t>(((i * 2 + q) * 3 + t) * 4 + j)],
+                      static_cast<float>(100 * q + (i * 3 + t) * 8 + 4 * static_cast<int>(r) + j))
+                << "rank " << r << " row " << i << " from rank " << q << " token " << t;
+}
+
+// A peer that never starts its all-to-all: the host of the others does not
+// hang in a synchronize; settle() is the communicator's timeout.
+TEST(NcclSimFaults, AnAllToAllJoinedOnTheDeviceTimesOutAtSettle) {
+  HostCountsAsDevice host_counts;
+  using halyard::testing::collective_checks::spec;
+  const BufferSpec x = spec("x", ElemType::F32, {1, 3, 4, 2}), y = spec("y", ElemType::F32, {1, 6, 2, 2});
+  auto errors = run_nccl_ranks(2, 0.5, [&](Communicator& c) {
+    if (c.rank() == 1) return;  // stuck elsewhere
+    BoundStreams streams(c, nullptr);
+    auto memory = make_cuda_collective_memory(streams.compute());
+    std::vector<float> in(24), out(24);
+    StartedPlan s = start_plan(plan_collective(CallKind::SeqToHeads, x, y, 2, "NCCL"), in.data(), out.data(), &c, *memory);
+    finish_plan(s, *memory);
+    memory->settle();
+  });
+  EXPECT_THAT(errors[0], HasSubstr("error: all_to_all_v on rank 0 of 2 timed out after 0.5 s waiting for a peer"));
+  EXPECT_THAT(errors[0], HasSubstr("the all-to-all of 24 f32 started in the background did not finish."));
+  EXPECT_EQ(errors[1], "");
 }
 
 // Gradients summed over the ranks moved in bf16 (--grad-reduce bf16), on the
@@ -398,7 +455,7 @@ TEST(DeviceCollectivesSim, Bf16SumsOnTheDeviceAreTheHostsBits) {
         const std::vector<float> send = fill(c.rank(), n * p);
         device_rs[r].assign(static_cast<size_t>(n), -1.f);
         reduce_scatter_sum_bf16_on_device(send.data(), device_rs[r].data(), n, c, memory);
-        halyard::testing::cuda_ok(cudaStreamSynchronize(static_cast<cudaStream_t>(runtime_cuda_context().stream)),
+        halyard::testing::cuda_ok(cudaStreamSynchronize(static_cast<cudaStream_t>(memory.stream())),
                                   "cudaStreamSynchronize");  // (before `send` goes)
       }));
       for (int r = 0; r < p; ++r) {
