@@ -71,29 +71,16 @@ const Kernels& kernels() {
                 "toolkit is installed, or choose \"attention_kernel\": \"halide\" in the schedule)";
     return out;
 #else
-    const RuntimeCudaContext& ctx = runtime_cuda_context();
-    if (!ctx.error.empty()) {
-      out.error = ctx.error;
-      return out;
-    }
-    const CudaDriver& drv = cuda_driver();
-    drv.ctx_push(ctx.context);
-    void* module = nullptr;
-    int rc = drv.module_load_data(&module, halyard_attention_fatbin);
-    auto find_all = [&](const auto& dims, bool bf16) {
+    std::vector<std::string> names;
+    auto add = [&](const auto& dims, bool bf16) {
       for (int d : dims)
-        for (const char* what : {"fwd", "dq", "dkdv"}) {
-          const std::string name = kernel_name(what, d, bf16);
-          void* f = nullptr;
-          if (rc == 0) rc = drv.module_get_function(&f, module, name.c_str());
-          out.functions.emplace_back(name, f);
-        }
+        for (const char* what : {"fwd", "dq", "dkdv"}) names.push_back(kernel_name(what, d, bf16));
     };
-    find_all(kPaddedHeadDims, false);
-    find_all(kBf16HeadDims, true);
-    void* popped = nullptr;
-    drv.ctx_pop(&popped);
-    if (rc != 0) out.error = "loading the CUDA attention kernels failed: " + drv.text(rc);
+    add(kPaddedHeadDims, false);
+    add(kBf16HeadDims, true);
+    const CudaKernels loaded = load_cuda_kernels(halyard_attention_fatbin, names, "the CUDA attention kernels");
+    for (size_t i = 0; i < names.size(); ++i) out.functions.emplace_back(names[i], loaded.functions[i]);
+    out.error = loaded.error;
     return out;
 #endif
   }();

@@ -38,18 +38,9 @@ const Kernels& kernels() {
     out.error = "this runtime was built without nvcc, so it has no CUDA kernels for the collectives (rebuild where "
                 "the CUDA toolkit is installed)";
 #else
-    const RuntimeCudaContext& ctx = runtime_cuda_context();
-    if (!ctx.context) {
-      out.error = ctx.error;
-      return out;
-    }
-    const CudaDriver& drv = cuda_driver();
-    RuntimeContextScope scope;
-    void* module = nullptr;
-    int rc = drv.module_load_data(&module, halyard_collectives_fatbin);
-    if (rc == 0) rc = drv.module_get_function(&out.round, module, "halyard_round_bf16");
-    if (rc == 0) rc = drv.module_get_function(&out.sum, module, "halyard_sum_bf16");
-    if (rc != 0) out.error = "loading the collectives' CUDA kernels failed: " + drv.text(rc);
+    const CudaKernels loaded =
+        load_cuda_kernels(halyard_collectives_fatbin, {"halyard_round_bf16", "halyard_sum_bf16"}, "the collectives' CUDA kernels");
+    out.round = loaded.functions[0], out.sum = loaded.functions[1], out.error = loaded.error;
 #endif
     return out;
   }();

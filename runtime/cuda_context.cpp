@@ -150,6 +150,28 @@ void* CudaCopyStream::event() {
   return events_[used_++];
 }
 
+CudaKernels load_cuda_kernels(const unsigned char* fatbin, const std::vector<std::string>& names, const char* what) {
+  CudaKernels out;
+  out.functions.assign(names.size(), nullptr);
+  const RuntimeCudaContext& ctx = runtime_cuda_context();
+  if (!ctx.context) {
+    out.error = ctx.error;
+    return out;
+  }
+  const CudaDriver& drv = cuda_driver();
+  if (int rc = drv.ctx_push(ctx.context)) {
+    out.error = std::string("loading ") + what + " failed: cuCtxPushCurrent: " + drv.text(rc);
+    return out;
+  }
+  void* module = nullptr;
+  int rc = drv.module_load_data(&module, fatbin);
+  for (size_t i = 0; i < names.size() && rc == 0; ++i) rc = drv.module_get_function(&out.functions[i], module, names[i].c_str());
+  void* popped = nullptr;
+  drv.ctx_pop(&popped);
+  if (rc != 0) out.error = std::string("loading ") + what + " failed: " + drv.text(rc);
+  return out;
+}
+
 RuntimeContextScope::RuntimeContextScope() {
   if (int rc = cuda_driver().ctx_push(runtime_cuda_context().context))
     throw Error("error: cuCtxPushCurrent failed: " + cuda_driver().text(rc));

@@ -45,6 +45,16 @@ struct RuntimeContextScope {
   RuntimeContextScope& operator=(const RuntimeContextScope&) = delete;
 };
 
+// The kernels `names` of a fatbin the runtime embeds (cuda_fatbin.cpp.in),
+// loaded into the runtime's context: functions[i] is names[i]'s, or
+// nullptr; `error` says why they are missing (no context, the driver's
+// refusal), empty when all are there.
+struct CudaKernels {
+  std::vector<void*> functions;
+  std::string error;
+};
+CudaKernels load_cuda_kernels(const unsigned char* fatbin, const std::vector<std::string>& names, const char* what);
+
 // Host memory page-locked for every CUDA context (cuMemHostRegister,
 // portable) while the object lives. Halide's copies between pageable memory
 // and the device go through a staging buffer of the driver, at about half
