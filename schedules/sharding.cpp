@@ -1,6 +1,7 @@
 // Sharding a model's graph over the sequence (see sharding.h).
 #include "schedules/sharding.h"
 
+#include <array>
 #include <map>
 
 #include "dsl/error.h"
@@ -17,6 +18,17 @@ std::string degrees_string(const std::vector<int64_t>& d) {
   std::vector<std::string> s;
   for (int64_t x : d) s.push_back(std::to_string(x));
   return join(s);
+}
+
+// q, k and v (ins[0..2]) from seq@sp to heads@sp, made v first. That is
+// the order GCC evaluated them in as arguments, kept so that the graphs and
+// libraries stay what they were; an argument list's order is unspecified,
+// and clang's (left to right) numbered the nodes, and so ordered the
+// step's all-to-alls and staging slots, otherwise.
+std::array<Value, 3> to_heads(const std::vector<Value>& ins, const std::string& mesh, int64_t degree) {
+  std::array<Value, 3> qkv;
+  for (int i = 2; i >= 0; --i) qkv[static_cast<size_t>(i)] = seq_to_heads(ins[static_cast<size_t>(i)], mesh, degree);
+  return qkv;
 }
 
 // Ring attention on one rank: its queries against its own keys, then
@@ -128,9 +140,8 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
         }
         Value pos = gather(ins[3], kUlyssesAxis, u), index = gather(row_index(ins[3]), kUlyssesAxis, u);
         g.set_name_prefix(n.name);
-        Value a = ring_attention(seq_to_heads(ins[0], kUlyssesAxis, u), seq_to_heads(ins[1], kUlyssesAxis, u),
-                                 seq_to_heads(ins[2], kUlyssesAxis, u), pos, index, kRingAxis, sp / u,
-                                 s.sequence_layout);
+        const auto [q, k, vh] = to_heads(ins, kUlyssesAxis, u);
+        Value a = ring_attention(q, k, vh, pos, index, kRingAxis, sp / u, s.sequence_layout);
         v = heads_to_seq(a, kUlyssesAxis, u);
         g.set_name_prefix("");
       } else if (strategy == "ulysses") {
@@ -149,8 +160,8 @@ RebuiltGraph shard_sequence(const Graph& src, int loss, const Schedule& s, int64
         // The whole sequence, in order: its seq index is the token's index in the row.
         Value pos = gather(ins[3], mesh, sp);
         g.set_name_prefix(n.name);
-        Value a = attention(seq_to_heads(ins[0], mesh, sp), seq_to_heads(ins[1], mesh, sp),
-                            seq_to_heads(ins[2], mesh, sp), pos);
+        const auto [q, k, vh] = to_heads(ins, mesh, sp);
+        Value a = attention(q, k, vh, pos);
         v = heads_to_seq(a, mesh, sp);
         g.set_name_prefix("");
       } else {
