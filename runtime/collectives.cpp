@@ -215,8 +215,8 @@ void finish_plan(StartedPlan& s, CollectiveMemory& memory) {
   for (const Rows& r : s.plan.unpack) run_rows(r, nullptr, s.out, s.staging, esize, memory);
 }
 
-void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory) {
-  StartedPlan s = start_plan(plan, in, out, comm, memory);
+void run_plan(CollectivePlan plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory) {
+  StartedPlan s = start_plan(std::move(plan), in, out, comm, memory);
   if (s.transfer) s.transfer->wait();  // (the host waits, as a blocking call does)
   finish_plan(s, memory);
 }

@@ -108,7 +108,7 @@ class HostCollectiveMemory final : public CollectiveMemory {
 
 // Runs `plan` from `in` to `out` (in `memory`) over `comm`, whose buffers
 // must be of that memory; without one (a single rank) the transfer is a copy.
-void run_plan(const CollectivePlan& plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory);
+void run_plan(CollectivePlan plan, const void* in, void* out, Communicator* comm, CollectiveMemory& memory);
 
 // run_plan in two halves, for a transfer that runs while the caller goes
 // on. start_plan queues the copies before the transfer and starts it (an

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string_view>
 
@@ -392,7 +393,7 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
   }
   if (!over && call.kind != CallKind::AllReduce)  // (one rank: the sum is the value)
     throw Error(std::string("error: model \"") + spec_.name + "\" calls " + call.kernel + " without a communicator.");
-  const CollectivePlan plan = plan_collective(call.kind, p.buffers[call.args[0]], p.buffers[call.args[1]],
+  CollectivePlan plan = plan_collective(call.kind, p.buffers[call.args[0]], p.buffers[call.args[1]],
                                               over ? over->size() : 1, over ? over->backend() : "one rank");
   if (device_collectives_) {
     // The plan on the buffers' device memory: its copies on the compute
@@ -406,20 +407,21 @@ void Model::collective(const CallSpec& call, const ProgramSpec& p, halide_buffer
     void* dst = device_address(p, bufs, out, false, call.kernel);
     written_on_device(p, bufs, out);
     if (!overlap_) {
-      run_plan(plan, src, dst, over, device_staging());
+      run_plan(std::move(plan), src, dst, over, device_staging());
       return;
     }
-    // A slot no plan in flight stages in (they are few: q, k and v's).
+    // The lowest slot no plan in flight stages in (they are few: q, k and v's).
+    std::set<int> taken;
+    for (const auto& [o, f] : device_in_flight_) taken.insert(f.slot);
     int slot = 0;
-    while (slot < static_cast<int>(device_slots_.size()) && device_slots_[static_cast<size_t>(slot)]) ++slot;
-    if (slot == static_cast<int>(device_slots_.size())) device_slots_.push_back(false);
-    device_slots_[static_cast<size_t>(slot)] = true;
-    InFlightPlan& f = device_in_flight_[out] = InFlightPlan{start_plan(plan, src, dst, over, device_staging(), slot), slot};
+    while (taken.count(slot)) ++slot;
+    InFlightPlan& f = device_in_flight_[out] =
+        InFlightPlan{start_plan(std::move(plan), src, dst, over, device_staging(), slot), slot};
     // (A transfer done already, as a gather is: nothing to wait for later.)
     if (!finish_later || !f.plan.transfer) finish_device_plan(out);
     return;
   }
-  run_plan(plan, in.host, out.host, over, host_staging_);
+  run_plan(std::move(plan), in.host, out.host, over, host_staging_);
   if (gpu_) out.flags |= halide_buffer_flag_host_dirty;  // (Halide uploads only host-dirty buffers)
 }
 
@@ -449,8 +451,7 @@ bool Model::finish_device_plan(int out) {
   auto it = device_in_flight_.find(out);
   if (it == device_in_flight_.end()) return false;
   InFlightPlan f = std::move(it->second);
-  device_in_flight_.erase(it);
-  device_slots_[static_cast<size_t>(f.slot)] = false;  // (later copies into it queue after these)
+  device_in_flight_.erase(it);  // (its slot is free: later copies into it queue after these)
   finish_plan(f.plan, device_staging());
   return true;
 }
@@ -1168,7 +1169,6 @@ double Model::run(const ProgramSpec& p, const int32_t* const caller_inputs[4]) {
   std::ostringstream prof;
   exchanges_.clear();  // left by a step that failed
   device_in_flight_.clear();
-  device_slots_.assign(device_slots_.size(), false);
   // Eval and training alternate rarely: the other program's device buffers
   // go (those Halide allocated; both programs alias the same blocks).
   release_device(&p == &spec_.train ? forward_bufs_.get() : train_bufs_.get(), false);

@@ -316,13 +316,12 @@ class Model {
   std::unique_ptr<CollectiveMemory> device_staging_;
   std::map<int, std::unique_ptr<Exchange>> exchanges_;  // ring passes in flight, by output buffer (no thread)
   // Device plans started, finished at their Wait, by output buffer: each
-  // stages in a slot of its own (device_slots_: which are taken).
+  // stages in a slot of its own.
   struct InFlightPlan {
     StartedPlan plan;
     int slot;
   };
   std::map<int, InFlightPlan> device_in_flight_;
-  std::vector<bool> device_slots_;
   bool overlap_ = std::getenv("HALYARD_NO_OVERLAP") == nullptr;
   bool kernel_times_on_device_ = false;
   bool copies_at_edges_ = false;

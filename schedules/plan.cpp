@@ -55,10 +55,12 @@ struct Scratch {
 int64_t staging_bytes(const Program& program, const std::vector<int64_t>& staging_of,
                       const std::vector<bool>& in_background, bool gpu) {
   if (!gpu) return staging_of.empty() ? 0 : *std::max_element(staging_of.begin(), staging_of.end());
+  std::vector<bool> waited(staging_of.size(), false);  // stages finished by a Wait later
+  for (const PlannedCall& call : program.calls)
+    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
   std::vector<int64_t> slots;
   std::vector<int> held_by;  // the stage in flight in each slot, or -1
-  for (size_t c = 0; c < program.calls.size(); ++c) {
-    const PlannedCall& call = program.calls[c];
+  for (const PlannedCall& call : program.calls) {
     if (call.stage < 0 || staging_of[static_cast<size_t>(call.stage)] == 0) continue;
     if (call.wait) {
       std::replace(held_by.begin(), held_by.end(), call.stage, -1);
@@ -67,9 +69,7 @@ int64_t staging_bytes(const Program& program, const std::vector<int64_t>& stagin
     const size_t slot = static_cast<size_t>(std::find(held_by.begin(), held_by.end(), -1) - held_by.begin());
     if (slot == slots.size()) slots.push_back(0), held_by.push_back(-1);
     slots[slot] = std::max(slots[slot], staging_of[static_cast<size_t>(call.stage)]);
-    const bool waited = std::any_of(program.calls.begin() + static_cast<std::ptrdiff_t>(c) + 1, program.calls.end(),
-                                    [&](const PlannedCall& w) { return w.wait && w.stage == call.stage; });
-    if (waited && in_background[static_cast<size_t>(call.stage)]) held_by[slot] = call.stage;
+    if (waited[static_cast<size_t>(call.stage)] && in_background[static_cast<size_t>(call.stage)]) held_by[slot] = call.stage;
   }
   return std::accumulate(slots.begin(), slots.end(), int64_t{0});
 }
