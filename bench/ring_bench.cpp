@@ -13,7 +13,10 @@
 // and the share hidden is 1 - waited / busy. A collective's time includes
 // waiting for a slower peer, so load imbalance shows here too. Each
 // strategy also runs with overlap off (every collective blocks where it
-// stands), for the step time it saves.
+// stands), for the step time it saves. Beside the measured, the library's
+// own plan (ModelSpec::plan_json, planned for the cluster it was built
+// for) predicts the step, the communication and the part of it the step
+// waits for.
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +24,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -150,6 +154,17 @@ int main(int argc, char** argv) {
       row(*comm, (n + ": share hidden %").c_str(), t.hidden(), 100, "%");
       row(*comm, (n + " ms, overlap off").c_str(), (off.*(k.f)).waited_s, 1e3, "ms");
     }
+    double busy = 0, waited = 0;
+    for (const auto& k : kinds) busy += (on.*(k.f)).busy_s, waited += (on.*(k.f)).waited_s;
+    row(*comm, "all communication ms, on the communication thread", busy, 1e3, "ms");
+    row(*comm, "all communication ms, the step waited", waited, 1e3, "ms");
+    row(*comm, "all communication: share hidden %", busy > 0 ? 1 - waited / busy : 0, 100, "%");
+    const auto plan = nlohmann::json::parse(s.spec.plan_json);
+    const double c = plan.at("communication_s"), e = plan.at("exposed_communication_s");
+    if (comm->rank() == 0)
+      std::printf("  predicted (plan for %s): step %.1f ms, communication %.1f ms, the step waits %.1f ms, hidden %.0f%%\n",
+                  plan.at("cluster").get<std::string>().c_str(), 1e3 * plan.at("predicted_step_s").get<double>(), 1e3 * c,
+                  1e3 * e, c > 0 ? 100 * (1 - e / c) : 0.0);
   }
   return 0;
 }

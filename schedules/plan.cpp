@@ -74,6 +74,95 @@ int64_t staging_bytes(const Program& program, const std::vector<int64_t>& stagin
   return std::accumulate(slots.begin(), slots.end(), int64_t{0});
 }
 
+// The step on two tracks, as runtime::Model runs it: the kernels one after
+// another; the collectives one after another on the communication thread
+// (host) or stream (GPU). A collective the program finishes at a later Wait
+// (a Ulysses all-to-all, a ring pass) runs under the kernels up to there;
+// any other is waited for where it stands. With `buckets` the gradients'
+// sum over the mesh goes out in buckets during the backward, each once the
+// kernels have finished its gradients; otherwise it runs whole after the
+// backward. What follows it (ZeRO's all-gathers), the update and the
+// offload copies come after, one after the other. Sets each stage's and
+// collective's start, communication_s (every collective's time),
+// exposed_communication_s (what the kernels wait for) and step_s.
+void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
+  const Program& prog = p.train_program;
+  const size_t n = p.train.stages.size();
+  std::vector<StageCost*> kernel(n, nullptr);
+  std::vector<CollectiveCost*> collective(n, nullptr);
+  for (StageCost& s : p.stages) kernel[static_cast<size_t>(s.stage)] = &s;
+  for (CollectiveCost& c : p.collectives)
+    if (c.stage >= 0) collective[static_cast<size_t>(c.stage)] = &c;
+  std::vector<bool> waited(n, false);
+  for (const PlannedCall& call : prog.calls)
+    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
+
+  // The gradients' sum (its halves, summed from bf16) goes in buckets; the
+  // parameters' gathers (ZeRO) follow it whole.
+  std::vector<CollectiveCost> sums, after;
+  for (const CollectiveCost& c : p.collectives)
+    if (c.stage < 0) (buckets && c.op.ends_with("_grads") ? sums : after).push_back(c);
+  std::erase_if(p.collectives, [](const CollectiveCost& c) { return c.stage < 0; });
+  // runtime/model.cpp: a bucket goes once its gradients (f32, from the
+  // last parameter down) come to 4 MiB, or reach the first parameter.
+  constexpr int64_t kGradBucketBytes = 4 << 20;
+  const size_t params = p.param_ids.size();
+  std::vector<int64_t> grad_bytes(params, 0);
+  for (size_t i = 0; i < params; ++i) grad_bytes[i] = 4 * p.model.graph->node(p.param_ids[i]).type.numel();
+  const double all_grads = std::max<double>(1, static_cast<double>(std::accumulate(grad_bytes.begin(), grad_bytes.end(), int64_t{0})));
+  std::vector<std::vector<size_t>> final_after(prog.calls.size());
+  for (size_t b = 0; b < prog.buffers.size(); ++b)
+    if (prog.buffers[b].kind == BufferKind::Grad && prog.buffers[b].last >= 0 &&
+        prog.buffers[b].last < static_cast<int>(prog.calls.size()))
+      final_after[static_cast<size_t>(prog.buffers[b].last)].push_back(static_cast<size_t>(prog.buffers[b].index));
+  std::vector<bool> final_grad(params, false);
+  size_t lo = params, hi = params;
+
+  double t = 0, comm = 0;  // when the kernels' track and the communication's are next free
+  std::vector<double> lands(n, 0);
+  auto send = [&](CollectiveCost& c) {
+    c.start_s = std::max(t, comm);
+    comm = c.start_s + c.time_s;
+    return comm;
+  };
+  auto send_bucket = [&](size_t from, size_t to) {
+    const int64_t bytes = std::accumulate(grad_bytes.begin() + static_cast<std::ptrdiff_t>(from),
+                                          grad_bytes.begin() + static_cast<std::ptrdiff_t>(to), int64_t{0});
+    for (CollectiveCost c : sums) {
+      c.bytes_per_rank = static_cast<int64_t>(static_cast<double>(c.bytes_per_rank) * static_cast<double>(bytes) / all_grads);
+      c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
+      send(c);
+      p.collectives.push_back(c);
+    }
+  };
+  for (size_t k = 0; k < prog.calls.size(); ++k) {
+    const PlannedCall& call = prog.calls[k];
+    if (call.stage < 0) continue;  // an offload copy: counted after the step
+    const size_t s = static_cast<size_t>(call.stage);
+    if (CollectiveCost* c = collective[s]) {
+      if (call.wait) t = std::max(t, lands[s]);
+      else if (waited[s]) lands[s] = send(*c);
+      else t = send(*c);
+      continue;
+    }
+    if (StageCost* sc = kernel[s]) sc->start_s = t, t += sc->time_s;
+    if (sums.empty()) continue;
+    for (size_t i : final_after[k]) final_grad[i] = true;
+    while (lo > 0 && final_grad[lo - 1]) --lo;
+    const int64_t bytes = std::accumulate(grad_bytes.begin() + static_cast<std::ptrdiff_t>(lo),
+                                          grad_bytes.begin() + static_cast<std::ptrdiff_t>(hi), int64_t{0});
+    if (lo < hi && (lo == 0 || bytes >= kGradBucketBytes)) send_bucket(lo, hi), hi = lo;
+  }
+  if (!sums.empty() && hi > 0) send_bucket(0, hi);
+  t = std::max(t, comm);
+  for (CollectiveCost& c : after) t = send(c);
+  p.collectives.insert(p.collectives.end(), after.begin(), after.end());
+  p.communication_s = 0;
+  for (const CollectiveCost& c : p.collectives) p.communication_s += c.time_s;
+  p.exposed_communication_s = std::max(0.0, t - p.compute_s);
+  p.step_s = t + p.optimizer_s + p.offload_s;
+}
+
 // The temporaries the CPU lowering (generators/lower.cpp) allocates while a
 // kernel runs: copies of operands it reads in another order or computes once
 // from an inlined expression, and row panels of an inlined operand per
@@ -486,7 +575,6 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
       add("all_reduce_grads", "all_reduce", 2 * static_cast<double>(param_bytes) * share);
     }
   }
-  for (const CollectiveCost& c : p.collectives) p.communication_s += c.time_s;
   // AdamW reads parameter, gradient and two moments and writes three of them.
   const double updated = static_cast<double>(p.num_params) / static_cast<double>(schedule.mesh.zero ? ranks : 1);
   p.optimizer_s = cluster.kernel_time("pointwise", 12 * updated, 28 * updated);
@@ -497,7 +585,10 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
       const double bytes = static_cast<double>(stored(b.bytes));
       p.offload_s += 2 * (cluster.host_link.alpha_s + bytes * cluster.host_link.beta_s_per_byte);
     }
-  p.step_s = p.compute_s + p.communication_s + p.optimizer_s + p.offload_s;
+  // Under ZeRO the update reduce-scatters the gradients after the backward
+  // (examples/llama/train.cpp); summed from bf16 on a GPU, they are summed
+  // whole after it too (runtime::Model: grads_on_device).
+  lay_out_step(p, cluster, schedule.mesh.zero == 0 && !(gpu && schedule.grad_reduce_precision == "bf16"));
 
   // Memory of one rank, as runtime::Model and the training loop allocate it.
   MemoryBreakdown& mem = p.memory;
@@ -588,9 +679,9 @@ std::string Plan::report() const {
   char offload_part[64] = "";
   if (offload_s > 0) std::snprintf(offload_part, sizeof offload_part, ", offload %.4f", offload_s);
   std::snprintf(line, sizeof line,
-                "\npredicted step: %.4f s (compute %.4f, communication %.4f, optimizer %.4f%s); %.3f GFLOP per rank "
-                "(model FLOPs %.3f: 3x the forward's), %.2f MiB sent per rank\n",
-                step_s, compute_s, communication_s, optimizer_s, offload_part, flops() / 1e9, model_flops() / 1e9,
+                "\npredicted step: %.4f s (compute %.4f, communication %.4f of which %.4f waited for, optimizer %.4f%s); "
+                "%.3f GFLOP per rank (model FLOPs %.3f: 3x the forward's), %.2f MiB sent per rank\n",
+                step_s, compute_s, communication_s, exposed_communication_s, optimizer_s, offload_part, flops() / 1e9, model_flops() / 1e9,
                 mib(collective_bytes_per_rank()));
   os << line;
   // Ring attention's work differs between the ranks (the step waits for the busiest).
@@ -623,6 +714,7 @@ std::string Plan::summary_json() const {
   for (const auto& [k, v] : memory.items()) j["memory_per_rank"][k] = v;
   j["compute_s"] = compute_s;
   j["communication_s"] = communication_s;
+  j["exposed_communication_s"] = exposed_communication_s;
   j["optimizer_s"] = optimizer_s;
   if (memory.offloaded > 0) {
     j["offloaded_bytes_per_rank"] = memory.offloaded;  // host memory, not in the peak
@@ -640,10 +732,11 @@ std::string Plan::to_json() const {
   for (const StageCost& s : stages)
     j["stages"].push_back({{"stage", s.stage}, {"kind", s.kind}, {"label", s.label}, {"layer", s.layer},
                            {"backward", s.backward}, {"flops", s.flops}, {"charged_flops", s.charged_flops}, {"bytes", s.bytes},
-                           {"scratch_estimate", s.scratch_estimate}, {"time_s", s.time_s}});
+                           {"scratch_estimate", s.scratch_estimate}, {"time_s", s.time_s}, {"start_s", s.start_s}});
   for (const CollectiveCost& c : collectives)
     j["collectives"].push_back({{"stage", c.stage}, {"op", c.op}, {"kind", c.kind}, {"axis", c.axis},
-                                {"degree", c.degree}, {"bytes_per_rank", c.bytes_per_rank}, {"time_s", c.time_s}});
+                                {"degree", c.degree}, {"bytes_per_rank", c.bytes_per_rank}, {"time_s", c.time_s},
+                                {"start_s", c.start_s}});
   j["arena_bytes"] = {{"train", train_program.arena_bytes}, {"forward", forward_program.arena_bytes}};
   return j.dump(2);
 }

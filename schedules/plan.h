@@ -73,6 +73,7 @@ struct StageCost {
   int64_t bytes = 0;  // read + written
   int64_t scratch_estimate = 0;  // temporaries the lowering allocates for the cluster's device (kernel_scratch's estimate)
   double time_s = 0;
+  double start_s = 0;  // from the step's start, on the kernels' track
 };
 
 struct CollectiveCost {
@@ -83,6 +84,7 @@ struct CollectiveCost {
   int64_t degree = 1;
   int64_t bytes_per_rank = 0;  // what each rank sends
   double time_s = 0;
+  double start_s = 0;  // from the step's start, on the communication's track
 };
 
 // Bytes one rank holds at its peak, by what holds them.
@@ -112,11 +114,13 @@ struct Plan {
   Program train_program, forward_program;
 
   std::vector<StageCost> stages;  // the train program's kernels, in order
-  std::vector<CollectiveCost> collectives;
+  std::vector<CollectiveCost> collectives;  // in the order they start; the gradients' sum bucket by bucket
   MemoryBreakdown memory;
-  double compute_s = 0, communication_s = 0, optimizer_s = 0;
+  // communication_s is every collective's time; the step waits for
+  // exposed_communication_s of it (the rest runs under the kernels).
+  double compute_s = 0, communication_s = 0, exposed_communication_s = 0, optimizer_s = 0;
   double offload_s = 0;  // offloaded values out to the host and back (not overlapped yet)
-  double step_s = 0;  // predicted: train step plus the optimizer update
+  double step_s = 0;  // predicted: train step (kernels and the communication they wait for) plus the optimizer update
   // On a GPU cluster, a Halide kernel's tensor beyond 32-bit indexing
   // (partition.h: gpu_index_overflow), said as the generator refuses it;
   // "" when the library would build. The search counts such a plan as not

@@ -185,34 +185,24 @@ std::string summary(const Schedule& s, const RematResult* r) {
   return out;
 }
 
-// The predicted step, stage by stage: kernels on one track, collectives on
-// another, in program order (Halyard runs them one after the other).
+// The predicted step as plan() lays it out: the kernels on one track, the
+// collectives on another, each from its predicted start (a collective
+// finished at a later Wait runs under the kernels up to there), then the
+// update.
 nlohmann::json trace_of(const Plan& p) {
-  struct Event {
-    int stage;
-    std::string name, cat;
-    double dur;
-    int tid;
-    nlohmann::json args;
-  };
-  std::vector<Event> ev;
-  for (const StageCost& s : p.stages)
-    ev.push_back({s.stage, s.label, s.kind, s.time_s, 1,
-                  {{"flops", s.flops}, {"bytes", s.bytes}, {"layer", s.layer}, {"backward", s.backward}}});
-  for (const CollectiveCost& c : p.collectives)
-    ev.push_back({c.stage < 0 ? 1 << 30 : c.stage, c.op + " over " + c.axis, c.kind, c.time_s, 2,
-                  {{"bytes_per_rank", c.bytes_per_rank}, {"degree", c.degree}}});
-  std::stable_sort(ev.begin(), ev.end(), [](const Event& a, const Event& b) { return a.stage < b.stage; });
-  ev.push_back({1 << 30, "AdamW update", "optimizer", p.optimizer_s, 1, nlohmann::json::object()});
   nlohmann::json t = nlohmann::json::array();
   t.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", 1}, {"args", {{"name", "compute"}}}});
   t.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", 2}, {"args", {{"name", "communication"}}}});
-  double at = 0;
-  for (const Event& e : ev) {
-    t.push_back({{"name", e.name}, {"cat", e.cat}, {"ph", "X"}, {"pid", 0}, {"tid", e.tid}, {"ts", at * 1e6},
-                 {"dur", e.dur * 1e6}, {"args", e.args}});
-    at += e.dur;
-  }
+  auto event = [&](const std::string& name, const std::string& cat, int tid, double start, double dur, nlohmann::json args) {
+    t.push_back({{"name", name}, {"cat", cat}, {"ph", "X"}, {"pid", 0}, {"tid", tid}, {"ts", start * 1e6},
+                 {"dur", dur * 1e6}, {"args", std::move(args)}});
+  };
+  for (const StageCost& s : p.stages)
+    event(s.label, s.kind, 1, s.start_s, s.time_s,
+          {{"flops", s.flops}, {"bytes", s.bytes}, {"layer", s.layer}, {"backward", s.backward}});
+  for (const CollectiveCost& c : p.collectives)
+    event(c.op + " over " + c.axis, c.kind, 2, c.start_s, c.time_s, {{"bytes_per_rank", c.bytes_per_rank}, {"degree", c.degree}});
+  event("AdamW update", "optimizer", 1, p.step_s - p.optimizer_s - p.offload_s, p.optimizer_s, nlohmann::json::object());
   return {{"traceEvents", t}, {"displayTimeUnit", "ms"}};
 }
 

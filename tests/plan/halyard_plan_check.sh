@@ -30,6 +30,18 @@ assert r["autosp"]["plan"]["predicted_peak_bytes_per_rank"] <= r["memory_per_ran
 t = json.load(open(f"{d}/t.json"))
 tracks = {e["tid"] for e in t["traceEvents"] if e["ph"] == "X"}
 assert tracks == {1, 2}, tracks  # compute and communication
+# Each track runs one thing at a time; some collective runs beside a kernel
+# (a Ulysses all-to-all under the projections after it); the step ends with
+# the update, at the plan's step time.
+spans = {tid: sorted((e["ts"], e["ts"] + e["dur"]) for e in t["traceEvents"] if e["ph"] == "X" and e["tid"] == tid)
+         for tid in (1, 2)}
+for tid, s in spans.items():
+    for (a0, a1), (b0, b1) in zip(s, s[1:]):
+        assert b0 >= a1 - 1e-3, (tid, a0, a1, b0)
+beside = sum(1 for c0, c1 in spans[2] if c1 > c0 and any(k0 < c1 - 1e-3 and c0 < k1 - 1e-3 for k0, k1 in spans[1]))
+assert beside > 0, "no collective runs beside a kernel"
+step_us = r["autosp"]["plan"]["predicted_step_s"] * 1e6
+assert abs(max(b for _, b in spans[1]) - step_us) < 1e-6 * step_us + 1, (max(b for _, b in spans[1]), step_us)
 s = json.load(open(f"{d}/s.json"))
 assert s["mesh"]["sp"] * s["mesh"]["dp"] == 4 and s["mesh"]["zero"] in (0, 1), s["mesh"]
 png = open(f"{d}/p.png", "rb").read()
