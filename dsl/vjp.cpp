@@ -11,6 +11,11 @@ namespace halyard {
 
 std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool>& needed, const ForwardValue& fwd) {
   std::vector<Value> d(n.inputs.size());
+  // A rematerialized operand is cloned where in() first asks for it, so the
+  // order of the calls numbers the backward's nodes: each operand is taken
+  // in a statement of its own (an argument list's order is unspecified, and
+  // GCC and clang differ), highest operand first, the order GCC's builds
+  // always had.
   auto in = [&](size_t k) { return fwd(n.inputs[k]); };
   auto type = [&](size_t k) -> const TensorType& { return g.node(n.inputs[k]).type; };
   auto want = [&](size_t k) { return needed[k]; };
@@ -46,7 +51,10 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
     case Op::RmsNorm: {
       // y = x*r*w, r = rsqrt(mean(x^2)+eps)
       //   dx = r*(w*dy) - x*r^3/n * sum(w*dy*x);  dw = sum over tokens(dy*x*r)
-      if (want(0)) d[0] = rms_norm_grad_x(in(0), in(1), dy, n.attrs.eps);
+      if (want(0)) {
+        const Value w = in(1), x = in(0);
+        d[0] = rms_norm_grad_x(x, w, dy, n.attrs.eps);
+      }
       if (want(1)) d[1] = rms_norm_grad_w(in(0), dy, type(1).axes[0].name, n.attrs.eps);
       break;
     }
@@ -61,14 +69,18 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
       if (is_ring_block(n)) {  // a ring's key block, with the tokens' indices
         const TokenIndex index{in(5), in(4)};
-        Value lse = attention_block_lse(in(0), in(1), in(3), index, n.attrs);
-        for (size_t k = 0; k < 3; ++k)
-          if (want(k)) d[k] = attention_block_grad(which[k], in(0), in(1), in(2), in(3), out, dy, lse, index, n.attrs);
+        const Value pos = in(3), k = in(1), q = in(0);
+        Value lse = attention_block_lse(q, k, pos, index, n.attrs);
+        const Value v = in(2);
+        for (size_t j = 0; j < 3; ++j)
+          if (want(j)) d[j] = attention_block_grad(which[j], q, k, v, pos, out, dy, lse, index, n.attrs);
         break;
       }
-      Value lse = attention_lse(in(0), in(1), in(3));
-      for (size_t k = 0; k < 3; ++k)
-        if (want(k)) d[k] = attention_grad(which[k], in(0), in(1), in(2), in(3), out, dy, lse);
+      const Value pos = in(3), k = in(1), q = in(0);
+      Value lse = attention_lse(q, k, pos);
+      const Value v = in(2);
+      for (size_t j = 0; j < 3; ++j)
+        if (want(j)) d[j] = attention_grad(which[j], q, k, v, pos, out, dy, lse);
       break;
     }
     case Op::AttentionMerge: {
@@ -97,8 +109,9 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
           dv = ring_shift(dv, ring.mesh_axis, ring.degree, -ring.offset);
         }
         Value grads[3];
+        const Value pos = in(1), q = in(0);
         for (size_t k = 0; k < 3; ++k)
-          grads[k] = attention_block_grad(which[k], in(0), kb, vb, in(1), out, dy, lse, index, block);
+          grads[k] = attention_block_grad(which[k], q, kb, vb, pos, out, dy, lse, index, block);
         d[0] = d[0].valid() ? add(d[0], grads[0]) : grads[0];
         dk = dk.valid() ? add(grads[1], dk) : grads[1];
         dv = dv.valid() ? add(grads[2], dv) : grads[2];
@@ -109,7 +122,10 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
     }
     case Op::CrossEntropy:
       // l = sum(lse(z) - z[label]) / count  =>  dz = (softmax(z) - onehot(label)) / count * dl
-      d[0] = cross_entropy_grad(in(0), in(1), in(2), dy, n.attrs.ignore_index);
+      {
+        const Value count = in(2), labels = in(1), logits = in(0);
+        d[0] = cross_entropy_grad(logits, labels, count, dy, n.attrs.ignore_index);
+      }
       break;
     // Tiles: a slice's transpose puts the cotangent back in place (zeros elsewhere).
     case Op::SliceSeq:

@@ -88,21 +88,20 @@ int64_t staging_bytes(const Program& program, const std::vector<int64_t>& stagin
 void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   const Program& prog = p.train_program;
   const size_t n = p.train.stages.size();
-  std::vector<StageCost*> kernel(n, nullptr);
-  std::vector<CollectiveCost*> collective(n, nullptr);
-  for (StageCost& s : p.stages) kernel[static_cast<size_t>(s.stage)] = &s;
-  for (CollectiveCost& c : p.collectives)
-    if (c.stage >= 0) collective[static_cast<size_t>(c.stage)] = &c;
-  std::vector<bool> waited(n, false);
-  for (const PlannedCall& call : prog.calls)
-    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
-
   // The gradients' sum (its halves, summed from bf16) goes in buckets; the
-  // parameters' gathers (ZeRO) follow it whole.
-  std::vector<CollectiveCost> sums, after;
+  // parameters' gathers (ZeRO) follow it whole. Both are added to
+  // p.collectives at the end (the pointers below stay valid).
+  std::vector<CollectiveCost> sums, after, sent;
   for (const CollectiveCost& c : p.collectives)
     if (c.stage < 0) (buckets && c.op.ends_with("_grads") ? sums : after).push_back(c);
   std::erase_if(p.collectives, [](const CollectiveCost& c) { return c.stage < 0; });
+  std::vector<StageCost*> kernel(n, nullptr);
+  std::vector<CollectiveCost*> collective(n, nullptr);
+  for (StageCost& s : p.stages) kernel[static_cast<size_t>(s.stage)] = &s;
+  for (CollectiveCost& c : p.collectives) collective[static_cast<size_t>(c.stage)] = &c;
+  std::vector<bool> waited(n, false);
+  for (const PlannedCall& call : prog.calls)
+    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
   // runtime/model.cpp: a bucket goes once its gradients (f32, from the
   // last parameter down) come to 4 MiB, or reach the first parameter.
   constexpr int64_t kGradBucketBytes = 4 << 20;
@@ -132,7 +131,7 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
       c.bytes_per_rank = static_cast<int64_t>(static_cast<double>(c.bytes_per_rank) * static_cast<double>(bytes) / all_grads);
       c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
       send(c);
-      p.collectives.push_back(c);
+      sent.push_back(c);
     }
   };
   for (size_t k = 0; k < prog.calls.size(); ++k) {
@@ -156,7 +155,10 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   if (!sums.empty() && hi > 0) send_bucket(0, hi);
   t = std::max(t, comm);
   for (CollectiveCost& c : after) t = send(c);
+  p.collectives.insert(p.collectives.end(), sent.begin(), sent.end());
   p.collectives.insert(p.collectives.end(), after.begin(), after.end());
+  std::stable_sort(p.collectives.begin(), p.collectives.end(),
+                   [](const CollectiveCost& a, const CollectiveCost& b) { return a.start_s < b.start_s; });
   p.communication_s = 0;
   for (const CollectiveCost& c : p.collectives) p.communication_s += c.time_s;
   p.exposed_communication_s = std::max(0.0, t - p.compute_s);
