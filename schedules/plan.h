@@ -42,6 +42,21 @@ struct BuiltModel {
   int64_t layers = 0;  // repeated layers (model.layers.N) the model has
 };
 
+// A model's graph (any struct with graph, loss, params and hf_shapes, as
+// the examples' build functions return) as plan() takes it.
+template <class ModelGraph>
+BuiltModel built_model(ModelGraph m, int64_t vocab, std::string config_json, int64_t layers) {
+  BuiltModel b;
+  b.graph = std::move(m.graph);
+  b.loss = m.loss;
+  b.params = std::move(m.params);
+  b.hf_shapes = std::move(m.hf_shapes);
+  b.vocab = vocab;
+  b.config_json = std::move(config_json);
+  b.layers = layers;
+  return b;
+}
+
 // Builds a model at one rank's slice of the sequence; `layers` > 0 builds
 // that many of its repeated layers instead of the config's (what the
 // search extrapolates from: every layer is the same).

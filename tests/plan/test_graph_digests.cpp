@@ -23,8 +23,7 @@
 #include "dsl/error.h"
 #include "dsl/graph.h"
 #include "examples/llama/llama_builder.h"
-#include "examples/qwen2/qwen2_config.h"
-#include "examples/qwen2/qwen2_model.h"
+#include "examples/qwen2/qwen2_builder.h"
 #include "schedules/plan.h"
 
 namespace halyard {
@@ -32,23 +31,6 @@ namespace {
 
 const std::string kSource = HALYARD_SOURCE_DIR;
 const std::string kDigests = kSource + "/tests/fixtures/graph_digests.txt";
-
-ModelBuilder qwen2_builder() {
-  return [](const std::string& path, int64_t batch, int64_t seq, int64_t layers) {
-    auto cfg = qwen2::Qwen2Config::load(path);
-    if (layers > 0) cfg.num_hidden_layers = layers;
-    auto m = qwen2::build_qwen2(cfg, batch, seq);
-    BuiltModel b;
-    b.graph = std::move(m.graph);
-    b.loss = m.loss;
-    b.params = m.params;
-    b.hf_shapes = m.hf_shapes;
-    b.vocab = cfg.vocab_size;
-    b.config_json = cfg.to_json();
-    b.layers = cfg.num_hidden_layers;
-    return b;
-  };
-}
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -86,7 +68,7 @@ std::map<std::string, std::string> current() {
     ModelBuilder build;
     std::string config;
   } models[] = {{"llama", llama::llama_builder(), kSource + "/examples/llama/configs/tiny.json"},
-                {"qwen2", qwen2_builder(), kSource + "/examples/qwen2/configs/tiny.json"}};
+                {"qwen2", qwen2::qwen2_builder(), kSource + "/examples/qwen2/configs/tiny.json"}};
   std::map<std::string, std::string> out;
   for (const auto& m : models)
     for (const std::string& path : schedules)
