@@ -96,6 +96,12 @@ double Cluster::collective_time(const std::string& kind, double bytes, int64_t d
   return t;
 }
 
+int64_t Cluster::threads_per_rank(int64_t on_mesh) const {
+  const int64_t on_node = std::max<int64_t>(1, std::min(on_mesh, ranks_per_node));
+  if (cores_per_node > 0) return std::max<int64_t>(1, cores_per_node / on_node);
+  return std::max<int64_t>(1, on_mesh >= ranks_per_node ? 1 : ranks_per_node / on_mesh);
+}
+
 std::string Cluster::to_json() const {
   nlohmann::json j = {{"name", name},
                       {"source", source},
@@ -105,6 +111,7 @@ std::string Cluster::to_json() const {
                       {"peak_flops", peak_flops},
                       {"memory_bandwidth_bytes_per_s", memory_bandwidth_bytes_per_s},
                       {"process_baseline_bytes", process_baseline_bytes}};
+  if (cores_per_node > 0) j["cores_per_node"] = cores_per_node;
   for (const auto& [k, v] : kernels)
     j["kernels"][k] = {{"s_per_flop", v.s_per_flop}, {"s_per_byte", v.s_per_byte}, {"s_per_call", v.s_per_call}};
   for (const auto& [k, v] : collectives) j["collectives"][k] = {{"alpha_s", v.alpha_s}, {"beta_s_per_byte", v.beta_s_per_byte}};
@@ -129,6 +136,7 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
     c.source = j.value("source", "file " + what);
     c.ranks = j.value("ranks", int64_t{1});
     c.ranks_per_node = j.value("ranks_per_node", c.ranks);
+    c.cores_per_node = j.value("cores_per_node", int64_t{0});
     c.memory_per_rank_bytes = j.value("memory_per_rank_bytes", int64_t{0});
     if (j.contains("peak_flops")) c.peak_flops = j["peak_flops"].get<std::map<std::string, double>>();
     c.memory_bandwidth_bytes_per_s = j.value("memory_bandwidth_bytes_per_s", 0.0);
@@ -156,6 +164,9 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
   if (!c.gpu() && c.has_host_link())
     throw UserError("error: cluster \"" + what + "\" has device \"cpu\" and a host_link: a CPU rank's memory is host "
                     "memory already, there is no link to offload over.\nfix: drop \"host_link\", or say \"device\": \"cuda\".");
+  if (c.cores_per_node < 0)
+    throw UserError("error: cluster \"" + what + "\": cores_per_node " + std::to_string(c.cores_per_node) +
+                    ".\nlegal: the cores of a node (>= 1), or leave it out when unknown.");
   if (c.ranks < 1 || c.ranks_per_node < 1)
     throw UserError("error: cluster \"" + what + "\": ranks " + std::to_string(c.ranks) + ", ranks_per_node " +
                     std::to_string(c.ranks_per_node) + ".\nlegal: both >= 1.");

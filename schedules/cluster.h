@@ -33,6 +33,13 @@ struct Cluster {
   std::string name;
   std::string source;  // where the numbers come from (calibration run, datasheet)
   int64_t ranks = 1, ranks_per_node = 1;
+  // CPU cores of a node (halyard-calibrate writes the machine's), shared by
+  // the ranks on it as the runtime shares them (default_threads_per_rank):
+  // what per-thread scratch the plan counts. 0: unknown, and a rank is
+  // taken to have ranks_per_node / ranks threads.
+  int64_t cores_per_node = 0;
+  // Threads of one rank when `ranks` ranks run.
+  int64_t threads_per_rank(int64_t ranks) const;
   // What a rank is: "cpu" (a process on CPU cores) or "cuda" (an NVIDIA
   // GPU). It decides the kernels a plan counts (Schedule::on_gpu).
   std::string device = "cpu";

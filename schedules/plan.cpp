@@ -485,7 +485,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
                                                [&g](int i) { return g.node(i).op == Op::LoadBf16; });
   };
   const int64_t ranks = schedule.mesh.ranks();
-  const int threads = static_cast<int>(std::max<int64_t>(1, ranks >= cluster.ranks_per_node ? 1 : cluster.ranks_per_node / ranks));
+  const int threads = static_cast<int>(cluster.threads_per_rank(ranks));
   int64_t heap_scratch = 0, mapped_scratch = 0;
   std::vector<int64_t> staging_of(p.train.stages.size(), 0);  // by stage: an all-to-all's or gather's staging
   std::vector<bool> all_to_all(p.train.stages.size(), false);

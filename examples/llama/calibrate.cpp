@@ -33,6 +33,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dsl/error.h"
@@ -209,6 +210,7 @@ int run(const Options& o) {
   c.source = "calibrated by halyard-calibrate on " + machine.value("cpu", std::string("?")) + ", " +
              std::to_string(ranks) + " rank(s) x " + std::to_string(threads) + " thread(s)";
   c.ranks = c.ranks_per_node = ranks;
+  c.cores_per_node = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
   c.memory_bandwidth_bytes_per_s = machine.value("memory_bandwidth_bytes_per_s", 0.0);
   c.process_baseline_bytes = baseline;
   if (machine.contains("collectives"))

@@ -485,6 +485,42 @@ TEST(Plan, GradientSumsRunUnderTheBackwardBucketByBucket) {
   EXPECT_EQ(whole, 2) << "reduce-scatter and all-gather, once each";
 }
 
+// A rank's threads, as the runtime gives them (cores / ranks on the node),
+// decide the per-thread scratch the plan counts. A calibrated profile says
+// the node's cores: one rank on 2 cores runs 2 threads, and its plan counts
+// two threads' packed keys and values in the attention kernels. (The
+// profile used to say nothing, and its one rank per node read as 1 thread:
+// the 1-rank rows of scripts/plan_accuracy.sh were under-predicted.)
+TEST(Plan, PerThreadScratchFollowsTheCoresOfANode) {
+  Cluster c = Cluster::named("local-cpu");
+  c.ranks = c.ranks_per_node = 1;
+  EXPECT_EQ(c.threads_per_rank(1), 1);  // cores unknown: ranks_per_node / ranks
+  c.cores_per_node = 2;
+  EXPECT_EQ(c.threads_per_rank(1), 2);
+  c.ranks = c.ranks_per_node = 4;
+  EXPECT_EQ(c.threads_per_rank(4), 1);  // 4 ranks on 2 cores: 1 each, as default_threads_per_rank
+  EXPECT_EQ(c.threads_per_rank(1), 2);
+  c.cores_per_node = 16;
+  EXPECT_EQ(c.threads_per_rank(4), 4);
+  EXPECT_EQ(c.threads_per_rank(8), 4);  // 8 ranks over nodes of 4: 4 on each node
+  EXPECT_EQ(Cluster::parse(c.to_json(), "again").cores_per_node, 16);
+  EXPECT_EQ(Cluster::parse(R"({"ranks": 2})", "old.json").cores_per_node, 0);
+  EXPECT_THAT(error_of([] { Cluster::parse(R"({"cores_per_node": -2})", "c.json"); }),
+              ::testing::HasSubstr("cores_per_node -2"));
+
+  auto scratch = [](int64_t cores) {
+    Cluster one = Cluster::named("local-cpu");
+    one.ranks = one.ranks_per_node = 1;
+    one.cores_per_node = cores;
+    Schedule s = Schedule::named(HALYARD_SOURCE_DIR "/examples/llama/schedules/checkpoint_tiled.json");
+    return plan(llama::llama_builder(), {kTiny, 1, 4096}, s, one).memory.kernel_scratch;
+  };
+  const int64_t one = scratch(1), two = scratch(2);
+  std::printf("  tiny Llama, 4,096 tokens, 1 rank: kernel scratch %.2f MiB on 1 core, %.2f MiB on 2\n", one / 1048576.0,
+              two / 1048576.0);
+  EXPECT_GT(two, one);
+}
+
 // More memory per rank is never predicted for more ranks, and recomputation
 // trades time for memory.
 TEST(Plan, MemoryAndTimeMoveTheRightWay) {
