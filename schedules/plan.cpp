@@ -46,6 +46,15 @@ struct Scratch {
   void add(int64_t bytes) { (bytes >= kMapThreshold ? mapped : heap) += bytes; }
 };
 
+// By stage: whether the program finishes it at a later Wait (a collective
+// that runs on while the kernels after it go on).
+std::vector<bool> finished_later(const Program& program, size_t stages) {
+  std::vector<bool> waited(stages, false);
+  for (const PlannedCall& call : program.calls)
+    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
+  return waited;
+}
+
 // The staging of a step's collectives (runtime::Model). On the host they
 // run one at a time, in one area as large as the largest. On a GPU an
 // all-to-all waited for later (a Ulysses all-to-all under the kernels
@@ -55,9 +64,7 @@ struct Scratch {
 int64_t staging_bytes(const Program& program, const std::vector<int64_t>& staging_of,
                       const std::vector<bool>& in_background, bool gpu) {
   if (!gpu) return staging_of.empty() ? 0 : *std::max_element(staging_of.begin(), staging_of.end());
-  std::vector<bool> waited(staging_of.size(), false);  // stages finished by a Wait later
-  for (const PlannedCall& call : program.calls)
-    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
+  const std::vector<bool> waited = finished_later(program, staging_of.size());
   std::vector<int64_t> slots;
   std::vector<int> held_by;  // the stage in flight in each slot, or -1
   for (const PlannedCall& call : program.calls) {
@@ -99,9 +106,7 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   std::vector<CollectiveCost*> collective(n, nullptr);
   for (StageCost& s : p.stages) kernel[static_cast<size_t>(s.stage)] = &s;
   for (CollectiveCost& c : p.collectives) collective[static_cast<size_t>(c.stage)] = &c;
-  std::vector<bool> waited(n, false);
-  for (const PlannedCall& call : prog.calls)
-    if (call.wait) waited[static_cast<size_t>(call.stage)] = true;
+  const std::vector<bool> waited = finished_later(prog, n);
   // runtime/model.cpp: a bucket goes once its gradients (f32, from the
   // last parameter down) come to 4 MiB, or reach the first parameter.
   constexpr int64_t kGradBucketBytes = 4 << 20;
@@ -115,7 +120,8 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
         prog.buffers[b].last < static_cast<int>(prog.calls.size()))
       final_after[static_cast<size_t>(prog.buffers[b].last)].push_back(static_cast<size_t>(prog.buffers[b].index));
   std::vector<bool> final_grad(params, false);
-  size_t lo = params, hi = params;
+  size_t lo = params, hi = params;  // gradients [lo, hi) final and not yet sent
+  int64_t pending = 0;              // their bytes
 
   double t = 0, comm = 0;  // when the kernels' track and the communication's are next free
   std::vector<double> lands(n, 0);
@@ -124,15 +130,14 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
     comm = c.start_s + c.time_s;
     return comm;
   };
-  auto send_bucket = [&](size_t from, size_t to) {
-    const int64_t bytes = std::accumulate(grad_bytes.begin() + static_cast<std::ptrdiff_t>(from),
-                                          grad_bytes.begin() + static_cast<std::ptrdiff_t>(to), int64_t{0});
+  auto send_bucket = [&] {
     for (CollectiveCost c : sums) {
-      c.bytes_per_rank = static_cast<int64_t>(static_cast<double>(c.bytes_per_rank) * static_cast<double>(bytes) / all_grads);
+      c.bytes_per_rank = static_cast<int64_t>(static_cast<double>(c.bytes_per_rank) * static_cast<double>(pending) / all_grads);
       c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
       send(c);
       sent.push_back(c);
     }
+    hi = lo, pending = 0;
   };
   for (size_t k = 0; k < prog.calls.size(); ++k) {
     const PlannedCall& call = prog.calls[k];
@@ -147,12 +152,13 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
     if (StageCost* sc = kernel[s]) sc->start_s = t, t += sc->time_s;
     if (sums.empty()) continue;
     for (size_t i : final_after[k]) final_grad[i] = true;
-    while (lo > 0 && final_grad[lo - 1]) --lo;
-    const int64_t bytes = std::accumulate(grad_bytes.begin() + static_cast<std::ptrdiff_t>(lo),
-                                          grad_bytes.begin() + static_cast<std::ptrdiff_t>(hi), int64_t{0});
-    if (lo < hi && (lo == 0 || bytes >= kGradBucketBytes)) send_bucket(lo, hi), hi = lo;
+    while (lo > 0 && final_grad[lo - 1]) pending += grad_bytes[--lo];
+    if (lo < hi && (lo == 0 || pending >= kGradBucketBytes)) send_bucket();
   }
-  if (!sums.empty() && hi > 0) send_bucket(0, hi);
+  if (!sums.empty() && hi > 0) {  // the rest at the step's end, where the program sums the gradients
+    while (lo > 0) pending += grad_bytes[--lo];
+    send_bucket();
+  }
   t = std::max(t, comm);
   for (CollectiveCost& c : after) t = send(c);
   p.collectives.insert(p.collectives.end(), sent.begin(), sent.end());
