@@ -22,6 +22,7 @@
 #include "runtime/attention_cpu.h"
 #include "runtime/bf16.h"
 #include "runtime/cpu_vector.h"
+#include "runtime/scratch.h"
 
 #ifndef HALYARD_ISA
 #error "define HALYARD_ISA (the namespace of this compilation) before including attention_cpu_impl.h"
@@ -314,9 +315,9 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
   const int64_t S = a.S;
   const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block);
   const int64_t Sp = round_up(S, std::max(Br, Bc));
-  std::vector<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp * Dp)), q(static_cast<size_t>(Br * Dp)),
+  scratch::Array<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp * Dp)), q(static_cast<size_t>(Br * Dp)),
       o(static_cast<size_t>(Br * Dp)), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br));
-  std::vector<RowSum> l(static_cast<size_t>(Br));
+  scratch::Array<RowSum> l(static_cast<size_t>(Br));
   pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data(), a.bf16);
   pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data(), a.bf16);
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
@@ -358,7 +359,7 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
             grp = a.heads;
   const int64_t Sp = round_up(S, std::max(Br, Bc));
   const bool direct = D == Dp;
-  std::vector<float> kT(static_cast<size_t>(D * Sp)), vT(static_cast<size_t>(D * Sp)), kr(static_cast<size_t>(Sp * Dp)),
+  scratch::Array<float> kT(static_cast<size_t>(D * Sp)), vT(static_cast<size_t>(D * Sp)), kr(static_cast<size_t>(Sp * Dp)),
       q(static_cast<size_t>(Br * Dp)), dO(static_cast<size_t>(Br * Dp)), dqb(static_cast<size_t>(Br * Dp)),
       p(static_cast<size_t>(Br * Bc)), ds(static_cast<size_t>(Br * Bc)), lse2(static_cast<size_t>(Br)),
       dsum(static_cast<size_t>(Br)), pads(direct ? 0 : static_cast<size_t>(2 * Sp * Dp));

@@ -3,6 +3,7 @@
 // kernels are compiled for AVX-512, AVX2 + FMA and the baseline).
 #include "runtime/attention_cpu.h"
 #include "runtime/gemm_cpu.h"
+#include "runtime/scratch.h"
 
 #include <HalideRuntime.h>
 
@@ -284,8 +285,8 @@ void gemm_cpu::weight_grad(const Operands& given, float* c) {
     const int64_t x0 = p0 * unit, x1 = std::min(extent, p1 * unit);
     Operands part = o;
     if (!by_rows) part.b += x0, part.N = x1 - x0;
-    std::vector<float> bp(static_cast<size_t>(o.kc) *
-                          ((std::min<int64_t>(o.nc, part.N) + t.cols - 1) / t.cols * t.cols));
+    scratch::Array<float> bp(static_cast<size_t>(o.kc) *
+                             ((std::min<int64_t>(o.nc, part.N) + t.cols - 1) / t.cols * t.cols));
     if (by_rows) k.gemm_rows(part, x0, x1 - x0, c, bp.data());
     else k.gemm_rows(part, 0, o.M, c + x0, bp.data());
   });
@@ -434,7 +435,7 @@ int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v
       static_cast<KeyRows&>(a) = key_rows(k, v, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
       a.q = at<const float>(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
-      std::vector<float> unused(lse ? 0 : static_cast<size_t>(S));
+      scratch::Array<float> unused(lse ? 0 : static_cast<size_t>(S));
       kernels().forward(a, at<float>(out, {0, h, 0, b}), out->dim[2].stride,
                         lse ? at<float>(lse, {h, 0, b}) : unused.data(), lse ? lse->dim[1].stride : 1);
   });

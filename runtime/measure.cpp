@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "runtime/error.h"
+#include "runtime/scratch.h"
 
 namespace halyard::runtime {
 namespace {
@@ -87,7 +88,9 @@ int64_t peak_rss_bytes() {
 }
 
 bool reset_peak_rss() {
-  malloc_trim(0);  // hand freed heap back first, so the new peak starts from what is live
+  // Hand freed heap and scratch back first, so the new peak starts from what is live.
+  malloc_trim(0);
+  scratch::trim();
   std::ofstream out("/proc/self/clear_refs");
   out << "5";
   out.close();

@@ -27,6 +27,7 @@
 #include "runtime/device_memory.h"
 #include "runtime/error.h"
 #include "runtime/offload_windows.h"
+#include "runtime/scratch.h"
 #include "runtime/zero.h"
 
 namespace halyard::runtime {
@@ -57,8 +58,8 @@ halide_type_t halide_type_of(ElemType t) {
 constexpr size_t kHeader = 128;  // keeps Halide's 128-byte alignment
 std::atomic<int64_t> live_scratch{0}, peak_scratch{0};
 
-void* counting_malloc(void* uc, size_t n) {
-  auto* p = static_cast<uint8_t*>(halide_default_malloc(uc, n + kHeader));
+void* counting_malloc(void*, size_t n) {
+  auto* p = static_cast<uint8_t*>(scratch::allocate(n + kHeader));
   if (!p) return nullptr;
   *reinterpret_cast<size_t*>(p) = n;
   const int64_t now = live_scratch += static_cast<int64_t>(n);
@@ -67,11 +68,11 @@ void* counting_malloc(void* uc, size_t n) {
   return p + kHeader;
 }
 
-void counting_free(void* uc, void* q) {
+void counting_free(void*, void* q) {
   if (!q) return;
   auto* p = static_cast<uint8_t*>(q) - kHeader;
   live_scratch -= static_cast<int64_t>(*reinterpret_cast<size_t*>(p));
-  halide_default_free(uc, p);
+  scratch::release(p);
 }
 
 std::string where(const ModelSpec& s, int64_t flat) {

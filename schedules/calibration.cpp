@@ -40,14 +40,22 @@ KernelCoefficients fit_kernel(const std::vector<KernelSample>& s, double* rms_re
         for (size_t j = 0; j < n; ++j) ata[i * n + j] += f[cols[i]] * f[cols[j]];
       }
     }
-    // Gaussian elimination (n <= 3).
-    std::vector<double> a = ata, b = atb;
+    // Gaussian elimination (n <= 3) on the columns scaled to unit length, so
+    // that columns that cannot be told apart (calls of one shape) leave a
+    // pivot of rounding noise and are refused, whatever their units.
+    std::vector<double> d(n), a(n * n), b(n);
     bool ok = true;
+    for (size_t i = 0; i < n; ++i) d[i] = std::sqrt(ata[i * n + i]), ok = ok && d[i] > 0;
+    if (!ok) continue;  // a column of zeros (no bytes, say)
+    for (size_t i = 0; i < n; ++i) {
+      b[i] = atb[i] / d[i];
+      for (size_t j = 0; j < n; ++j) a[i * n + j] = ata[i * n + j] / (d[i] * d[j]);
+    }
     for (size_t i = 0; i < n && ok; ++i) {
       size_t p = i;
       for (size_t r = i + 1; r < n; ++r)
         if (std::abs(a[r * n + i]) > std::abs(a[p * n + i])) p = r;
-      if (std::abs(a[p * n + i]) < 1e-300) {
+      if (std::abs(a[p * n + i]) < 1e-9) {
         ok = false;
         break;
       }
@@ -62,14 +70,17 @@ KernelCoefficients fit_kernel(const std::vector<KernelSample>& s, double* rms_re
     }
     if (!ok) continue;
     double coef[3] = {0, 0, 0};
-    for (size_t i = 0; i < n; ++i) coef[cols[i]] = b[i] / a[i * n + i];
+    for (size_t i = 0; i < n; ++i) coef[cols[i]] = b[i] / a[i * n + i] / d[i];
     if (coef[0] < 0 || coef[1] < 0 || coef[2] < 0) continue;
     double err = 0;
     for (const KernelSample& x : s) {
       const double rel = (coef[0] * x.flops + coef[1] * x.bytes + coef[2] - x.t) / std::max(x.t, 1e-9);
       err += rel * rel;
     }
-    if (err < best_err) {
+    // Calls of one shape fit every single coefficient equally well; rounding
+    // would pick among them by chance. A tie (within rounding) keeps the
+    // first, s_per_flop, which carries a compute-bound kernel to other lengths.
+    if (err < best_err * (1 - 1e-9) - 1e-15) {
       best_err = err;
       best = {coef[0], coef[1], coef[2]};
       *rms_rel_error = std::sqrt(err / static_cast<double>(s.size()));

@@ -73,6 +73,13 @@ const std::vector<std::string>& kernel_kinds() {
   return k;
 }
 
+std::string kernel_kind_stand_in(const std::string& kind) {
+  if (kind == "attention_lse") return "attention";
+  if (kind == "attention_grad_q") return "attention_grad_kv";
+  if (kind == "contract_seq") return "contract";
+  return "";
+}
+
 double Cluster::kernel_time(const std::string& kind, double flops, double bytes) const {
   auto it = kernels.find(kind);
   if (it == kernels.end()) it = kernels.find("pointwise");

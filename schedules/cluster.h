@@ -72,4 +72,10 @@ struct Cluster {
 // The stage kinds the time model distinguishes.
 const std::vector<std::string>& kernel_kinds();
 
+// The kind whose measured coefficients stand in for `kind` where a
+// calibration ran no kernel of it, or "" where none does the same work per
+// FLOP (then its bytes at the memory's bandwidth): a log-sum-exp alone
+// computes the forward's scores, dQ alone the backward's products.
+std::string kernel_kind_stand_in(const std::string& kind);
+
 }  // namespace halyard

@@ -34,16 +34,23 @@ std::string collective_kind(Op op) {
 
 bool is_buffer(const Stage& st, int id) { return std::find(st.inputs.begin(), st.inputs.end(), id) != st.inputs.end(); }
 
-// The runtime's allocator (runtime/memory.cpp: keep_freed_memory) serves
-// blocks below 32 MiB from a heap that keeps what is freed, and maps larger
-// ones afresh each time. So a step holds, besides its arena, the most any
-// kernel kept on the heap plus the most any kernel mapped: the two maxima add
-// up even when the kernels never run together.
+// What a kernel's temporaries hold. On the CPU they come from each thread's
+// scratch stack (runtime/scratch.h), which keeps its high water: the calling
+// thread's stack holds at most the largest kernel's shared blocks with its own
+// task's, and each other thread's the most one task holds. On a GPU the plan
+// keeps the host allocator's rule (not measured on a device yet): blocks
+// below 32 MiB from a heap that keeps what is freed, larger ones mapped afresh
+// each time, so the most any kernel kept on the heap and the most any kernel
+// mapped add up even when the kernels never run together.
 constexpr int64_t kMapThreshold = int64_t{32} << 20;
 
 struct Scratch {
-  int64_t heap = 0, mapped = 0;
+  int64_t heap = 0, mapped = 0;  // held once (on the CPU, by the calling thread)
+  int64_t per_task = 0;          // held by each of `tasks` threads at once
+  int64_t tasks = 0;
   void add(int64_t bytes) { (bytes >= kMapThreshold ? mapped : heap) += bytes; }
+  void add_per_task(int64_t bytes, int64_t threads) { per_task += bytes, tasks = std::max(tasks, threads); }
+  int64_t held() const { return heap + mapped + per_task * tasks; }  // by the kernel while it runs
 };
 
 // By stage: whether the program finishes it at a later Wait (a collective
@@ -177,7 +184,7 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
 // thread; all alive at once. (RoPE's tables are freed before the copies
 // they feed are made.) It mirrors the lowering's choices; halyard-calibrate
 // prints it next to what each kernel held (HALYARD_CALIBRATE_VERBOSE=1).
-Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_tile, bool gpu) {
+Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const KernelTiles& tiles, bool gpu) {
   const Node& n = g.node(st.root);
   auto bytes_of = [&](size_t k) { return value_bytes(g.node(n.inputs[k]).type); };
   Scratch s;
@@ -236,8 +243,7 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
     int64_t cols = 1;
     for (const Axis& ax : b.axes)
       if (n.type.has(ax.name)) cols *= ax.size;
-    const int64_t per_thread = 256 * 4 * std::min<int64_t>(cols + 32, (int64_t{1} << 20) / (4 * 256));
-    for (int t2 = 0; t2 < threads; ++t2) s.add(per_thread);
+    s.add_per_task(256 * 4 * std::min<int64_t>(cols + 32, (int64_t{1} << 20) / (4 * 256)), threads);
     return s;
   }
   if (st.gemm) {  // runtime/gemm.h: an operand computed inline is copied whole first; the call writes the output
@@ -255,11 +261,21 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
     for (size_t k = 0; k < (fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
     // runtime/attention_cuda.cu holds its tiles in shared memory and registers.
     if (gpu) return s;
+    // Per task (attention_cpu_impl.h: forward_head, backward_group): k and v
+    // packed over the keys padded to whole blocks (k twice and v once more
+    // in the backward, with dK and dV accumulators where D is not a whole
+    // vector), a query block's rows, scores and statistics, and the forward's
+    // log-sum-exp where nothing else takes it. As the runtime sizes them on a
+    // host with an L2 of 1 MiB or more (256 queries a block, cpu_kernels.cpp)
+    // and 16-float vectors (AVX-512); other hosts hold less.
+    const int64_t Br = tiles.attention_queries > 0 ? tiles.attention_queries : 256;
+    const int64_t Bc = ((tiles.attention_keys > 0 ? tiles.attention_keys : 128) + 31) / 32 * 32;
+    const int64_t Sp = (S + std::max(Br, Bc) - 1) / std::max(Br, Bc) * std::max(Br, Bc);
+    const int64_t per_task =
+        fwd ? D * Sp + Sp * Dp + 2 * Br * Dp + Br * Bc + Br + 16 * Br + (st.extra_outputs.empty() ? S : 0)
+            : 2 * D * Sp + Sp * Dp + 3 * Br * Dp + 2 * Br * Bc + 2 * Br + (D == Dp ? 0 : 2 * Sp * Dp);
     const int64_t tasks = rows * (fwd ? H : KV);
-    for (int64_t t2 = 0; t2 < std::min<int64_t>(threads, tasks); ++t2) {
-      // k and v packed (twice, and k once more, in the backward); dK, dV padded where D is not a whole vector
-      for (int c = 0; c < (fwd ? 2 : D == Dp ? 3 : 5); ++c) s.add(S * Dp * 4);
-    }
+    s.add_per_task(4 * per_task, std::min<int64_t>(threads, tasks));
     return s;
   }
   switch (n.op) {
@@ -272,7 +288,7 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
         int64_t reduced = 1;
         for (const Axis& ax : g.node(n.inputs[1 - bop]).type.axes)
           if (!n.type.has(ax.name)) reduced *= ax.size;
-        for (int t2 = 0; t2 < threads; ++t2) s.add(64 * reduced * 4);
+        s.add_per_task(64 * reduced * 4, threads);
       }
       break;
     }
@@ -288,12 +304,14 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, int key_til
       copy_unless_buffer(0), copy_unless_buffer(1), s.add(bytes_of(1)), s.add(bytes_of(5)), s.add(bytes_of(6));
       break;
     case Op::AttentionGradK:
-    case Op::AttentionGradV:
+    case Op::AttentionGradV: {
       copy_unless_buffer(0), copy_unless_buffer(1), s.add(bytes_of(1)), s.add(bytes_of(5));
       s.add(bytes_of(2)), s.add(bytes_of(2)), s.add(bytes_of(6));
       // and per thread, a tile of keys' probabilities and their cotangents against every query
-      for (int t2 = 0; t2 < 2 * threads; ++t2) s.add(key_tile * g.node(n.inputs[0]).type.size("seq") * 4);
+      const int64_t key_tile = tiles.attention_keys ? tiles.attention_keys : 16;
+      s.add_per_task(2 * key_tile * g.node(n.inputs[0]).type.size("seq") * 4, threads);
       break;
+    }
     default: break;
   }
   return s;
@@ -492,7 +510,8 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   };
   const int64_t ranks = schedule.mesh.ranks();
   const int threads = static_cast<int>(cluster.threads_per_rank(ranks));
-  int64_t heap_scratch = 0, mapped_scratch = 0;
+  int64_t heap_scratch = 0, mapped_scratch = 0;  // a GPU's (Scratch)
+  int64_t caller_scratch = 0, task_scratch = 0;  // the CPU's: the calling thread's stack, and any other thread's
   std::vector<int64_t> staging_of(p.train.stages.size(), 0);  // by stage: an all-to-all's or gather's staging
   std::vector<bool> all_to_all(p.train.stages.size(), false);
   for (size_t s = 0; s < p.train.stages.size(); ++s) {
@@ -544,11 +563,12 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     sc.charged_flops = sc.flops * (reads_bf16(root) || root.attrs.bf16 ? 1.0 : f32_flops);
     sc.time_s = cluster.kernel_time(sc.kind, sc.charged_flops, static_cast<double>(sc.bytes));
     p.compute_s += sc.time_s;
-    const Scratch k =
-        kernel_scratch(g, st, threads, schedule.kernel_tiles.attention_keys ? schedule.kernel_tiles.attention_keys : 16, gpu);
-    sc.scratch_estimate = k.heap + k.mapped;
-    heap_scratch = std::max(heap_scratch, k.heap);
+    const Scratch k = kernel_scratch(g, st, threads, schedule.kernel_tiles, gpu);
+    sc.scratch_estimate = k.held();
+    heap_scratch = std::max(heap_scratch, k.heap + k.per_task * k.tasks);
     mapped_scratch = std::max(mapped_scratch, k.mapped);
+    caller_scratch = std::max(caller_scratch, k.heap + k.mapped + k.per_task);
+    task_scratch = std::max(task_scratch, k.per_task);
     p.stages.push_back(sc);
   }
   // The gradients are summed over the mesh after the backward (ZeRO-1:
@@ -619,7 +639,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   }
   mem.activations = stored(std::max(p.train_program.arena_bytes, p.forward_program.arena_bytes));
   mem.offloaded = stored(std::max(p.train_program.offload_bytes, p.forward_program.offload_bytes));
-  mem.kernel_scratch = stored(heap_scratch + mapped_scratch);
+  mem.kernel_scratch = stored(gpu ? heap_scratch + mapped_scratch : caller_scratch + (threads - 1) * task_scratch);
   mem.collective_buffers = staging_bytes(p.train_program, staging_of, all_to_all, gpu);
   const int64_t tokens = req.batch * p.local_seq;
   mem.data = 3 * round_up(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays

@@ -9,10 +9,12 @@
 #    under two schedule families (recompute: cheap values inlined, Ulysses on
 #    2 and 4 ranks; checkpoint_tiled: checkpointing and sequence tiles of 1,024),
 #    a trainer per family and length, and halyard-calibrate over a third family
-#    (default / ulysses: every value saved) at both lengths (bench/CMakeLists.txt).
+#    (default / ulysses: every value saved) at both lengths and a fourth
+#    (checkpoint, untiled, whose backward computes the attention's
+#    log-sum-exp alone) at 4,096 tokens (bench/CMakeLists.txt).
 # 2. Calibrates on 1, 2 and 4 ranks (profiles in build/plan_accuracy/): the
-#    kernels' coefficients and the process baseline come from the third
-#    family, so no predicted row was fitted on its own libraries.
+#    kernels' coefficients and the process baseline come from those, so no
+#    predicted row was fitted on its own libraries.
 # 3. For each of the 12 configurations: the plan (llama_aot --plan-only with
 #    the profile of that rank count), then STEPS training steps under mpirun;
 #    measured peak = the largest rank's peak RSS, measured step = the median of

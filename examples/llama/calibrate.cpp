@@ -14,7 +14,8 @@
 //     pairs the measured calls with the plan's stages by root node
 //     (pair_profile, schedules/calibration.h), and fits per stage
 //     kind t = flops * s_per_flop + bytes * s_per_byte + s_per_call (least
-//     squares with non-negative coefficients);
+//     squares with non-negative coefficients); a kind the libraries never
+//     ran takes the fit of one doing the same work (kernel_kind_stand_in);
 //   - takes the memory the plan does not model (the process, its libraries,
 //     MPI, allocator slack) as the gap between the measured peak of the first
 //     library (a fresh process, as a training run is) and the plan's total
@@ -153,12 +154,17 @@ int run(const Options& o) {
   // sample per stage, its median over the steps.
   std::map<std::string, std::vector<KernelSample>> samples;
   int64_t baseline = 0;
+  // The ranks and threads that ran, so that the memory the plan models (a
+  // thread's scratch stack each) is the memory these processes held.
+  Cluster ran = Cluster::named("local-cpu");
+  ran.ranks = ran.ranks_per_node = ranks;
+  ran.cores_per_node = static_cast<int64_t>(threads) * ranks;
   std::ostringstream report;
   for (const Measured& r : runs) {
     const nlohmann::json summary = nlohmann::json::parse(r.spec->plan_json);
     const Schedule s = Schedule::parse(summary.at("schedule_spec").dump(), r.spec->name);
     const Plan p = plan(llama::llama_builder(), {summary.at("config").get<std::string>(), r.spec->batch, r.spec->seq}, s,
-                        Cluster::named("local-cpu"));
+                        ran);
     const std::string plan_json = p.to_json();
     std::vector<std::map<std::string, std::vector<KernelSample>>> steps;
     for (const std::string& profile : r.profiles) {
@@ -216,21 +222,29 @@ int run(const Options& o) {
   if (machine.contains("collectives"))
     for (auto it = machine["collectives"].begin(); it != machine["collectives"].end(); ++it)
       c.collectives[it.key()] = {it->value("alpha_s", 0.0), it->value("beta_s_per_byte", 0.0)};
-  for (const std::string& kind : kernel_kinds()) {
-    auto it = samples.find(kind);
-    if (it == samples.end()) {  // no such kernel in the libraries: memory-bound like pointwise work
-      c.kernels[kind] = {0, c.memory_bandwidth_bytes_per_s > 0 ? 1 / c.memory_bandwidth_bytes_per_s : 0, 0};
-      continue;
-    }
+  for (const auto& [kind, kind_samples] : samples) {
     double err = 0;
-    c.kernels[kind] = fit_kernel(it->second, &err);
+    c.kernels[kind] = fit_kernel(kind_samples, &err);
     char line[256];
     std::snprintf(line, sizeof line, "  %-10s %4zu calls: %.3g s/flop (%.2f GFLOP/s), %.3g s/byte (%.2f GB/s), %.1f us/call; rms error %.1f%%\n",
-                  kind.c_str(), it->second.size(), c.kernels[kind].s_per_flop,
+                  kind.c_str(), kind_samples.size(), c.kernels[kind].s_per_flop,
                   c.kernels[kind].s_per_flop > 0 ? 1e-9 / c.kernels[kind].s_per_flop : 0.0, c.kernels[kind].s_per_byte,
                   c.kernels[kind].s_per_byte > 0 ? 1e-9 / c.kernels[kind].s_per_byte : 0.0, c.kernels[kind].s_per_call * 1e6,
                   100 * err);
     report << line;
+  }
+  // Kinds these libraries never ran: a kind doing the same work per FLOP
+  // stands in, else their bytes at the memory's bandwidth.
+  for (const std::string& kind : kernel_kinds()) {
+    if (samples.count(kind)) continue;
+    const std::string like = kernel_kind_stand_in(kind);
+    if (samples.count(like)) {
+      c.kernels[kind] = c.kernels.at(like);
+      report << "  " << kind << ": no calls in these libraries; " << like << "'s fit stands in\n";
+    } else {
+      c.kernels[kind] = {0, c.memory_bandwidth_bytes_per_s > 0 ? 1 / c.memory_bandwidth_bytes_per_s : 0, 0};
+      report << "  " << kind << ": no calls in these libraries; its bytes at the memory's bandwidth\n";
+    }
   }
   if (rank == 0) {
     std::ofstream out(o.out);

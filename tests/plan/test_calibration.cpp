@@ -15,9 +15,12 @@
 #include <vector>
 
 #include "dsl/error.h"
+#include "examples/llama/llama_builder.h"
 #include "llama_micro_checkpoint.h"
 #include "runtime/model.h"
+#include "runtime/scratch.h"
 #include "schedules/calibration.h"
+#include "schedules/plan.h"
 #include "tiny_sp1_s128.h"
 
 namespace halyard {
@@ -49,19 +52,40 @@ TEST(Calibration, FitRecoversTheCoefficients) {
   }
 }
 
-// One profiled step of `spec`, paired with the plan the generator wrote.
-void check_pairs(const runtime::ModelSpec& spec, const std::string& plan_path) {
-  setenv("HALYARD_PROFILE", "1", 1);
-  runtime::Model m(spec);
-  m.init_params(1);
+void train_step(runtime::Model& m, int64_t seq) {
   const int64_t n = m.tokens();
   std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
   for (int64_t t = 0; t < n; ++t) {
     ids[static_cast<size_t>(t)] = static_cast<int32_t>(t % 7);
     labels[static_cast<size_t>(t)] = static_cast<int32_t>((t + 1) % 7);
-    pos[static_cast<size_t>(t)] = static_cast<int32_t>(t % spec.seq);
+    pos[static_cast<size_t>(t)] = static_cast<int32_t>(t % seq);
   }
   m.train_step(ids.data(), labels.data(), pos.data());
+}
+
+// Calls of one shape (the attention of every layer at one length) cannot
+// tell FLOPs from bytes from calls: the fit charges the FLOPs, which carries
+// to other lengths. Before, rounding chose, and some runs of
+// halyard-calibrate charged the attention per call, the same at any length.
+TEST(Calibration, CallsOfOneShapeAreChargedByTheirFlops) {
+  int charged_otherwise = 0;
+  for (int i = 0; i < 400; ++i) {
+    const double flops = 1e8 * (1 + i % 20), t1 = 0.01 * (1 + i % 7), t2 = t1 * (0.95 + 0.1 * (i / 20) / 20);
+    const std::vector<KernelSample> s = {{flops, 2e6, t1}, {flops, 2e6, t2}};
+    double err = 1;
+    const KernelCoefficients k = fit_kernel(s, &err);
+    if (!(k.s_per_flop > 0 && k.s_per_byte == 0 && k.s_per_call == 0)) ++charged_otherwise;
+    EXPECT_NEAR(k.s_per_flop * flops + k.s_per_byte * 2e6 + k.s_per_call, (t1 + t2) / 2, 0.05 * t1) << i;
+  }
+  EXPECT_EQ(charged_otherwise, 0) << "of 400 pairs of calls";
+}
+
+// One profiled step of `spec`, paired with the plan the generator wrote.
+void check_pairs(const runtime::ModelSpec& spec, const std::string& plan_path) {
+  setenv("HALYARD_PROFILE", "1", 1);
+  runtime::Model m(spec);
+  m.init_params(1);
+  train_step(m, spec.seq);
   const std::string plan = read(plan_path), profile = m.profile();
   const auto samples = pair_profile(plan, profile, spec.name);
   size_t paired = 0;
@@ -90,6 +114,40 @@ TEST(Calibration, AStepsProfilePairsWithEveryStageOfItsPlan) {
   check_pairs(halyard_models::tiny_sp1_s128(), HALYARD_TEST_BINARY_DIR "/tiny_sp1_s128.generated/tiny_sp1_s128.plan.json");
   check_pairs(halyard_models::llama_micro_checkpoint(),
               HALYARD_TEST_BINARY_DIR "/llama_micro_checkpoint.generated/llama_micro_checkpoint.plan.json");
+}
+
+// What the threads' scratch stacks keep over a step (runtime/scratch.h) is
+// what the plan counts as kernel scratch on a rank of 2 threads: the calling
+// thread's deepest kernel plus the most one task holds on the other thread.
+// The plan sizes the library kernels' blocks for the largest host (an L2 of
+// 2 MiB, AVX-512), so a host with less keeps less; it leaves out Halide's
+// per-task blocks of a few KiB and the stacks' 128-byte headers, which only
+// a model as small as llama_micro notices (1% there).
+TEST(Calibration, TheThreadsKeepTheScratchThePlanCounts) {
+  void* probe = runtime::scratch::allocate(1);
+  const bool stacked = runtime::scratch::in_use() > 0;
+  runtime::scratch::release(probe);
+  if (!stacked) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
+  Cluster two = Cluster::named("local-cpu");
+  two.ranks = two.ranks_per_node = 1;
+  two.cores_per_node = 2;
+  runtime::Model::set_num_threads(2);
+  for (const runtime::ModelSpec& spec : {halyard_models::tiny_sp1_s128(), halyard_models::llama_micro_checkpoint()}) {
+    unsetenv("HALYARD_PROFILE");
+    runtime::Model m(spec);
+    m.init_params(1);
+    train_step(m, spec.seq);  // the threads and their stacks exist
+    runtime::scratch::trim();
+    train_step(m, spec.seq);
+    const int64_t kept = runtime::scratch::resident();
+    const nlohmann::json summary = nlohmann::json::parse(spec.plan_json);
+    const Plan p = plan(llama::llama_builder(), {summary.at("config").get<std::string>(), spec.batch, spec.seq},
+                        Schedule::parse(summary.at("schedule_spec").dump(), spec.name), two);
+    std::printf("  %s: the stacks kept %.1f KiB; the plan counts %.1f KiB\n", spec.name, kept / 1024.0,
+                p.memory.kernel_scratch / 1024.0);
+    EXPECT_LE(kept, p.memory.kernel_scratch * 21 / 20) << spec.name;
+    EXPECT_GE(kept, p.memory.kernel_scratch / 2) << spec.name;
+  }
 }
 
 TEST(Calibration, AProfileOfAnotherLibraryIsAClearError) {
