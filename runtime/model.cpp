@@ -206,6 +206,14 @@ Model::Model(const ModelSpec& spec, Communicator* comm, Communicator* mesh) : sp
     ring_ = comm_->split(s % u, s);
   }
   keep_freed_memory();
+  // Halide's temporaries from the threads' scratch stacks, as the plan counts
+  // them. (Here, not in keep_freed_memory: programs that JIT-compile their
+  // kernels call that and have no Halide runtime of their own to hook.)
+  static std::once_flag scratch_hooks;
+  std::call_once(scratch_hooks, [] {
+    halide_set_custom_malloc([](void*, size_t n) { return scratch::allocate(n); });
+    halide_set_custom_free([](void*, void* p) { scratch::release(p); });
+  });
   int64_t total = 0;
   for (int i = 0; i < spec.num_params; ++i) {
     offsets_.push_back(total);
