@@ -97,21 +97,20 @@ thread_local Stack stack;
 
 }  // namespace
 
-void* allocate(size_t bytes) {
+bool stacks_enabled() {
   // ASan keeps its own books on malloc's blocks; kernels' scratch goes
   // there so that an overrun past a block is still caught.
 #if defined(__SANITIZE_ADDRESS__)
-  constexpr bool use_stack = false;
+  return false;
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-  constexpr bool use_stack = false;
+  return !__has_feature(address_sanitizer);
 #else
-  constexpr bool use_stack = true;
+  return true;
 #endif
-#else
-  constexpr bool use_stack = true;
-#endif
-  Header* h = use_stack ? stack.push(bytes) : nullptr;
+}
+
+void* allocate(size_t bytes) {
+  Header* h = stacks_enabled() ? stack.push(bytes) : nullptr;
   if (!h) {
     void* p = std::aligned_alloc(kAlign, sizeof(Header) + round_up(bytes));
     if (!p) return nullptr;

@@ -21,6 +21,10 @@
 
 namespace halyard::runtime::scratch {
 
+// Whether blocks come from the stacks: not under ASan, whose books on
+// malloc's blocks catch an overrun past one.
+bool stacks_enabled();
+
 // 128-byte aligned (Halide's alignment), uninitialized. Where the thread's
 // stack cannot grow (address space refused, or the reservation full) the
 // block comes from malloc instead; either way release() frees it.

@@ -124,10 +124,7 @@ TEST(Calibration, AStepsProfilePairsWithEveryStageOfItsPlan) {
 // per-task blocks of a few KiB and the stacks' 128-byte headers, which only
 // a model as small as llama_micro notices (1% there).
 TEST(Calibration, TheThreadsKeepTheScratchThePlanCounts) {
-  void* probe = runtime::scratch::allocate(1);
-  const bool stacked = runtime::scratch::in_use() > 0;
-  runtime::scratch::release(probe);
-  if (!stacked) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
+  if (!runtime::scratch::stacks_enabled()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
   Cluster two = Cluster::named("local-cpu");
   two.ranks = two.ranks_per_node = 1;
   two.cores_per_node = 2;

@@ -11,21 +11,8 @@
 
 using namespace halyard::runtime;
 
-namespace {
-
-// An ASan build serves scratch from malloc (so that overruns are caught);
-// there the stacks hold nothing.
-bool stacks_in_use() {
-  void* p = scratch::allocate(1);
-  const bool stacked = scratch::in_use() > 0;
-  scratch::release(p);
-  return stacked;
-}
-
-}  // namespace
-
 TEST(Scratch, BlocksFreedOutOfOrderLeaveWithTheBlocksAboveThem) {
-  if (!stacks_in_use()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
+  if (!scratch::stacks_enabled()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
   const int64_t before = scratch::in_use();
   void* a = scratch::allocate(1000);
   const int64_t after_a = scratch::in_use();
@@ -48,7 +35,7 @@ TEST(Scratch, BlocksFreedOutOfOrderLeaveWithTheBlocksAboveThem) {
 }
 
 TEST(Scratch, EachThreadHasItsOwnStackAndMayFreeAnothersBlocks) {
-  if (!stacks_in_use()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
+  if (!scratch::stacks_enabled()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
   const int64_t mine = scratch::in_use(), resident = scratch::resident();
   void* theirs = nullptr;
   int64_t their_use = 0, their_after = -1;
@@ -99,7 +86,7 @@ TEST(Scratch, ArraysAreZeroedAndAligned) {
 }
 
 TEST(Scratch, TrimHandsBackThePagesAboveTheTop) {
-  if (!stacks_in_use()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
+  if (!scratch::stacks_enabled()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
   void* keep = scratch::allocate(4096);
   scratch::release(scratch::allocate(8 << 20));
   EXPECT_GE(scratch::high_water(), 8 << 20);
