@@ -13,6 +13,7 @@ namespace halyard {
 inline std::map<std::string, Halide::JITExtern> library_kernels() {
   return {{"halyard_attention_forward", Halide::JITExtern(&halyard_attention_forward)},
           {"halyard_attention_forward_lse", Halide::JITExtern(&halyard_attention_forward_lse)},
+          {"halyard_attention_lse", Halide::JITExtern(&halyard_attention_lse)},
           {"halyard_attention_backward", Halide::JITExtern(&halyard_attention_backward)},
           {"halyard_written_beside", Halide::JITExtern(&halyard_written_beside)},
           {"halyard_weight_grad", Halide::JITExtern(&halyard_weight_grad)}};

@@ -753,7 +753,8 @@ ExternFuncArgument Ctx::buffer(int id, const std::string& name) {
 
 // Attention through the library kernels (runtime/attention_cpu.h, or on a
 // CUDA target runtime/attention_cuda.h, on the device): the
-// stage's output is the extern call, which writes the stage's other outputs
+// stage's output is the extern call (the forward, the backward, or a
+// recomputed log-sum-exp alone), which writes the stage's other outputs
 // (the forward's log-sum-exp; the backward's dV and dQ beside dK) through
 // their buffers, so nothing of O(S) is copied after it. Those outputs are
 // extern stages that do nothing; nothing reads them inside the stage, so
@@ -764,8 +765,6 @@ void Ctx::library_attention(int id, Func out) {
   const TensorType& kt = type(n.inputs[1]);
   const int H = static_cast<int>(qt.size("heads")), KV = static_cast<int>(kt.size("kv_heads")),
             D = static_cast<int>(qt.size("head_dim"));
-  std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"),
-                                          buffer(n.inputs[2], "v_s"), buffer(n.inputs[3], "pos_s")};
   const bool cuda = library_device == DeviceAPI::CUDA;
   const std::string device = cuda ? "_cuda" : "";
   if (cuda && D > runtime::attention_cuda::kMaxHeadDim)
@@ -773,6 +772,17 @@ void Ctx::library_attention(int id, Func out) {
                     ", over the " + std::to_string(runtime::attention_cuda::kMaxHeadDim) +
                     " the CUDA attention kernels hold (runtime/attention_cuda.h).\nfix: say \"attention_kernel\": "
                     "\"halide\" in the schedule.");
+  if (n.op == Op::AttentionLse) {  // (q, k, positions): the statistics alone
+    out.define_extern("halyard_attention_lse" + device,
+                      {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"), buffer(n.inputs[2], "pos_s"), Expr(H),
+                       Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
+                       Expr(n.attrs.bf16 ? 1 : 0)},
+                      Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
+    ls.funcs.library = true;
+    return;
+  }
+  std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"),
+                                          buffer(n.inputs[2], "v_s"), buffer(n.inputs[3], "pos_s")};
   auto written_beside = [&](int e, const std::string& name) {
     Func f(name);
     f.define_extern("halyard_written_beside", {}, Float(32), vars(type(e).axis_names()), NameMangling::C, library_device);

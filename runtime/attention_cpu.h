@@ -13,6 +13,8 @@
 //   q, o, dO  [head_dim, heads, seq, batch]   k, v  [head_dim, kv_heads, seq, batch]
 //   pos       [seq, batch] (int32)            lse   [heads, seq, batch]
 //   forward:  out is the output o; _lse also writes the log-sum-exp into lse
+//   lse:      out is the log-sum-exp alone (a backward that recomputes it:
+//             the forward's bits, without P V)
 //   backward: out is dK, and the call writes dV and dQ [head_dim, heads,
 //             seq, batch] beside it, the stage's other two outputs
 // bf16 (0 or 1; the attention node's Attrs::bf16, dsl/graph.h):
@@ -37,6 +39,8 @@ int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buf
 int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                   halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block,
                                   int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads,
+                          int head_dim, int query_block, int key_block, int bf16, halide_buffer_t* out);
 int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                                halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block, int bf16,
@@ -74,7 +78,9 @@ struct Group : KeyRows {
 
 // A bounds query of the entry points, these and their CUDA twins
 // (attention_cuda.h): q, k, v and pos (and the backward's o, dO and lse,
-// where given) are asked for whole rows of the output's batch rows.
+// where given; v where given) are asked for whole rows of the output's
+// batch rows. The output is [head_dim, heads, seq, batch], or the
+// log-sum-exp alone [heads, seq, batch].
 int ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
                    int kv_heads, int head_dim, const halide_buffer_t* out, halide_buffer_t* o = nullptr,
                    halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr);

@@ -250,7 +250,7 @@ void softmax_rows(float* s, int Bc, int rows, float c, float* m, RowSum* l, floa
         store(sr + cc + p * W, Bf16 ? round_bf16(e) : e);
       }
     }
-    if (alpha != 1.0f) {
+    if (o && alpha != 1.0f) {
       float* orow = o + static_cast<int64_t>(r) * Dp;
       for (int d = 0; d < Dp; d += W) store(orow + d, load(orow + d) * av);
     }
@@ -311,15 +311,19 @@ void pack_transposed(const float* src, int64_t ld, int64_t S, int64_t Sp, int D,
 
 }  // namespace
 
+// With out null, the log-sum-exp alone: the same scores, max and sums in the
+// same blocks and order, so the same bits as beside an output, without
+// P V (half the FLOPs) and without reading v.
 void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t lse_ld) {
   const int64_t S = a.S;
   const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block);
   const int64_t Sp = round_up(S, std::max(Br, Bc));
-  scratch::Array<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp * Dp)), q(static_cast<size_t>(Br * Dp)),
-      o(static_cast<size_t>(Br * Dp)), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br));
+  const size_t Vp = out ? static_cast<size_t>(Dp) : 0;  // the statistics alone need neither v nor an output block
+  scratch::Array<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp) * Vp), q(static_cast<size_t>(Br * Dp)),
+      o(static_cast<size_t>(Br) * Vp), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br));
   scratch::Array<RowSum> l(static_cast<size_t>(Br));
   pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data(), a.bf16);
-  pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data(), a.bf16);
+  if (out) pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data(), a.bf16);
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   const auto bounds = block_bounds(a.pos, S, Br);
   for (int64_t i0 = 0; i0 < S; i0 += Br) {
@@ -336,13 +340,15 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
         for (int r = 0; r < rows; ++r) mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
       (full ? (a.bf16 ? softmax_rows<false, true> : softmax_rows<false, false>)
             : (a.bf16 ? softmax_rows<true, true> : softmax_rows<true, false>))(s.data(), Bc, rows, c, m.data(), l.data(),
-                                                                                o.data(), Dp);
-      gemm_nn_acc(s.data(), Bc, 1, v.data() + j0 * Dp, Dp, o.data(), Dp, rows, Bc, Dp);
+                                                                                out ? o.data() : nullptr, Dp);
+      if (out) gemm_nn_acc(s.data(), Bc, 1, v.data() + j0 * Dp, Dp, o.data(), Dp, rows, Bc, Dp);
     }
     for (int r = 0; r < rows; ++r) {
       const float sum = l[static_cast<size_t>(r)].total(), inv = 1.0f / sum;
-      float* dst = out + (i0 + r) * out_ld;
-      for (int d = 0; d < D; ++d) dst[d] = o[static_cast<size_t>(r * Dp + d)] * inv;
+      if (out) {
+        float* dst = out + (i0 + r) * out_ld;
+        for (int d = 0; d < D; ++d) dst[d] = o[static_cast<size_t>(r * Dp + d)] * inv;
+      }
       lse[(i0 + r) * lse_ld] = (m[static_cast<size_t>(r)] + std::log2(sum)) * kLn2;
     }
   }

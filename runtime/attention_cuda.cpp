@@ -237,6 +237,33 @@ std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buff
   return "";
 }
 
+// The forward's kernel without an output: v is read as k (staged, unused).
+std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads, int D,
+                         bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches) {
+  const int S = lse->dim[1].extent, b0 = lse->dim[2].min;
+  if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
+  if (lse->dim[1].min != 0) return "rows must be whole";
+  for (const halide_buffer_t* x : {q, k})
+    if (x->dim[0].stride != 1) return "head_dim must be dense";
+  Launch l;
+  Args& a = l.args;
+  a.q = origin<const float>(q, b0), a.k = origin<const float>(k, b0), a.v = a.k;
+  a.pos = origin<const int32_t>(pos, b0);
+  a.pos_s = pos->dim[0].stride, a.pos_b = pos->dim[1].stride;
+  a.q_st = rows(q), a.k_st = rows(k), a.v_st = a.k_st;
+  a.lse_out = origin<float>(lse, b0), a.lse_out_st = stats(lse);
+  a.S = S, a.H = heads, a.KV = kv_heads, a.D = D;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  a.h0 = lse->dim[0].min;
+  l.kernel = kernel_name("fwd", D, bf16);
+  l.grid[0] = static_cast<unsigned>((S + kRows - 1) / kRows);
+  l.grid[1] = static_cast<unsigned>(lse->dim[0].extent);
+  l.grid[2] = static_cast<unsigned>(lse->dim[2].extent);
+  l.threads = threads_for(D, bf16);
+  launches->assign(1, l);
+  return "";
+}
+
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                               halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
@@ -281,6 +308,16 @@ extern "C" int halyard_attention_forward_lse_cuda(halide_buffer_t* q, halide_buf
                                                   halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
                                                   int head_dim, int, int, int bf16, halide_buffer_t* out) {
   return forward(q, k, v, pos, lse, heads, kv_heads, head_dim, bf16, out);
+}
+
+extern "C" int halyard_attention_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads,
+                                          int kv_heads, int head_dim, int, int, int bf16, halide_buffer_t* out) {
+  if (out->is_bounds_query())
+    return halyard::runtime::attention_cpu::ask_whole_rows(q, k, nullptr, pos, heads, kv_heads, head_dim, out);
+  return call("halyard_attention_lse_cuda", heads, kv_heads, head_dim, out->dim[1].extent, {q, k, pos}, {out},
+              [&](std::vector<Launch>* launches) {
+                return lse_launches(q, k, pos, heads, kv_heads, head_dim, bf16 != 0, out, launches);
+              });
 }
 
 extern "C" int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,

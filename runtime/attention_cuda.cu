@@ -202,7 +202,8 @@ __device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int
   return n;
 }
 
-// grid (row blocks, heads from h0, batch rows); block R * T threads.
+// grid (row blocks, heads from h0, batch rows); block R * T threads. With
+// out null (the log-sum-exp alone), P V is skipped: v is staged but unread.
 template <int D>
 __device__ void forward(const Args& a) {
   using S_ = Shape<D>;
@@ -245,14 +246,14 @@ __device__ void forward(const Args& a) {
       for (int u = 0; u < KC; ++u) {
         const float p = s[u] == -INFINITY ? 0.f : exp2f(s[u] - mx);
         l += p;
-        add_shared<D>(vs + (u0 + u) * D, p, acc, t);
+        if (a.out) add_shared<D>(vs + (u0 + u) * D, p, acc, t);
       }
       m = mx;
     }
   }
   if (!valid) return;
   const float inv = l > 0 ? 1.f / l : 0.f;
-  store_slice<D>(a.out + h * a.out_st.h + i * a.out_st.s + b * a.out_st.b, a.D, t, acc, inv);
+  if (a.out) store_slice<D>(a.out + h * a.out_st.h + i * a.out_st.s + b * a.out_st.b, a.D, t, acc, inv);
   if (a.lse_out && t == 0)
     a.lse_out[h * a.lse_out_st.h + i * a.lse_out_st.s + b * a.lse_out_st.b] = l > 0 ? (m + log2f(l)) * kLn2 : -INFINITY;
 }
@@ -639,7 +640,7 @@ __device__ void forward_bf16(const Args& a) {
         sum[e >> 1] += p;
         s[nt][e] = p;
       }
-    accumulate_over_rows<DP>(acc, s, vt);
+    if (a.out) accumulate_over_rows<DP>(acc, s, vt);
   }
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
@@ -647,14 +648,16 @@ __device__ void forward_bf16(const Args& a) {
     sum[w] += __shfl_xor_sync(0xffffffffu, sum[w], 2);
     if (!r.valid[w]) continue;
     const float inv = sum[w] > 0 ? 1.f / sum[w] : 0.f;
-    float* out = a.out + r.h * a.out_st.h + r.row[w] * a.out_st.s + r.b * a.out_st.b;
+    if (a.out) {
+      float* out = a.out + r.h * a.out_st.h + r.row[w] * a.out_st.s + r.b * a.out_st.b;
 #pragma unroll
-    for (int dt = 0; dt < T::DT; ++dt)
+      for (int dt = 0; dt < T::DT; ++dt)
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int d = 8 * dt + 2 * l.t + x;
-        if (d < a.D) out[d] = acc[dt][2 * w + x] * inv;
-      }
+        for (int x = 0; x < 2; ++x) {
+          const int d = 8 * dt + 2 * l.t + x;
+          if (d < a.D) out[d] = acc[dt][2 * w + x] * inv;
+        }
+    }
     if (a.lse_out && l.t == 0)
       a.lse_out[r.h * a.lse_out_st.h + r.row[w] * a.lse_out_st.s + r.b * a.lse_out_st.b] =
           sum[w] > 0 ? (m[w] + log2f(sum[w])) * kLn2 : -INFINITY;

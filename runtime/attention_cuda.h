@@ -26,6 +26,8 @@ int halyard_attention_forward_cuda(halide_buffer_t* q, halide_buffer_t* k, halid
 int halyard_attention_forward_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                        halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
                                        int head_dim, int query_block, int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads,
+                               int head_dim, int query_block, int key_block, int bf16, halide_buffer_t* out);
 int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                     halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                                     halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
@@ -56,6 +58,10 @@ struct Launch {
 std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                              halide_buffer_t* lse, int heads, int kv_heads, int head_dim, bool bf16,
                              halide_buffer_t* out, std::vector<Launch>* launches);
+// The log-sum-exp alone [heads, seq, batch] (lse): the forward's kernel
+// without its output.
+std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads,
+                         int head_dim, bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches);
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                               halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,

@@ -28,7 +28,7 @@ struct Args {
   const float *q = nullptr, *k = nullptr, *v = nullptr;
   const int32_t* pos = nullptr;  // [seq, batch]: key j is visible to query i when 0 <= i - j <= pos[i]
   const float *o = nullptr, *dO = nullptr, *lse = nullptr;  // the backward's
-  float* out = nullptr;      // the forward's output, or the backward's dK
+  float* out = nullptr;      // the forward's output (null: the log-sum-exp alone), or the backward's dK
   float* lse_out = nullptr;  // the forward's log-sum-exp (natural log), or null
   float *dv = nullptr, *dq = nullptr;
   Strides q_st, k_st, v_st, o_st, dO_st, lse_st, out_st, lse_out_st, dv_st, dq_st;

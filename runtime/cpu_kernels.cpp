@@ -403,10 +403,12 @@ int halyard::runtime::attention_cpu::ask_whole_rows(halide_buffer_t* q, halide_b
                                                     halide_buffer_t* pos, int heads, int kv_heads, int head_dim,
                                                     const halide_buffer_t* out, halide_buffer_t* o,
                                                     halide_buffer_t* dO, halide_buffer_t* lse) {
-  const int D = head_dim, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
+  const int rows = out->dimensions - 2;  // (the log-sum-exp alone has no head_dim)
+  const int D = head_dim, S = out->dim[rows].extent, b0 = out->dim[rows + 1].min, nb = out->dim[rows + 1].extent;
   for (halide_buffer_t* x : {q, o, dO})
     if (x) whole(x, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
-  for (halide_buffer_t* x : {k, v}) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
+  for (halide_buffer_t* x : {k, v})
+    if (x) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
   if (lse) whole(lse, {{0, heads}, {0, S}, {b0, nb}});
   whole(pos, {{0, S}, {b0, nb}});
   return 0;
@@ -455,6 +457,27 @@ extern "C" int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t
                                              int head_dim, int query_block, int key_block, int bf16,
                                              halide_buffer_t* out) {
   return attention_forward(q, k, v, pos, lse, heads, kv_heads, head_dim, query_block, key_block, bf16, out);
+}
+
+extern "C" int halyard_attention_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads,
+                                     int kv_heads, int head_dim, int query_block, int key_block, int bf16,
+                                     halide_buffer_t* out) {
+  if (out->is_bounds_query()) return ask_whole_rows(q, k, nullptr, pos, heads, kv_heads, head_dim, out);
+  const int D = head_dim, h0 = out->dim[0].min, nh = out->dim[0].extent, S = out->dim[1].extent,
+            b0 = out->dim[2].min, nb = out->dim[2].extent;
+  if (out->dim[1].min != 0 || q->dim[0].stride != 1 || k->dim[0].stride != 1)
+    return fail("halyard_attention_lse: rows must be whole and head_dim dense");
+  if (kv_heads < 1 || heads % kv_heads) return fail("halyard_attention_lse: kv_heads must divide heads");
+  par_for(nb * nh, [&](int task) {
+      const int b = b0 + task / nh, h = h0 + task % nh;
+      Head a;
+      static_cast<KeyRows&>(a) = key_rows(k, k, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
+      a.v = nullptr;
+      a.q = at<const float>(q, {0, h, 0, b});
+      a.q_ld = q->dim[2].stride;
+      kernels().forward(a, nullptr, 0, at<float>(out, {h, 0, b}), out->dim[1].stride);
+  });
+  return 0;
 }
 
 extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,

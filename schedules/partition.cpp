@@ -332,7 +332,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.signature += "+dq:" + g.node(it->second).type.str();
       st.library = true;
     }
-    if (library && node.op == Op::Attention && !is_ring_block(node)) st.library = true;
+    if (library && (node.op == Op::Attention || node.op == Op::AttentionLse) && !is_ring_block(node)) st.library = true;
     // The library reads its operands from buffers: one computed inline is
     // computed once, whole, into a copy (the plan counts it as scratch).
     if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;

@@ -37,7 +37,8 @@ struct Stage {
   std::vector<int> extra_outputs;  // nodes the kernel writes too (dV with dK: they share the probabilities)
   // The kernel calls a library instead of being generated: attention
   // (runtime/attention_cpu.h, the schedule's attention_kernel; its backward
-  // writes dK, then dV and dQ as extra outputs) or a weight gradient
+  // writes dK, then dV and dQ as extra outputs; a log-sum-exp the backward
+  // recomputes alone is the forward without P V) or a weight gradient
   // (runtime/gemm_cpu.h, the schedule's weight_grad_kernel).
   bool library = false;
   // The contraction is one call of the runtime's device GEMM (runtime/gemm.h,

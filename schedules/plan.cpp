@@ -257,23 +257,25 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const Kerne
     const TensorType& q = g.node(n.inputs[0]).type;
     const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");
     const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
-    const bool fwd = n.op == Op::Attention;
-    for (size_t k = 0; k < (fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
+    const bool lse_alone = n.op == Op::AttentionLse, fwd = n.op == Op::Attention || lse_alone;
+    for (size_t k = 0; k < (lse_alone ? 3u : fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
     // runtime/attention_cuda.cu holds its tiles in shared memory and registers.
     if (gpu) return s;
     // Per task (attention_cpu_impl.h: forward_head, backward_group): k and v
     // packed over the keys padded to whole blocks (k twice and v once more
     // in the backward, with dK and dV accumulators where D is not a whole
     // vector), a query block's rows, scores and statistics, and the forward's
-    // log-sum-exp where nothing else takes it. As the runtime sizes them on a
+    // log-sum-exp where nothing else takes it; the log-sum-exp alone packs
+    // no v and keeps no output block. As the runtime sizes them on a
     // host with an L2 of 1 MiB or more (256 queries a block, cpu_kernels.cpp)
     // and 16-float vectors (AVX-512); other hosts hold less.
     const int64_t Br = tiles.attention_queries > 0 ? tiles.attention_queries : 256;
     const int64_t Bc = ((tiles.attention_keys > 0 ? tiles.attention_keys : 128) + 31) / 32 * 32;
     const int64_t Sp = (S + std::max(Br, Bc) - 1) / std::max(Br, Bc) * std::max(Br, Bc);
     const int64_t per_task =
-        fwd ? D * Sp + Sp * Dp + 2 * Br * Dp + Br * Bc + Br + 16 * Br + (st.extra_outputs.empty() ? S : 0)
-            : 2 * D * Sp + Sp * Dp + 3 * Br * Dp + 2 * Br * Bc + 2 * Br + (D == Dp ? 0 : 2 * Sp * Dp);
+        lse_alone ? D * Sp + Br * Dp + Br * Bc + Br + 16 * Br
+        : fwd     ? D * Sp + Sp * Dp + 2 * Br * Dp + Br * Bc + Br + 16 * Br + (st.extra_outputs.empty() ? S : 0)
+                  : 2 * D * Sp + Sp * Dp + 3 * Br * Dp + 2 * Br * Bc + 2 * Br + (D == Dp ? 0 : 2 * Sp * Dp);
     const int64_t tasks = rows * (fwd ? H : KV);
     s.add_per_task(4 * per_task, std::min<int64_t>(threads, tasks));
     return s;

@@ -115,7 +115,8 @@ struct Schedule {
   int autoscheduler_beam_size = 32;
   KernelTiles kernel_tiles;
   // Attention's kernels: "library" (runtime/attention_cpu.h, FlashAttention-2:
-  // one backward pass writes dQ, dK and dV) or "halide" (generated: a dQ
+  // one backward pass writes dQ, dK and dV; a recomputed log-sum-exp is
+  // its forward without P V) or "halide" (generated: a dQ
   // kernel and a dK/dV kernel). On a CUDA target the library's are
   // runtime/attention_cuda.h's. Ring blocks, other GPU targets and the
   // autoscheduler always get Halide's.

@@ -4,8 +4,9 @@
 // (tests/runtime/test_attention_cuda_emulated.cpp): fresh random inputs, a
 // batch of two rows (the second two packed documents), outputs poisoned
 // with NaN so that every element must be written; then, where there are 4
-// heads on 2 kv heads, outputs holding only heads 1 and 2 of the forward and
-// kv head 1 of the backward, as a stage split over heads asks.
+// heads on 2 kv heads, outputs holding only heads 1 and 2 of the forward
+// (and of the log-sum-exp alone) and kv head 1 of the backward, as a stage
+// split over heads asks.
 #pragma once
 
 #include <HalideBuffer.h>
@@ -37,16 +38,17 @@ inline double attention_rel(const Buffer<float>& got, const Buffer<float>& want,
   return nan ? 1e30 : rms ? std::sqrt(diff / scale) : diff / scale;
 }
 
-// The call under test: forward(q, k, v, pos, lse, o) and backward(q, k, v,
+// The calls under test: forward(q, k, v, pos, lse, o), lse_alone(q, k, pos,
+// lse) (the log-sum-exp a backward recomputes) and backward(q, k, v,
 // pos, o, dO, lse, dv, dq, dk), with head counts and head_dim bound, each
 // leaving its outputs readable on the host; against the CPU library with
 // its bf16 (the products in bf16) as given, the backward given the CPU's
 // forward outputs. Returns the largest error: of the largest elements in
 // f32; in bf16 of the root mean squares, since one probability or dS
 // rounded the other way moves a few elements by up to 2^-9 of the largest.
-template <class Forward, class Backward>
+template <class Forward, class LseAlone, class Backward>
 double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double limit, bool bf16, Forward forward,
-                                   Backward backward) {
+                                   LseAlone lse_alone, Backward backward) {
   const int B = 2;
   std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> normal(0, 1);
@@ -70,23 +72,27 @@ double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double 
   EXPECT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o), 0);
   EXPECT_EQ(halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk), 0);
 
-  Buffer<float> to = poisoned({D, H, S, B}), tlse = poisoned({H, S, B}), tdk = poisoned({D, KV, S, B}),
-                tdv = poisoned({D, KV, S, B}), tdq = poisoned({D, H, S, B});
+  Buffer<float> to = poisoned({D, H, S, B}), tlse = poisoned({H, S, B}), alone = poisoned({H, S, B}),
+                tdk = poisoned({D, KV, S, B}), tdv = poisoned({D, KV, S, B}), tdq = poisoned({D, H, S, B});
   forward(q, k, v, pos, tlse, to);
+  lse_alone(q, k, pos, alone);
   // (The backward reads the CPU's forward, so that its errors are its own.)
   backward(q, k, v, pos, o, dO, lse, tdv, tdq, tdk);
-  const double e[5] = {attention_rel(to, o, bf16), attention_rel(tlse, lse, bf16), attention_rel(tdq, dq, bf16),
-                       attention_rel(tdk, dk, bf16), attention_rel(tdv, dv, bf16)};
-  std::printf("  head_dim %3d, %d heads on %d%s: output %.1e, log-sum-exp %.1e, dQ %.1e, dK %.1e, dV %.1e of the CPU's "
-              "%s\n", D, H, KV, bf16 ? ", bf16" : "", e[0], e[1], e[2], e[3], e[4], bf16 ? "rms" : "largest");
+  const double e[6] = {attention_rel(to, o, bf16),      attention_rel(tlse, lse, bf16), attention_rel(alone, lse, bf16),
+                       attention_rel(tdq, dq, bf16),    attention_rel(tdk, dk, bf16),   attention_rel(tdv, dv, bf16)};
+  std::printf("  head_dim %3d, %d heads on %d%s: output %.1e, log-sum-exp %.1e (alone %.1e), dQ %.1e, dK %.1e, dV "
+              "%.1e of the CPU's %s\n", D, H, KV, bf16 ? ", bf16" : "", e[0], e[1], e[2], e[3], e[4], e[5],
+              bf16 ? "rms" : "largest");
   for (double x : e) EXPECT_LE(x, limit) << "head_dim " << D;
-  const double worst = *std::max_element(e, e + 5);
+  const double worst = *std::max_element(e, e + 6);
   if (H != 4 || KV != 2) return worst;
 
   Buffer<float> po = poisoned({D, 2, S, B}, {0, 1, 0, 0}), plse = poisoned({2, S, B}, {1, 0, 0}),
                 pdk = poisoned({D, 1, S, B}, {0, 1, 0, 0}), pdv = poisoned({D, 1, S, B}, {0, 1, 0, 0}),
                 pdq = poisoned({D, 2, S, B}, {0, 2, 0, 0});
+  Buffer<float> palone = poisoned({2, S, B}, {1, 0, 0});
   forward(q, k, v, pos, plse, po);
+  lse_alone(q, k, pos, palone);
   backward(q, k, v, pos, o, dO, lse, pdv, pdq, pdk);
   auto heads_like = [](const Buffer<float>& full, const Buffer<float>& like) {
     Buffer<float> x = full.copy();
@@ -96,6 +102,7 @@ double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double 
   };
   EXPECT_LE(attention_rel(po, heads_like(o, po), bf16), limit) << "head_dim " << D << ": the output's heads 1 and 2";
   EXPECT_LE(attention_rel(plse, heads_like(lse, plse), bf16), limit) << "head_dim " << D;
+  EXPECT_LE(attention_rel(palone, heads_like(lse, palone), bf16), limit) << "head_dim " << D << ": the log-sum-exp alone";
   EXPECT_LE(attention_rel(pdk, heads_like(dk, pdk), bf16), limit) << "head_dim " << D << ": kv head 1";
   EXPECT_LE(attention_rel(pdv, heads_like(dv, pdv), bf16), limit) << "head_dim " << D;
   EXPECT_LE(attention_rel(pdq, heads_like(dq, pdq), bf16), limit) << "head_dim " << D;

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -223,6 +224,7 @@ struct AttentionCase {
   std::string kernel;
   int64_t head_dim = 16, batch = 1;
   bool bf16 = false;  // mixed precision (contract_precision "bf16": Attrs::bf16 on attention)
+  bool lse_alone = false;  // the log-sum-exp alone (as a backward recomputes it) instead of attention and its gradients
 };
 
 // The stages of attention's forward and of its gradients (4 heads, 2 KV
@@ -242,6 +244,7 @@ Partition attention_partition(Graph& g, const AttentionCase& c, std::unique_ptr<
   Value loss = contract_to(out, r, {});
   Gradients grads = grad(loss, {q, k, v});
   std::vector<int> outputs = {out.id, grads[q].id, grads[k].id, grads[v].id};
+  if (c.lse_alone) outputs = {attention_lse(q, k, pos).id};
   if (!c.bf16) return partition(g, outputs, sched);
   StoredGraph sg = round_contractions(g, sched);
   for (int& id : outputs) id = sg.id_of[static_cast<size_t>(id)];
@@ -326,7 +329,9 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
                                             << (c.bf16 ? ", bf16" : "");
     }
   }
-  if (c.kernel == "library")
+  if (c.lse_alone)
+    EXPECT_EQ(attention_kernels, 1) << "the log-sum-exp alone";
+  else if (c.kernel == "library")
     EXPECT_EQ(attention_kernels, 2) << "the forward with its log-sum-exp; one backward writing dK, dV and dQ";
   else
     EXPECT_EQ(attention_kernels, 3) << "the forward with its log-sum-exp, dQ, dK with dV";
@@ -343,8 +348,9 @@ void run_attention_cases(const std::vector<AttentionCase>& cases, const Halide::
       ADD_FAILURE() << "seq " << c.seq << ": Halide: " << e.what();
       continue;
     }
-    std::printf("  attention %-7s seq %4lld d %3lld batch %lld %-7s worst value %s = %.2e\n",
-                target && target->has_gpu_feature() ? "gpu" : c.kernel.c_str(), static_cast<long long>(c.seq),
+    std::printf("  attention%s %-7s seq %4lld d %3lld batch %lld %-7s worst value %s = %.2e\n",
+                c.lse_alone ? " lse" : "", target && target->has_gpu_feature() ? "gpu" : c.kernel.c_str(),
+                static_cast<long long>(c.seq),
                 static_cast<long long>(c.head_dim), static_cast<long long>(c.batch), c.packed ? "packed" : "causal",
                 c.bf16 ? "bf16: rms diff / rms ref" : "max |diff| / max |ref|", err);
   }
@@ -606,6 +612,50 @@ TEST(Kernels, LibraryAttentionMatchesTheInterpreterAtEveryLength) {
                        {200, true, "library", 24, 1}, {64, false, "library", 32, 1}});
 }
 
+// A log-sum-exp recomputed alone (a checkpointing schedule's backward):
+// the library's stage (the forward without P V) and Halide's, against the
+// interpreter; and the library's gives the bits its forward writes beside
+// the output, every head or some, packed documents, bf16, in every ISA, so
+// that a backward reads the same statistics whether the schedule saved
+// them or recomputed them. Before, the library had no such entry point and
+// the stage was Halide's, at half the library forward's speed.
+TEST(Kernels, LibraryLogSumExpAloneIsTheForwardsBits) {
+  for (const AttentionCase& c : {AttentionCase{300, false, "library"}, AttentionCase{200, true, "library", 24, 2},
+                                 AttentionCase{300, false, "library", 16, 1, true}, AttentionCase{130, true, "halide"}}) {
+    AttentionCase alone = c;
+    alone.lse_alone = true;
+    Graph g;
+    std::unique_ptr<Graph> rounded;
+    const Partition p = attention_partition(g, alone, &rounded);
+    ASSERT_EQ(p.stages.size(), 1u);
+    EXPECT_EQ(p.stages[0].library, c.kernel == "library");
+    run_attention_cases({alone});
+  }
+  using Halide::Runtime::Buffer;
+  in_every_isa([] {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (const int bf16 : {0, 1})
+      for (const int D : {16, 24}) {
+        const int S = 300, H = 4, KV = 2, B = 2;
+        Buffer<float> q(D, H, S, B), k(D, KV, S, B), v(D, KV, S, B), o(D, H, S, B), lse(H, S, B), alone(H, S, B),
+            some(2, S, B);
+        for (Buffer<float>* x : {&q, &k, &v}) x->for_each_value([&](float& e) { e = normal(rng); });
+        Buffer<int32_t> pos(S, B);
+        for (int i = 0; i < S; ++i) pos(i, 0) = i, pos(i, 1) = i % 77;
+        some.set_min({1, 0, 0});
+        ASSERT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o), 0);
+        ASSERT_EQ(halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, alone), 0);
+        ASSERT_EQ(halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, some), 0);
+        EXPECT_EQ(std::memcmp(lse.data(), alone.data(), lse.size_in_bytes()), 0)
+            << runtime::attention_cpu::isa() << ", head_dim " << D << (bf16 ? ", bf16" : "");
+        some.for_each_element([&](int h, int i, int b) {
+          EXPECT_EQ(some(h, i, b), lse(h, i, b)) << "head " << h << " row " << i << " batch row " << b;
+        });
+      }
+  });
+}
+
 // Mixed precision (Attrs::bf16): the library's kernels and Halide's round
 // what the interpreter rounds (q, k, v, dO, the probabilities before their
 // products, dS), packed rows and padded head_dims included.
@@ -642,7 +692,7 @@ TEST(Kernels, CudaLibraryAttentionIsADeviceCallAndRefusesAWideHead) {
 }
 
 // The library kernels write the stage's outputs themselves (the forward its
-// output and log-sum-exp, the backward dK, and dV and dQ through their
+// output and log-sum-exp, the log-sum-exp alone, the backward dK, and dV and dQ through their
 // buffers), so a stage whose operands are buffers allocates nothing: a
 // copy of [head_dim + 1, seq, heads] and one of [head_dim, seq, group + 2,
 // kv_heads] floats before. The weight-gradient GEMM likewise.
@@ -659,6 +709,11 @@ TEST(Kernels, LibraryStagesWriteTheirOutputsInPlace) {
         << kind << " allocates " << a.memory << " bytes and " << a.unsized.size() << " buffers sized at run time";
   }
   EXPECT_EQ(library, (std::vector<std::string>{"attention", "attention_grad_k"}));
+  Graph lg;
+  const Partition lp = attention_partition(lg, {4096, false, "library", 64, 1, false, true});
+  ASSERT_TRUE(lp.stages.size() == 1 && lp.stages[0].library);
+  const Allocated la = allocations_of(lg, lp.stages[0], Halide::get_host_target());
+  EXPECT_TRUE(la.memory == 0 && la.unsized.empty()) << "the log-sum-exp alone allocates " << la.memory << " bytes";
 
   Graph wg;
   const Axis S{"seq", 1000}, M{"model", 64}, F{"ffn", 96};

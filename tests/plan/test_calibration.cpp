@@ -122,12 +122,19 @@ TEST(Calibration, AStepsProfilePairsWithEveryStageOfItsPlan) {
 // The plan sizes the library kernels' blocks for the largest host (an L2 of
 // 2 MiB, AVX-512), so a host with less keeps less; it leaves out Halide's
 // per-task blocks of a few KiB and the stacks' 128-byte headers, which only
-// a model as small as llama_micro notices (1% there).
+// a model as small as llama_micro notices (1% there). Whether the other
+// thread runs any task is the pool's choice: on a loaded machine (ctest -j2)
+// the calling thread ran them all in some runs and kept 390 of 755 KiB. So
+// the least it must keep is what a rank of one thread holds (each kernel's
+// shared blocks and one task's, on whichever threads), here at least half
+// of it for a host with a smaller L2 than the plan assumes.
 TEST(Calibration, TheThreadsKeepTheScratchThePlanCounts) {
   if (!runtime::scratch::stacks_enabled()) GTEST_SKIP() << "this build serves kernel scratch from malloc (ASan)";
   Cluster two = Cluster::named("local-cpu");
   two.ranks = two.ranks_per_node = 1;
   two.cores_per_node = 2;
+  Cluster one = two;
+  one.cores_per_node = 1;
   runtime::Model::set_num_threads(2);
   for (const runtime::ModelSpec& spec : {halyard_models::tiny_sp1_s128(), halyard_models::llama_micro_checkpoint()}) {
     unsetenv("HALYARD_PROFILE");
@@ -138,12 +145,13 @@ TEST(Calibration, TheThreadsKeepTheScratchThePlanCounts) {
     train_step(m, spec.seq);
     const int64_t kept = runtime::scratch::resident();
     const nlohmann::json summary = nlohmann::json::parse(spec.plan_json);
-    const Plan p = plan(llama::llama_builder(), {summary.at("config").get<std::string>(), spec.batch, spec.seq},
-                        Schedule::parse(summary.at("schedule_spec").dump(), spec.name), two);
-    std::printf("  %s: the stacks kept %.1f KiB; the plan counts %.1f KiB\n", spec.name, kept / 1024.0,
-                p.memory.kernel_scratch / 1024.0);
+    const ModelRequest ms{summary.at("config").get<std::string>(), spec.batch, spec.seq};
+    const Schedule sched = Schedule::parse(summary.at("schedule_spec").dump(), spec.name);
+    const Plan p = plan(llama::llama_builder(), ms, sched, two), p1 = plan(llama::llama_builder(), ms, sched, one);
+    std::printf("  %s: the stacks kept %.1f KiB; the plan counts %.1f KiB on 2 threads, %.1f KiB on one\n", spec.name,
+                kept / 1024.0, p.memory.kernel_scratch / 1024.0, p1.memory.kernel_scratch / 1024.0);
     EXPECT_LE(kept, p.memory.kernel_scratch * 21 / 20) << spec.name;
-    EXPECT_GE(kept, p.memory.kernel_scratch / 2) << spec.name;
+    EXPECT_GE(kept, p1.memory.kernel_scratch / 2) << spec.name;
   }
 }
 

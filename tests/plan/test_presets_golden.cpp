@@ -3,11 +3,14 @@
 // one train step of each preset's library equal, bit for bit, the values
 // committed in tests/fixtures/presets_golden.txt (written by this program
 // with --write from the libraries as they were before the rewrite, and
-// rewritten when a kernel's arithmetic changes on purpose: last, when the
-// per-token reductions (a norm's sums, the loss's) began summing a vector of
-// tokens side by side, where LLVM fuses the multiply-adds of the backward's
-// dot products otherwise than in the scalar loop; the losses are the same
-// bits as before): the losses as exact hex
+// rewritten when a kernel's arithmetic changes on purpose: last, when a
+// backward that recomputes attention's log-sum-exp alone began computing it
+// with the library's forward instead of a Halide kernel, so that
+// checkpoint's gradients became recompute's bits, all 23 values; before
+// that, when the per-token reductions (a norm's sums, the loss's) began
+// summing a vector of tokens side by side, where LLVM fuses the
+// multiply-adds of the backward's dot products otherwise than in the scalar
+// loop; the losses were the same bits both times): the losses as exact hex
 // floats, each gradient as a 64-bit FNV-1a hash of its bits. The bits are
 // the same on an AVX2 and an AVX-512 machine (recorded on an AMD Zen 3,
 // AVX2; equal on a Zen 4 with AVX-512 once Halide's attention kernels summed

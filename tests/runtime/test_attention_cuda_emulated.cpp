@@ -64,6 +64,12 @@ double check_emulated(int D, int H, int KV, double limit, bool bf16) {
                   "");
         run(launches);
       },
+      [&](Buffer<float>& q, Buffer<float>& k, Buffer<int32_t>& pos, Buffer<float>& lse) {
+        AsDevice on({q, k, pos, lse});
+        std::vector<Launch> launches;
+        ASSERT_EQ(halyard::runtime::attention_cuda::lse_launches(q, k, pos, H, KV, D, bf16, lse, &launches), "");
+        run(launches);
+      },
       [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& o,
           Buffer<float>& dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
         AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk});
@@ -107,6 +113,9 @@ TEST(AttentionCudaEmulated, Bf16KernelsOnTensorCoresMatchTheCpuLibrarysBf16) {
       64, 4, 2, 70, 30, 1.0, true,
       [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& lse,
           Buffer<float>& o) { ASSERT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse, 4, 2, 64, 0, 0, 0, o), 0); },
+      [&](Buffer<float>& q, Buffer<float>& k, Buffer<int32_t>& pos, Buffer<float>& lse) {
+        ASSERT_EQ(halyard_attention_lse(q, k, pos, 4, 2, 64, 0, 0, 0, lse), 0);
+      },
       [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& o,
           Buffer<float>& dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
         ASSERT_EQ(halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, 4, 2, 0, 0, 0, dk), 0);
