@@ -248,9 +248,9 @@ KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halid
   a.bf16 = bf16 != 0;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   a.k = at<const float>(k, {0, g, 0, b});
-  a.v = at<const float>(v, {0, g, 0, b});
+  a.v = v ? at<const float>(v, {0, g, 0, b}) : nullptr;  // (none for the log-sum-exp alone)
   a.k_ld = k->dim[2].stride;
-  a.v_ld = v->dim[2].stride;
+  a.v_ld = v ? v->dim[2].stride : 0;
   a.pos = at<const int32_t>(pos, {0, b});
   return a;
 }
@@ -471,8 +471,7 @@ extern "C" int halyard_attention_lse(halide_buffer_t* q, halide_buffer_t* k, hal
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
-      static_cast<KeyRows&>(a) = key_rows(k, k, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
-      a.v = nullptr;
+      static_cast<KeyRows&>(a) = key_rows(k, nullptr, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
       a.q = at<const float>(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
       kernels().forward(a, nullptr, 0, at<float>(out, {h, 0, b}), out->dim[1].stride);
