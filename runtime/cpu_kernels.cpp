@@ -121,8 +121,8 @@ void whole(halide_buffer_t* b, std::initializer_list<std::pair<int, int>> dims) 
 
 // Never reached from generated code (its lowering passes whole rows and
 // dense head_dim); said on stderr, and the kernel fails with its name.
-int fail(const char* what) {
-  std::fprintf(stderr, "%s\n", what);
+int fail(const std::string& what) {
+  std::fprintf(stderr, "%s\n", what.c_str());
   return -1;
 }
 
@@ -418,19 +418,22 @@ namespace {
 
 // The forward over the output's heads and rows: out is the output
 // [head_dim, heads, seq, batch], lse (where the stage writes it) the
-// log-sum-exp [heads, seq, batch], both the stage's own buffers.
-int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                      halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block, int key_block, int bf16,
-                      halide_buffer_t* out) {
-  const int D = head_dim, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out);
-  const int h0 = out->dim[1].min, nh = out->dim[1].extent;
-  if (out->dim[0].min != 0 || out->dim[0].extent != D || out->dim[2].min != 0 || q->dim[0].stride != 1 ||
-      k->dim[0].stride != 1 || v->dim[0].stride != 1 || out->dim[0].stride != 1)
-    return fail("halyard_attention_forward: rows must be whole and head_dim dense");
-  if (lse && !covers(lse, {{h0, nh}, {0, S}, {b0, nb}}))
-    return fail("halyard_attention_forward: the log-sum-exp must cover the output's heads and rows");
-  if (kv_heads < 1 || heads % kv_heads) return fail("halyard_attention_forward: kv_heads must divide heads");
+// log-sum-exp [heads, seq, batch], both the stage's own buffers. Without
+// out (and v), the log-sum-exp alone, over its own heads and rows.
+int attention_forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                      halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
+                      int query_block, int key_block, int bf16, halide_buffer_t* out) {
+  halide_buffer_t* rows = out ? out : lse;
+  if (rows->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, head_dim, rows);
+  const int x = out ? 1 : 0;  // rows' heads dimension
+  const int D = head_dim, h0 = rows->dim[x].min, nh = rows->dim[x].extent, S = rows->dim[x + 1].extent,
+            b0 = rows->dim[x + 2].min, nb = rows->dim[x + 2].extent;
+  if (rows->dim[x + 1].min != 0 || q->dim[0].stride != 1 || k->dim[0].stride != 1 ||
+      (out && (out->dim[0].min != 0 || out->dim[0].extent != D || v->dim[0].stride != 1 || out->dim[0].stride != 1)))
+    return fail(std::string(who) + ": rows must be whole and head_dim dense");
+  if (out && lse && !covers(lse, {{h0, nh}, {0, S}, {b0, nb}}))
+    return fail(std::string(who) + ": the log-sum-exp must cover the output's heads and rows");
+  if (kv_heads < 1 || heads % kv_heads) return fail(std::string(who) + ": kv_heads must divide heads");
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
@@ -438,7 +441,7 @@ int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v
       a.q = at<const float>(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
       scratch::Array<float> unused(lse ? 0 : static_cast<size_t>(S));
-      kernels().forward(a, at<float>(out, {0, h, 0, b}), out->dim[2].stride,
+      kernels().forward(a, out ? at<float>(out, {0, h, 0, b}) : nullptr, out ? out->dim[2].stride : 0,
                         lse ? at<float>(lse, {h, 0, b}) : unused.data(), lse ? lse->dim[1].stride : 1);
   });
   return 0;
@@ -449,34 +452,23 @@ int attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v
 extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                          int heads, int kv_heads, int head_dim, int query_block, int key_block,
                                          int bf16, halide_buffer_t* out) {
-  return attention_forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, query_block, key_block, bf16, out);
+  return attention_forward("halyard_attention_forward", q, k, v, pos, nullptr, heads, kv_heads, head_dim, query_block,
+                           key_block, bf16, out);
 }
 
 extern "C" int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                              halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
                                              int head_dim, int query_block, int key_block, int bf16,
                                              halide_buffer_t* out) {
-  return attention_forward(q, k, v, pos, lse, heads, kv_heads, head_dim, query_block, key_block, bf16, out);
+  return attention_forward("halyard_attention_forward_lse", q, k, v, pos, lse, heads, kv_heads, head_dim, query_block,
+                           key_block, bf16, out);
 }
 
 extern "C" int halyard_attention_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads,
                                      int kv_heads, int head_dim, int query_block, int key_block, int bf16,
                                      halide_buffer_t* out) {
-  if (out->is_bounds_query()) return ask_whole_rows(q, k, nullptr, pos, heads, kv_heads, head_dim, out);
-  const int D = head_dim, h0 = out->dim[0].min, nh = out->dim[0].extent, S = out->dim[1].extent,
-            b0 = out->dim[2].min, nb = out->dim[2].extent;
-  if (out->dim[1].min != 0 || q->dim[0].stride != 1 || k->dim[0].stride != 1)
-    return fail("halyard_attention_lse: rows must be whole and head_dim dense");
-  if (kv_heads < 1 || heads % kv_heads) return fail("halyard_attention_lse: kv_heads must divide heads");
-  par_for(nb * nh, [&](int task) {
-      const int b = b0 + task / nh, h = h0 + task % nh;
-      Head a;
-      static_cast<KeyRows&>(a) = key_rows(k, nullptr, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
-      a.q = at<const float>(q, {0, h, 0, b});
-      a.q_ld = q->dim[2].stride;
-      kernels().forward(a, nullptr, 0, at<float>(out, {h, 0, b}), out->dim[1].stride);
-  });
-  return 0;
+  return attention_forward("halyard_attention_lse", q, k, nullptr, pos, out, heads, kv_heads, head_dim, query_block,
+                           key_block, bf16, nullptr);
 }
 
 extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,

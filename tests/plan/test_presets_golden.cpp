@@ -106,6 +106,22 @@ TEST(Plan, PresetsReproduceTheirLibrariesBitwise) {
   }
 }
 
+// Recomputing a value in the backward runs the kernel that computed it in
+// the forward, so checkpointing changes memory, not numbers: checkpoint's
+// loss and gradients are recompute's bits (the schedules differ only in
+// what the backward recomputes). A recomputed log-sum-exp alone was a
+// Halide kernel while the forward's came from the library, and every
+// gradient differed in its last bits.
+TEST(Plan, CheckpointingChangesNoBitOfTheLossOrGradients) {
+  const std::map<std::string, std::string> saved = results_of(halyard_models::llama_micro_recompute()),
+                                           recomputed = results_of(halyard_models::llama_micro_checkpoint());
+  ASSERT_EQ(saved.size(), recomputed.size());
+  for (auto s = saved.begin(), r = recomputed.begin(); s != saved.end(); ++s, ++r) {
+    ASSERT_EQ(s->first.substr(s->first.find('/')), r->first.substr(r->first.find('/')));
+    EXPECT_EQ(s->second, r->second) << r->first << " differs from " << s->first;
+  }
+}
+
 }  // namespace
 }  // namespace halyard
 
