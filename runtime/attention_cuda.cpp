@@ -195,23 +195,30 @@ std::string why_unusable() { return kernels().error; }
 
 namespace {
 
-// What every launch of a call shares: the operands, the output (the
-// forward's, or dK), the sizes, and a grid over row blocks and batch rows.
+// What every launch of a call shares: the operands, the sizes, and a grid
+// over row blocks and the nb batch rows from b0.
 Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
-              int kv_heads, int D, bool bf16, halide_buffer_t* out) {
-  const int S = out->dim[2].extent, b0 = out->dim[3].min;
+              int kv_heads, int D, bool bf16, int S, int b0, int nb) {
   Launch l;
   Args& a = l.args;
   a.q = origin<const float>(q, b0), a.k = origin<const float>(k, b0), a.v = origin<const float>(v, b0);
   a.pos = origin<const int32_t>(pos, b0);
   a.pos_s = pos->dim[0].stride, a.pos_b = pos->dim[1].stride;
   a.q_st = rows(q), a.k_st = rows(k), a.v_st = rows(v);
-  a.out = origin<float>(out, b0), a.out_st = rows(out);
   a.S = S, a.H = heads, a.KV = kv_heads, a.D = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   l.grid[0] = static_cast<unsigned>((S + kRows - 1) / kRows);
-  l.grid[2] = static_cast<unsigned>(out->dim[3].extent);
+  l.grid[2] = static_cast<unsigned>(nb);
   l.threads = threads_for(D, bf16);
+  return l;
+}
+
+// The same with the output (the forward's, or dK) [head_dim, heads, seq, batch].
+Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
+              int kv_heads, int D, bool bf16, halide_buffer_t* out) {
+  const int b0 = out->dim[3].min;
+  Launch l = common(q, k, v, pos, heads, kv_heads, D, bf16, out->dim[2].extent, b0, out->dim[3].extent);
+  l.args.out = origin<float>(out, b0), l.args.out_st = rows(out);
   return l;
 }
 
@@ -245,21 +252,11 @@ std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t
   if (lse->dim[1].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k})
     if (x->dim[0].stride != 1) return "head_dim must be dense";
-  Launch l;
-  Args& a = l.args;
-  a.q = origin<const float>(q, b0), a.k = origin<const float>(k, b0), a.v = a.k;
-  a.pos = origin<const int32_t>(pos, b0);
-  a.pos_s = pos->dim[0].stride, a.pos_b = pos->dim[1].stride;
-  a.q_st = rows(q), a.k_st = rows(k), a.v_st = a.k_st;
-  a.lse_out = origin<float>(lse, b0), a.lse_out_st = stats(lse);
-  a.S = S, a.H = heads, a.KV = kv_heads, a.D = D;
-  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  a.h0 = lse->dim[0].min;
+  Launch l = common(q, k, k, pos, heads, kv_heads, D, bf16, S, b0, lse->dim[2].extent);
+  l.args.lse_out = origin<float>(lse, b0), l.args.lse_out_st = stats(lse);
+  l.args.h0 = lse->dim[0].min;
   l.kernel = kernel_name("fwd", D, bf16);
-  l.grid[0] = static_cast<unsigned>((S + kRows - 1) / kRows);
   l.grid[1] = static_cast<unsigned>(lse->dim[0].extent);
-  l.grid[2] = static_cast<unsigned>(lse->dim[2].extent);
-  l.threads = threads_for(D, bf16);
   launches->assign(1, l);
   return "";
 }
