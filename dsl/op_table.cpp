@@ -292,6 +292,18 @@ double ring_block_flops(const Graph& g, const Node& n, int64_t rank) {
   return rows * (s * s * 2 * w.whole_tile_mads * d + visible * (2 * (w.mads - w.whole_tile_mads) * d + w.extra));
 }
 
+double ring_block_visible_flops(const Graph& g, const Node& n, int64_t rank, bool beside) {
+  const TensorType& q = in_type(g, n, 0);
+  const double d = static_cast<double>(q.size("head_dim"));
+  const double rows = static_cast<double>(q.size("batch")) * static_cast<double>(q.size("heads"));
+  const AttentionWork w = attention_work(n.op);
+  const double per_pair = !beside                        ? 2 * w.mads * d + w.extra
+                          : n.op == Op::AttentionLse   ? 0
+                          : n.op == Op::AttentionGradQ ? 2 * d
+                                                       : 2 * w.mads * d + w.extra;
+  return rows * ring_block_pairs(q.size("seq"), n.attrs, rank) * per_pair;
+}
+
 double op_flops(const Graph& g, const Node& n) {
   const OpInfo& r = op_info(n.op);
   return r.flops ? r.flops(g, n) : 0.0;

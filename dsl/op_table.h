@@ -90,6 +90,11 @@ std::vector<std::string> op_names(OpClass cls);
 bool is_ring_block(const Node& n);
 double ring_block_pairs(int64_t local_seq, const Attrs& block, int64_t rank);
 double ring_block_flops(const Graph& g, const Node& n, int64_t rank);
+// The FLOPs of a ring block's node on `rank` for kernels that skip the key
+// blocks no query of a query block sees (the library's): every product over
+// the visible pairs only. `beside`: n is another node's extra output
+// (extra_output_flops: the log-sum-exp nothing, dQ beside dK one product).
+double ring_block_visible_flops(const Graph& g, const Node& n, int64_t rank, bool beside);
 
 // FLOPs of a node (0 for leaves, views and collectives).
 double op_flops(const Graph& g, const Node& n);

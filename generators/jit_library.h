@@ -15,6 +15,10 @@ inline std::map<std::string, Halide::JITExtern> library_kernels() {
           {"halyard_attention_forward_lse", Halide::JITExtern(&halyard_attention_forward_lse)},
           {"halyard_attention_lse", Halide::JITExtern(&halyard_attention_lse)},
           {"halyard_attention_backward", Halide::JITExtern(&halyard_attention_backward)},
+          {"halyard_attention_forward_ring", Halide::JITExtern(&halyard_attention_forward_ring)},
+          {"halyard_attention_forward_lse_ring", Halide::JITExtern(&halyard_attention_forward_lse_ring)},
+          {"halyard_attention_lse_ring", Halide::JITExtern(&halyard_attention_lse_ring)},
+          {"halyard_attention_backward_ring", Halide::JITExtern(&halyard_attention_backward_ring)},
           {"halyard_written_beside", Halide::JITExtern(&halyard_written_beside)},
           {"halyard_weight_grad", Halide::JITExtern(&halyard_weight_grad)}};
 }

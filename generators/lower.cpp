@@ -766,18 +766,25 @@ void Ctx::library_attention(int id, Func out) {
   const int H = static_cast<int>(qt.size("heads")), KV = static_cast<int>(kt.size("kv_heads")),
             D = static_cast<int>(qt.size("head_dim"));
   const bool cuda = library_device == DeviceAPI::CUDA;
-  const std::string device = cuda ? "_cuda" : "";
+  // A ring block's entry points take its token indices after the positions.
+  const bool ring = is_ring_block(n);
+  HALYARD_CHECK(!(ring && cuda), "the CUDA attention kernels take no ring blocks (Schedule::on_gpu keeps them Halide's)");
+  const std::string device = std::string(ring ? "_ring" : "") + (cuda ? "_cuda" : "");
+  const std::vector<ExternFuncArgument> indices =
+      ring ? std::vector<ExternFuncArgument>{buffer(n.inputs[n.inputs.size() - 2], "kidx_s"), buffer(n.inputs.back(), "qidx_s")}
+           : std::vector<ExternFuncArgument>{};
   if (cuda && D > runtime::attention_cuda::kMaxHeadDim)
     throw UserError("error: " + describe(g, id) + " has head_dim " + std::to_string(D) +
                     ", over the " + std::to_string(runtime::attention_cuda::kMaxHeadDim) +
                     " the CUDA attention kernels hold (runtime/attention_cuda.h).\nfix: say \"attention_kernel\": "
                     "\"halide\" in the schedule.");
   if (n.op == Op::AttentionLse) {  // (q, k, positions): the statistics alone
-    out.define_extern("halyard_attention_lse" + device,
-                      {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"), buffer(n.inputs[2], "pos_s"), Expr(H),
-                       Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
-                       Expr(n.attrs.bf16 ? 1 : 0)},
-                      Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
+    std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"), buffer(n.inputs[2], "pos_s")};
+    args.insert(args.end(), indices.begin(), indices.end());
+    args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
+                             Expr(n.attrs.bf16 ? 1 : 0)});
+    out.define_extern("halyard_attention_lse" + device, args, Float(32), vars(n.type.axis_names()), NameMangling::C,
+                      library_device);
     ls.funcs.library = true;
     return;
   }
@@ -790,6 +797,7 @@ void Ctx::library_attention(int id, Func out) {
     return f.output_buffer();
   };
   if (n.op == Op::Attention) {
+    args.insert(args.end(), indices.begin(), indices.end());
     HALYARD_CHECK(st.extra_outputs.size() <= 1, "the library forward writes the log-sum-exp only");
     for (int e : st.extra_outputs) {
       HALYARD_CHECK(g.node(e).op == Op::AttentionLse, "the library forward writes the log-sum-exp only");
@@ -802,6 +810,7 @@ void Ctx::library_attention(int id, Func out) {
   } else {
     HALYARD_CHECK(n.op == Op::AttentionGradK && st.extra_outputs.size() == 2, "the library backward writes dK, dV, dQ");
     for (int k = 4; k <= 6; ++k) args.push_back(buffer(n.inputs[static_cast<size_t>(k)], "attention_operand" + std::to_string(k)));
+    args.insert(args.end(), indices.begin(), indices.end());
     args.push_back(written_beside(st.extra_outputs[0], "dv_out"));
     args.push_back(written_beside(st.extra_outputs[1], "dq_out"));
     args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys),

@@ -24,6 +24,13 @@
 // (attention_cuda.cu), so that both libraries run one algorithm. The
 // softmax's sums, D_i = dO_i . O_i (with the rounded dO) and dS = P (dP -
 // D_i) itself are f32.
+// The _ring entry points take a ring attention key block (dsl/ops.h:
+// attention_block): two more [seq, batch] int32 buffers after pos, each
+// key's and each query's index in the whole row, and key j is visible to
+// query i when qidx[i] - pos[i] <= kidx[j] <= qidx[i]. A row that sees no
+// key of the block gets output 0 and log-sum-exp -1e30 (finite, so that
+// merging blocks never computes inf - inf). Their backward takes the merged
+// output and log-sum-exp, and writes the block's dK, dV and its share of dQ.
 // An output that another call writes is Halide's extern stage
 // halyard_written_beside, which does nothing.
 #pragma once
@@ -45,6 +52,21 @@ int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_bu
                                halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                                halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block, int bf16,
                                halide_buffer_t* out);
+int halyard_attention_forward_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                                   halide_buffer_t* kidx, halide_buffer_t* qidx, int heads, int kv_heads, int head_dim,
+                                   int query_block, int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_forward_lse_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                       halide_buffer_t* pos, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                       halide_buffer_t* lse, int heads, int kv_heads, int head_dim, int query_block,
+                                       int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_lse_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, halide_buffer_t* kidx,
+                               halide_buffer_t* qidx, int heads, int kv_heads, int head_dim, int query_block,
+                               int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_backward_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                                    halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse,
+                                    halide_buffer_t* kidx, halide_buffer_t* qidx, halide_buffer_t* dv,
+                                    halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
+                                    int bf16, halide_buffer_t* out);
 int halyard_written_beside(halide_buffer_t* out);
 }
 
@@ -60,6 +82,8 @@ struct KeyRows {
   const float *k = nullptr, *v = nullptr;
   int64_t k_ld = 0, v_ld = 0;
   const int32_t* pos = nullptr;
+  // A ring block's token indices (null: each token's seq index).
+  const int32_t *qidx = nullptr, *kidx = nullptr;
 };
 
 // One query head of one row (the forward's task).

@@ -12,7 +12,9 @@
 // the ISA's register count.
 //
 // Visibility is the DSL's (dsl/ops.h): key j is visible to query i when
-// 0 <= i - j <= pos[i], causal within each document of a packed row.
+// 0 <= i - j <= pos[i], causal within each document of a packed row; in a
+// ring's key block, with i and j the tokens' indices in the whole row
+// (KeyRows::qidx, kidx).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -179,36 +181,79 @@ inline int key_block(int requested) { return static_cast<int>(round_up(requested
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // Masks one block row: s[c] for key j0 + c stays where visible, else -inf.
-inline void mask_row(float* s, int Bc, int64_t i, int64_t j0, int32_t pos) {
+// i is the query's index; kidx (padded past the keys with INT32_MAX, never
+// visible) the keys', or null for their seq index.
+inline void mask_row(float* s, int Bc, int64_t i, int64_t j0, int32_t pos, const int32_t* kidx) {
   i16 iota;
   for (int k = 0; k < W; ++k) iota[k] = k;
   const v16 ninf = splat(-INFINITY);
   for (int c = 0; c < Bc; c += W) {
-    const i16 dist = static_cast<int32_t>(i - j0 - c) - iota;  // i - j
+    i16 dist;  // i - j
+    if (kidx) {
+      std::memcpy(&dist, kidx + j0 + c, sizeof dist);
+      dist = static_cast<int32_t>(i) - dist;
+    } else {
+      dist = static_cast<int32_t>(i - j0 - c) - iota;
+    }
     const u16 ud = reinterpret_cast<const u16&>(dist);
     const auto vis = ud <= static_cast<uint32_t>(pos);
     store(s + c, vis ? load(s + c) : ninf);
   }
 }
 
-// Per query block: the least and greatest document start (i - pos[i]) of its
-// real rows, so that key blocks before every row's document are skipped and
-// those inside every row's visible range need no mask.
+// Per query block, over its real rows: the least and greatest first key
+// each sees (its document's start, index - pos) and last key (its own
+// index); per key block, the least and greatest index of its real keys. A
+// key block outside every row's range is skipped, and one inside every
+// row's range needs no mask. For one rank's row (no token indices) that is
+// the key blocks from the block's earliest document start up to its last
+// query; for a ring's block, also none at all where no query sees a key.
 struct BlockBounds {
-  int64_t lo_min, lo_max;
+  int64_t lo_min, lo_max, hi_min, hi_max;
 };
-std::vector<BlockBounds> block_bounds(const int32_t* pos, int64_t S, int Br) {
+std::vector<BlockBounds> block_bounds(const KeyRows& a, int Br) {
   std::vector<BlockBounds> out;
-  for (int64_t i0 = 0; i0 < S; i0 += Br) {
-    BlockBounds b{INT64_MAX, INT64_MIN};
-    for (int64_t i = i0; i < std::min<int64_t>(S, i0 + Br); ++i) {
-      const int64_t lo = std::max<int64_t>(0, i - pos[i]);
+  for (int64_t i0 = 0; i0 < a.S; i0 += Br) {
+    BlockBounds b{INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
+    for (int64_t i = i0; i < std::min<int64_t>(a.S, i0 + Br); ++i) {
+      const int64_t hi = a.qidx ? a.qidx[i] : i, lo = std::max<int64_t>(0, hi - a.pos[i]);
       b.lo_min = std::min(b.lo_min, lo);
       b.lo_max = std::max(b.lo_max, lo);
+      b.hi_min = std::min(b.hi_min, hi);
+      b.hi_max = std::max(b.hi_max, hi);
     }
     out.push_back(b);
   }
   return out;
+}
+struct KeySpan {
+  int64_t min = INT64_MAX, max = INT64_MIN;  // (none: no real key)
+  bool whole = false;  // every key of the block is real
+};
+std::vector<KeySpan> key_spans(const KeyRows& a, int Bc) {
+  std::vector<KeySpan> out(static_cast<size_t>((a.S + Bc - 1) / Bc));
+  for (int64_t j0 = 0; j0 < a.S; j0 += Bc) {
+    KeySpan& k = out[static_cast<size_t>(j0 / Bc)];
+    const int64_t j1 = std::min<int64_t>(a.S, j0 + Bc);
+    k.whole = j1 == j0 + Bc;
+    if (!a.kidx) {
+      k.min = j0, k.max = j1 - 1;
+      continue;
+    }
+    for (int64_t j = j0; j < j1; ++j) k.min = std::min<int64_t>(k.min, a.kidx[j]), k.max = std::max<int64_t>(k.max, a.kidx[j]);
+  }
+  return out;
+}
+inline bool sees_none(const BlockBounds& b, const KeySpan& k) { return k.max < b.lo_min || k.min > b.hi_max; }
+inline bool sees_all(const BlockBounds& b, const KeySpan& k) { return k.whole && b.lo_max <= k.min && k.max <= b.hi_min; }
+
+// A ring block's key indices padded to Sp with a key no query sees (null
+// without indices).
+const int32_t* padded_key_index(const KeyRows& a, int64_t Sp, scratch::Array<int32_t>& pad) {
+  if (!a.kidx) return nullptr;
+  std::memcpy(pad.data(), a.kidx, sizeof(int32_t) * static_cast<size_t>(a.S));
+  std::fill(pad.data() + a.S, pad.data() + Sp, INT32_MAX);
+  return pad.data();
 }
 
 // The forward's online softmax over one key block of scores s[rows][Bc]
@@ -317,15 +362,18 @@ void pack_transposed(const float* src, int64_t ld, int64_t S, int64_t Sp, int D,
 void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t lse_ld) {
   const int64_t S = a.S;
   const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block);
-  const int64_t Sp = round_up(S, std::max(Br, Bc));
+  const int64_t Sp = round_up(S, Bc);  // k and v (and dK, dV) padded to whole key blocks
   const size_t Vp = out ? static_cast<size_t>(Dp) : 0;  // the statistics alone need neither v nor an output block
   scratch::Array<float> kT(static_cast<size_t>(D * Sp)), v(static_cast<size_t>(Sp) * Vp), q(static_cast<size_t>(Br * Dp)),
       o(static_cast<size_t>(Br) * Vp), s(static_cast<size_t>(Br * Bc)), m(static_cast<size_t>(Br));
   scratch::Array<RowSum> l(static_cast<size_t>(Br));
+  scratch::Array<int32_t> kpad(a.kidx ? static_cast<size_t>(Sp) : 0);
+  const int32_t* kidx = padded_key_index(a, Sp, kpad);
   pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data(), a.bf16);
   if (out) pack_rows(a.v, a.v_ld, S, 0, static_cast<int>(Sp), D, Dp, v.data(), a.bf16);
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
-  const auto bounds = block_bounds(a.pos, S, Br);
+  const auto bounds = block_bounds(a, Br);
+  const auto spans = key_spans(a, Bc);
   for (int64_t i0 = 0; i0 < S; i0 += Br) {
     const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
     const BlockBounds bb = bounds[static_cast<size_t>(i0 / Br)];
@@ -333,23 +381,26 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
     std::fill(o.begin(), o.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), RowSum{});
-    for (int64_t j0 = bb.lo_min / Bc * Bc; j0 < i0 + rows; j0 += Bc) {
+    for (int64_t j0 = 0; j0 < S; j0 += Bc) {
+      const KeySpan& ks = spans[static_cast<size_t>(j0 / Bc)];
+      if (sees_none(bb, ks)) continue;
       gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, s.data(), Bc, rows, Bc, D);
-      const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
+      const bool full = sees_all(bb, ks);
       if (!full)
-        for (int r = 0; r < rows; ++r) mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
+        for (int r = 0; r < rows; ++r)
+          mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, a.qidx ? a.qidx[i0 + r] : i0 + r, j0, a.pos[i0 + r], kidx);
       (full ? (a.bf16 ? softmax_rows<false, true> : softmax_rows<false, false>)
             : (a.bf16 ? softmax_rows<true, true> : softmax_rows<true, false>))(s.data(), Bc, rows, c, m.data(), l.data(),
                                                                                 out ? o.data() : nullptr, Dp);
       if (out) gemm_nn_acc(s.data(), Bc, 1, v.data() + j0 * Dp, Dp, o.data(), Dp, rows, Bc, Dp);
     }
     for (int r = 0; r < rows; ++r) {
-      const float sum = l[static_cast<size_t>(r)].total(), inv = 1.0f / sum;
+      const float sum = l[static_cast<size_t>(r)].total(), inv = sum > 0 ? 1.0f / sum : 0.0f;  // (0: a ring block after the query)
       if (out) {
         float* dst = out + (i0 + r) * out_ld;
         for (int d = 0; d < D; ++d) dst[d] = o[static_cast<size_t>(r * Dp + d)] * inv;
       }
-      lse[(i0 + r) * lse_ld] = (m[static_cast<size_t>(r)] + std::log2(sum)) * kLn2;
+      lse[(i0 + r) * lse_ld] = sum > 0 ? (m[static_cast<size_t>(r)] + std::log2(sum)) * kLn2 : -1e30f;
     }
   }
 }
@@ -363,12 +414,14 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
   const int64_t S = a.S;
   const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block),
             grp = a.heads;
-  const int64_t Sp = round_up(S, std::max(Br, Bc));
+  const int64_t Sp = round_up(S, Bc);  // k and v (and dK, dV) padded to whole key blocks
   const bool direct = D == Dp;
   scratch::Array<float> kT(static_cast<size_t>(D * Sp)), vT(static_cast<size_t>(D * Sp)), kr(static_cast<size_t>(Sp * Dp)),
       q(static_cast<size_t>(Br * Dp)), dO(static_cast<size_t>(Br * Dp)), dqb(static_cast<size_t>(Br * Dp)),
       p(static_cast<size_t>(Br * Bc)), ds(static_cast<size_t>(Br * Bc)), lse2(static_cast<size_t>(Br)),
       dsum(static_cast<size_t>(Br)), pads(direct ? 0 : static_cast<size_t>(2 * Sp * Dp));
+  scratch::Array<int32_t> kpad(a.kidx ? static_cast<size_t>(Sp) : 0);
+  const int32_t* kidx = padded_key_index(a, Sp, kpad);
   pack_transposed(a.k, a.k_ld, S, Sp, D, Bc, kT.data(), a.bf16);
   pack_transposed(a.v, a.v_ld, S, Sp, D, Bc, vT.data(), a.bf16);
   pack_rows(a.k, a.k_ld, S, 0, static_cast<int>(Sp), D, Dp, kr.data(), a.bf16);
@@ -380,7 +433,8 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
     std::fill(dva + j * dva_ld, dva + j * dva_ld + Dp, 0.0f);
   }
   const float c = a.scale * kLog2e;
-  const auto bounds = block_bounds(a.pos, S, Br);
+  const auto bounds = block_bounds(a, Br);
+  const auto spans = key_spans(a, Bc);
   for (int w = 0; w < grp; ++w) {
     for (int64_t i0 = 0; i0 < S; i0 += Br) {
       const int rows = static_cast<int>(std::min<int64_t>(Br, S - i0));
@@ -396,13 +450,16 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
         for (int d = 0; d < D; ++d) acc += orow[d] * dO[static_cast<size_t>(r * Dp + d)];
         dsum[static_cast<size_t>(r)] = acc;
       }
-      for (int64_t j0 = bb.lo_min / Bc * Bc; j0 < i0 + rows; j0 += Bc) {
+      for (int64_t j0 = 0; j0 < S; j0 += Bc) {
+        const KeySpan& ks = spans[static_cast<size_t>(j0 / Bc)];
+        if (sees_none(bb, ks)) continue;
         const int keys = static_cast<int>(std::min<int64_t>(Bc, S - j0));
         gemm_nt(q.data(), Dp, kT.data() + j0 * D, Bc, p.data(), Bc, rows, Bc, D);
         gemm_nt(dO.data(), Dp, vT.data() + j0 * D, Bc, ds.data(), Bc, rows, Bc, D);
-        const bool full = j0 + Bc - 1 <= i0 && bb.lo_max <= j0;
+        const bool full = sees_all(bb, ks);
         if (!full)
-          for (int r = 0; r < rows; ++r) mask_row(p.data() + static_cast<int64_t>(r) * Bc, Bc, i0 + r, j0, a.pos[i0 + r]);
+          for (int r = 0; r < rows; ++r)
+            mask_row(p.data() + static_cast<int64_t>(r) * Bc, Bc, a.qidx ? a.qidx[i0 + r] : i0 + r, j0, a.pos[i0 + r], kidx);
         (full ? (a.bf16 ? probabilities_and_ds<false, true> : probabilities_and_ds<false, false>)
               : (a.bf16 ? probabilities_and_ds<true, true> : probabilities_and_ds<true, false>))(
             p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());

@@ -237,9 +237,15 @@ int64_t l2_bytes() {
 // (attention_cpu_impl.h).
 int default_query_block() { return 2 * 256 * 128 * 4 <= l2_bytes() / 4 ? 256 : 128; }
 
+// A ring block's token indices (attention_cpu.h: the _ring entry points);
+// both null elsewhere.
+struct Indices {
+  halide_buffer_t *kidx = nullptr, *qidx = nullptr;
+};
+
 // The kv head g of row b, as every task reads it.
-KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, int g, int b, int S,
-                 int D, int query_block, int key_block, int bf16) {
+KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, Indices idx, int g,
+                 int b, int S, int D, int query_block, int key_block, int bf16) {
   KeyRows a;
   a.S = S;
   a.D = D;
@@ -252,6 +258,7 @@ KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halid
   a.k_ld = k->dim[2].stride;
   a.v_ld = v ? v->dim[2].stride : 0;
   a.pos = at<const int32_t>(pos, {0, b});
+  if (idx.kidx) a.kidx = at<const int32_t>(idx.kidx, {0, b}), a.qidx = at<const int32_t>(idx.qidx, {0, b});
   return a;
 }
 
@@ -416,15 +423,25 @@ int halyard::runtime::attention_cpu::ask_whole_rows(halide_buffer_t* q, halide_b
 
 namespace {
 
+// A bounds query: whole rows (ask_whole_rows), and a ring block's indices like pos.
+int ask_whole_rows_and(Indices idx, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+                       int heads, int kv_heads, int head_dim, const halide_buffer_t* out, halide_buffer_t* o = nullptr,
+                       halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr) {
+  ask_whole_rows(q, k, v, pos, heads, kv_heads, head_dim, out, o, dO, lse);
+  for (halide_buffer_t* x : {idx.kidx, idx.qidx})
+    if (x) whole(x, {{pos->dim[0].min, pos->dim[0].extent}, {pos->dim[1].min, pos->dim[1].extent}});
+  return 0;
+}
+
 // The forward over the output's heads and rows: out is the output
 // [head_dim, heads, seq, batch], lse (where the stage writes it) the
 // log-sum-exp [heads, seq, batch], both the stage's own buffers. Without
 // out (and v), the log-sum-exp alone, over its own heads and rows.
 int attention_forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
-                      halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
+                      halide_buffer_t* pos, Indices idx, halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
                       int query_block, int key_block, int bf16, halide_buffer_t* out) {
   halide_buffer_t* rows = out ? out : lse;
-  if (rows->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, head_dim, rows);
+  if (rows->is_bounds_query()) return ask_whole_rows_and(idx, q, k, v, pos, heads, kv_heads, head_dim, rows);
   const int x = out ? 1 : 0;  // rows' heads dimension
   const int D = head_dim, h0 = rows->dim[x].min, nh = rows->dim[x].extent, S = rows->dim[x + 1].extent,
             b0 = rows->dim[x + 2].min, nb = rows->dim[x + 2].extent;
@@ -437,7 +454,7 @@ int attention_forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, h
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
-      static_cast<KeyRows&>(a) = key_rows(k, v, pos, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
+      static_cast<KeyRows&>(a) = key_rows(k, v, pos, idx, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
       a.q = at<const float>(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
       scratch::Array<float> unused(lse ? 0 : static_cast<size_t>(S));
@@ -452,7 +469,7 @@ int attention_forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, h
 extern "C" int halyard_attention_forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                          int heads, int kv_heads, int head_dim, int query_block, int key_block,
                                          int bf16, halide_buffer_t* out) {
-  return attention_forward("halyard_attention_forward", q, k, v, pos, nullptr, heads, kv_heads, head_dim, query_block,
+  return attention_forward("halyard_attention_forward", q, k, v, pos, {}, nullptr, heads, kv_heads, head_dim, query_block,
                            key_block, bf16, out);
 }
 
@@ -460,36 +477,37 @@ extern "C" int halyard_attention_forward_lse(halide_buffer_t* q, halide_buffer_t
                                              halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
                                              int head_dim, int query_block, int key_block, int bf16,
                                              halide_buffer_t* out) {
-  return attention_forward("halyard_attention_forward_lse", q, k, v, pos, lse, heads, kv_heads, head_dim, query_block,
+  return attention_forward("halyard_attention_forward_lse", q, k, v, pos, {}, lse, heads, kv_heads, head_dim, query_block,
                            key_block, bf16, out);
 }
 
 extern "C" int halyard_attention_lse(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads,
                                      int kv_heads, int head_dim, int query_block, int key_block, int bf16,
                                      halide_buffer_t* out) {
-  return attention_forward("halyard_attention_lse", q, k, nullptr, pos, out, heads, kv_heads, head_dim, query_block,
+  return attention_forward("halyard_attention_lse", q, k, nullptr, pos, {}, out, heads, kv_heads, head_dim, query_block,
                            key_block, bf16, nullptr);
 }
 
-extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
-                                          halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
-                                          halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
-                                          int kv_heads, int query_block, int key_block, int bf16,
-                                          halide_buffer_t* out) {
+namespace {
+
+int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                       halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, Indices idx,
+                       halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads, int query_block,
+                       int key_block, int bf16, halide_buffer_t* out) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
+  if (out->is_bounds_query()) return ask_whole_rows_and(idx, q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
   const int grp = kv_heads < 1 ? 0 : heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
   if (out->dim[0].min != 0 || out->dim[2].min != 0 || grp < 1 || grp > Group::kMaxHeads || heads != grp * kv_heads ||
       out->dim[0].stride != 1)
-    return fail("halyard_attention_backward: rows and groups must be whole and head_dim dense");
+    return fail(std::string(who) + ": rows and groups must be whole and head_dim dense");
   for (const halide_buffer_t* x : {q, k, v, o, dO, dv, dq})
-    if (x->dim[0].stride != 1) return fail("halyard_attention_backward: head_dim must be dense");
+    if (x->dim[0].stride != 1) return fail(std::string(who) + ": head_dim must be dense");
   if (!covers(dv, {{0, D}, {g0, ng}, {0, S}, {b0, nb}}) || !covers(dq, {{0, D}, {g0 * grp, ng * grp}, {0, S}, {b0, nb}}))
-    return fail("halyard_attention_backward: dV and dQ must cover dK's groups and rows");
+    return fail(std::string(who) + ": dV and dQ must cover dK's groups and rows");
   par_for(nb * ng, [&](int task) {
       const int b = b0 + task / ng, g = g0 + task % ng;
       Group a;
-      static_cast<KeyRows&>(a) = key_rows(k, v, pos, g, b, S, D, query_block, key_block, bf16);
+      static_cast<KeyRows&>(a) = key_rows(k, v, pos, idx, g, b, S, D, query_block, key_block, bf16);
       a.heads = grp;
       float* dqs[Group::kMaxHeads];
       for (int w = 0; w < grp; ++w) {
@@ -508,6 +526,50 @@ extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k
                          at<float>(dv, {0, g, 0, b}), dv->dim[2].stride);
   });
   return 0;
+}
+
+}  // namespace
+
+extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                          halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                          halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
+                                          int kv_heads, int query_block, int key_block, int bf16,
+                                          halide_buffer_t* out) {
+  return attention_backward("halyard_attention_backward", q, k, v, pos, o, dO, lse, {}, dv, dq, heads, kv_heads,
+                            query_block, key_block, bf16, out);
+}
+
+extern "C" int halyard_attention_forward_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                              halide_buffer_t* pos, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                              int heads, int kv_heads, int head_dim, int query_block, int key_block,
+                                              int bf16, halide_buffer_t* out) {
+  return attention_forward("halyard_attention_forward_ring", q, k, v, pos, {kidx, qidx}, nullptr, heads, kv_heads,
+                           head_dim, query_block, key_block, bf16, out);
+}
+
+extern "C" int halyard_attention_forward_lse_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                  halide_buffer_t* pos, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                                  halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
+                                                  int query_block, int key_block, int bf16, halide_buffer_t* out) {
+  return attention_forward("halyard_attention_forward_lse_ring", q, k, v, pos, {kidx, qidx}, lse, heads, kv_heads,
+                           head_dim, query_block, key_block, bf16, out);
+}
+
+extern "C" int halyard_attention_lse_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos,
+                                          halide_buffer_t* kidx, halide_buffer_t* qidx, int heads, int kv_heads,
+                                          int head_dim, int query_block, int key_block, int bf16,
+                                          halide_buffer_t* out) {
+  return attention_forward("halyard_attention_lse_ring", q, k, nullptr, pos, {kidx, qidx}, out, heads, kv_heads,
+                           head_dim, query_block, key_block, bf16, nullptr);
+}
+
+extern "C" int halyard_attention_backward_ring(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                               halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                               halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                               halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
+                                               int query_block, int key_block, int bf16, halide_buffer_t* out) {
+  return attention_backward("halyard_attention_backward_ring", q, k, v, pos, o, dO, lse, {kidx, qidx}, dv, dq, heads,
+                            kv_heads, query_block, key_block, bf16, out);
 }
 
 // The extern stage of an output that another extern call of the same

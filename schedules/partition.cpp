@@ -238,16 +238,19 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // kernel of their own would compute the scores once more.
   std::map<int, int> lse_of;
   {
-    std::map<std::vector<int>, int> attention_on;  // (q, k, positions[, key positions]) -> the forward attention
+    // (Either may come first: ring attention makes each block's statistics
+    // before its output, and one kernel per block computed its scores twice.)
+    std::map<std::vector<int>, int> attention_on;  // (q, k, positions[, token indices]) -> the forward attention
     for (int id = 0; id < n; ++id) {
       const Node& x = g.node(id);
-      if (!needed[static_cast<size_t>(id)]) continue;
-      if (x.op == Op::Attention) {
-        std::vector<int> key{x.inputs[0], x.inputs[1]};
-        key.insert(key.end(), x.inputs.begin() + 3, x.inputs.end());
-        attention_on[key] = id;
-      }
-      if (x.op == Op::AttentionLse)
+      if (!needed[static_cast<size_t>(id)] || x.op != Op::Attention) continue;
+      std::vector<int> key{x.inputs[0], x.inputs[1]};
+      key.insert(key.end(), x.inputs.begin() + 3, x.inputs.end());
+      attention_on[key] = id;
+    }
+    for (int id = 0; id < n; ++id) {
+      const Node& x = g.node(id);
+      if (needed[static_cast<size_t>(id)] && x.op == Op::AttentionLse)
         if (auto it = attention_on.find(x.inputs); it != attention_on.end()) lse_of[it->second] = id;
     }
   }
@@ -255,7 +258,9 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // dK and dV of one attention recompute the same probabilities over the
   // same key tiles: one kernel writes both. The library's backward writes
   // dQ too (FlashAttention-2's single pass).
-  const bool library = s.library_attention();
+  auto library_kernel = [&](const Node& x) {
+    return is_ring_block(x) ? s.library_ring_attention() : s.library_attention();
+  };
   std::map<int, int> dv_of, dq_of;  // dK node -> its dV, its dQ (library kernels)
   std::set<int> fused;
   {
@@ -263,7 +268,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     for (int id = 0; id < n; ++id) {
       if (!needed[static_cast<size_t>(id)]) continue;
       if (g.node(id).op == Op::AttentionGradV) grad_v_on.emplace(g.node(id).inputs, id);
-      if (g.node(id).op == Op::AttentionGradQ && library && !is_ring_block(g.node(id)))
+      if (g.node(id).op == Op::AttentionGradQ && library_kernel(g.node(id)))
         grad_q_on.emplace(g.node(id).inputs, id);
     }
     for (int id = 0; id < n; ++id) {
@@ -332,7 +337,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.signature += "+dq:" + g.node(it->second).type.str();
       st.library = true;
     }
-    if (library && (node.op == Op::Attention || node.op == Op::AttentionLse) && !is_ring_block(node)) st.library = true;
+    if ((node.op == Op::Attention || node.op == Op::AttentionLse) && library_kernel(node)) st.library = true;
     // The library reads its operands from buffers: one computed inline is
     // computed once, whole, into a copy (the plan counts it as scratch).
     if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;

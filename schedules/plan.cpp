@@ -257,8 +257,9 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const Kerne
     const TensorType& q = g.node(n.inputs[0]).type;
     const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");
     const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
-    const bool lse_alone = n.op == Op::AttentionLse, fwd = n.op == Op::Attention || lse_alone;
+    const bool lse_alone = n.op == Op::AttentionLse, fwd = n.op == Op::Attention || lse_alone, ring = is_ring_block(n);
     for (size_t k = 0; k < (lse_alone ? 3u : fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
+    if (ring) copy_unless_buffer(n.inputs.size() - 2), copy_unless_buffer(n.inputs.size() - 1);  // the token indices
     // runtime/attention_cuda.cu holds its tiles in shared memory and registers.
     if (gpu) return s;
     // Per task (attention_cpu_impl.h: forward_head, backward_group): k and v
@@ -266,16 +267,19 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const Kerne
     // in the backward, with dK and dV accumulators where D is not a whole
     // vector), a query block's rows, scores and statistics, and the forward's
     // log-sum-exp where nothing else takes it; the log-sum-exp alone packs
-    // no v and keeps no output block. As the runtime sizes them on a
+    // no v and keeps no output block; a ring block, its keys' indices
+    // padded to whole blocks. As the runtime sizes them on a
     // host with an L2 of 1 MiB or more (256 queries a block, cpu_kernels.cpp)
     // and 16-float vectors (AVX-512); other hosts hold less.
     const int64_t Br = tiles.attention_queries > 0 ? tiles.attention_queries : 256;
     const int64_t Bc = ((tiles.attention_keys > 0 ? tiles.attention_keys : 128) + 31) / 32 * 32;
-    const int64_t Sp = (S + std::max(Br, Bc) - 1) / std::max(Br, Bc) * std::max(Br, Bc);
+    const int64_t Sp = (S + Bc - 1) / Bc * Bc;
+    const int64_t statistics = D * Sp + Br * Dp + Br * Bc + Br + 16 * Br;  // k, q, scores, max, lane sums
     const int64_t per_task =
-        lse_alone ? D * Sp + Br * Dp + Br * Bc + Br + 16 * Br
-        : fwd     ? D * Sp + Sp * Dp + 2 * Br * Dp + Br * Bc + Br + 16 * Br + (st.extra_outputs.empty() ? S : 0)
-                  : 2 * D * Sp + Sp * Dp + 3 * Br * Dp + 2 * Br * Bc + 2 * Br + (D == Dp ? 0 : 2 * Sp * Dp);
+        (ring ? Sp : 0) +
+        (lse_alone ? statistics
+         : fwd     ? statistics + Sp * Dp + Br * Dp + (st.extra_outputs.empty() ? S : 0)  // v, the output block
+                   : 2 * D * Sp + Sp * Dp + 3 * Br * Dp + 2 * Br * Bc + 2 * Br + (D == Dp ? 0 : 2 * Sp * Dp));
     const int64_t tasks = rows * (fwd ? H : KV);
     s.add_per_task(4 * per_task, std::min<int64_t>(threads, tasks));
     return s;
@@ -396,7 +400,10 @@ std::vector<double> Plan::attention_flops_per_rank() const {
       if (kind.rfind("attention", 0) != 0 || (id != st.root && extra_output_flops(g, n) == 0)) continue;
       // the op table counts a ring block on its busiest rank; each rank's own here
       const double own = id == st.root ? op_flops(g, n) : extra_output_flops(g, n);
-      for (int64_t r = 0; r < sp; ++r) out[static_cast<size_t>(r)] += is_ring_block(n) ? ring_block_flops(g, n, r) : own;
+      for (int64_t r = 0; r < sp; ++r)
+        out[static_cast<size_t>(r)] += !is_ring_block(n) ? own
+                                       : st.library      ? ring_block_visible_flops(g, n, r, id != st.root)
+                                                         : ring_block_flops(g, n, r);
     }
   }
   return out;
@@ -553,8 +560,19 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     sc.layer = layer_of(root.name);
     sc.label = std::string(op_name(root.op)) + " %" + std::to_string(st.root) + (root.name.empty() ? "" : " " + root.name);
     sc.flops = op_flops(g, root);
-    for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
     for (int x : st.extra_outputs) sc.flops += extra_output_flops(g, g.node(x));
+    // The op table counts a ring block as Halide's kernels compute it (its
+    // scores whole, on the busiest rank); the library's skip the key blocks
+    // no query sees.
+    if (st.library && is_ring_block(root)) {
+      sc.flops = 0;
+      for (int64_t r = 0; r < std::max<int64_t>(root.attrs.degree, 1); ++r) {
+        double f = ring_block_visible_flops(g, root, r, false);
+        for (int x : st.extra_outputs) f += ring_block_visible_flops(g, g.node(x), r, true);
+        sc.flops = std::max(sc.flops, f);
+      }
+    }
+    for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
     // On a GPU the library's dQ is a kernel of its own (runtime/attention_cuda.cu),
     // which computes the scores and dP again: two products more than the
     // CPU library's single pass.

@@ -118,10 +118,16 @@ struct Schedule {
   // one backward pass writes dQ, dK and dV; a recomputed log-sum-exp is
   // its forward without P V) or "halide" (generated: a dQ
   // kernel and a dK/dV kernel). On a CUDA target the library's are
-  // runtime/attention_cuda.h's. Ring blocks, other GPU targets and the
-  // autoscheduler always get Halide's.
+  // runtime/attention_cuda.h's. Other GPU targets and the autoscheduler
+  // always get Halide's.
   std::string attention_kernel = "library";
   bool library_attention() const { return attention_kernel == "library" && autoscheduler.empty(); }
+  // Ring attention's key blocks (their operands end with the tokens'
+  // indices) through the library too. The CPU library's kernels take the
+  // indices; the CUDA kernels do not yet, so on_gpu() clears this and a
+  // CUDA library's ring blocks are Halide's. Not a user's setting.
+  bool ring_blocks_in_library = true;
+  bool library_ring_attention() const { return library_attention() && ring_blocks_in_library; }
   // Weight-gradient contractions (a sum over the tokens, schedules/partition.h:
   // weight_grad_form): "library" (runtime/gemm_cpu.h, a packed GEMM; an
   // operand computed inline is computed once into a whole copy, which the
