@@ -844,6 +844,29 @@ TEST(Kernels, LibraryRingBlocksMatchTheInterpreter) {
   }
 }
 
+// Which kernels a ring block gets is the schedule's decision
+// (Schedule::ring_blocks_in_library): the library's on a CPU cluster; on a
+// CUDA cluster Halide's, since the CUDA kernels take no token indices, and
+// such a stage lowers for CUDA without calling the library.
+TEST(Kernels, RingBlocksAreTheLibrarysOnCpusAndHalidesOnCuda) {
+  Schedule s = Schedule::named("ring_zigzag");
+  s.mesh.sp = 4;
+  for (const char* cluster : {"local-cpu", "8xH200"}) {
+    const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024}, s,
+                        Cluster::named(cluster));
+    const bool cuda = std::string(cluster) != "local-cpu";
+    const Graph& g = *p.model.graph;
+    int ring = 0;
+    for (const Stage& st : p.train.stages) {
+      if (!is_ring_block(g.node(st.root))) continue;
+      ++ring;
+      EXPECT_EQ(st.library, !cuda) << cluster << ": " << describe(g, st.root);
+      if (cuda && ring <= 3) lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+    }
+    EXPECT_GE(ring, 3) << cluster;
+  }
+}
+
 // Blocks a schedule may ask for (kernel_tiles) where the key block does not
 // divide the query block: 256 queries and 96 keys over 512 tokens. The
 // packed keys were padded to whole query blocks (512), and the last key
