@@ -244,7 +244,8 @@ std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buff
   return "";
 }
 
-// The forward's kernel without an output: v is read as k (staged, unused).
+// The forward's kernel without an output, which reads no v (given k's
+// pointer, which it never follows).
 std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads, int D,
                          bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches) {
   const int S = lse->dim[1].extent, b0 = lse->dim[2].min;

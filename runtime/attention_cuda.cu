@@ -190,20 +190,20 @@ __device__ __forceinline__ KeyRange key_range(const Args& a, int* slot, const Qu
           a.v + r.kvh * a.v_st.h + r.b * a.v_st.b};
 }
 
-// Keys [j0, j0 + n) and their values into ks and vs, for the whole block;
-// returns n.
+// Keys [j0, j0 + n) and their values into ks and vs (null: no values), for
+// the whole block; returns n.
 template <int D>
 __device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int j0, float* ks, float* vs) {
   const int n = min(Shape<D>::B, kr.hi - j0);
   __syncthreads();
   stage<D>(ks, kr.k, a.k_st.s, j0, n, a.D);
-  stage<D>(vs, kr.v, a.v_st.s, j0, n, a.D);
+  if (vs) stage<D>(vs, kr.v, a.v_st.s, j0, n, a.D);
   __syncthreads();
   return n;
 }
 
 // grid (row blocks, heads from h0, batch rows); block R * T threads. With
-// out null (the log-sum-exp alone), P V is skipped: v is staged but unread.
+// out null (the log-sum-exp alone), P V is skipped and v not staged.
 template <int D>
 __device__ void forward(const Args& a) {
   using S_ = Shape<D>;
@@ -224,7 +224,7 @@ __device__ void forward(const Args& a) {
   const KeyRange kr = key_range<D>(a, &lo_slot, row);
   float m = -INFINITY, l = 0;
   for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
-    const int n = stage_keys<D>(a, kr, j0, ks, vs);
+    const int n = stage_keys<D>(a, kr, j0, ks, a.out ? vs : nullptr);
     for (int u0 = 0; u0 < n; u0 += KC) {
       float s[KC];
       float mx = m;
@@ -580,7 +580,7 @@ __device__ __forceinline__ int stage_keys_bf16(const Args& a, const TcKeys& keys
   const int n = min(Tc<DP>::B, keys.hi - j0);
   __syncthreads();
   stage_bf16<DP>(k_rows, k_cols, keys.k, a.k_st.s, j0, n, a.D);
-  stage_bf16<DP>(v_rows, v_cols, keys.v, a.v_st.s, j0, n, a.D);
+  if (v_rows || v_cols) stage_bf16<DP>(v_rows, v_cols, keys.v, a.v_st.s, j0, n, a.D);
   __syncthreads();
   return n;
 }
@@ -604,7 +604,7 @@ __device__ void forward_bf16(const Args& a) {
   float acc[T::DT][4], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
   zero<T::DT>(acc);
   for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
-    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, vt);
+    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, a.out ? vt : nullptr);  // (no v for the log-sum-exp alone)
     float s[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
     float mx[2] = {m[0], m[1]};
