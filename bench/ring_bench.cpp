@@ -1,7 +1,7 @@
 // Sequence-parallel strategies on 4 MPI ranks: where each rank's step time
 // goes, measured with the runtime's per-step timestamps (Model::last_step_times).
 //
-//   mpirun -np 4 ring_bench [--steps K]
+//   mpirun -np 4 ring_bench [--steps K] [--only NAME]
 // For the tiny Llama at 4,096 tokens (1,024 per rank), batch 1, one thread
 // per rank: ring attention (contiguous and zigzag placement) and Ulysses.
 // Per rank, the median over K steps of the attention kernels' time (zigzag
@@ -114,8 +114,10 @@ void row(runtime::Communicator& comm, const char* what, double x, double scale, 
 
 int main(int argc, char** argv) {
   int steps = 5;
+  std::string only;  // --only: the strategies whose name contains it (each alone, without the others' runs before it)
   for (int i = 1; i + 1 < argc; i += 2)
     if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[i + 1]);
+    else if (std::string(argv[i]) == "--only") only = argv[i + 1];
   auto comm = runtime::make_mpi_communicator(300);
   if (comm->size() != 4) {
     std::fprintf(stderr, "error: ring_bench runs on 4 ranks, not %d.\nfix: mpirun -np 4 ring_bench\n", comm->size());
@@ -134,6 +136,7 @@ int main(int argc, char** argv) {
                                  {"ring (zigzag)", halyard_models::ring_s4096_sp4_zigzag()},
                                  {"ulysses", halyard_models::ring_s4096_sp4_ulysses()}};
   for (const Strategy& s : strategies) {
+    if (std::string(s.name).find(only) == std::string::npos) continue;
     const Figures on = run(s.spec, *comm, steps, true), off = run(s.spec, *comm, steps, false);
     if (comm->rank() == 0) std::printf("%s\n", s.name);
     row(*comm, "step ms (overlap on)", on.step_s, 1e3, "ms");
