@@ -304,10 +304,6 @@ std::vector<T> attention(const std::vector<T>& q_in, const std::vector<T>& k_in,
   return out;
 }
 
-// The log-sum-exp of a row with no visible key (a ring block after the
-// query): finite, so that merging blocks never computes inf - inf.
-inline constexpr double kNoKeysLse = -1e30;
-
 // lse[b, i, h] = log sum over visible keys j of exp(q_i . k_j / sqrt(d)).
 template <class T>
 std::vector<T> attention_lse(const std::vector<T>& q_in, const std::vector<T>& k_in, const MaskOperands& mask,

@@ -107,6 +107,9 @@ Value ring_shift(Value x, const std::string& mesh_axis, int64_t degree, int64_t 
 struct TokenIndex {
   Value query, key;
 };
+// The log-sum-exp of a row that sees no key of a block (its output is 0):
+// finite, so that merging blocks never computes inf - inf.
+inline constexpr double kNoKeysLse = -1e30;
 Value attention_block(Value q, Value k, Value v, Value positions, TokenIndex index, const Attrs& block);
 Value attention_block_lse(Value q, Value k, Value positions, TokenIndex index, const Attrs& block);
 Value attention_block_grad(Op which, Value q, Value k, Value v, Value positions, Value out, Value dout, Value lse,

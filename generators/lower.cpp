@@ -544,7 +544,7 @@ void Ctx::attention(int id, Func out) {
             KV = static_cast<int>(kt.size("kv_heads")), D = static_cast<int>(qt.size("head_dim"));
   const int grp = H / KV;
   const Expr scale = num(T, 1.0 / std::sqrt(static_cast<double>(D)));
-  const Expr lowest = num(T, -1e30);
+  const Expr lowest = num(T, kNoKeysLse);
   Var d("d"), h("h"), i("i"), j("j"), b("b"), gk("g");
   AttentionFuncs& A = ls.funcs.attn;
   A.kind = static_cast<int>(n.op);
@@ -768,7 +768,6 @@ void Ctx::library_attention(int id, Func out) {
   const bool cuda = library_device == DeviceAPI::CUDA;
   // A ring block's entry points take its token indices after the positions.
   const bool ring = is_ring_block(n);
-  HALYARD_CHECK(!(ring && cuda), "the CUDA attention kernels take no ring blocks (Schedule::on_gpu keeps them Halide's)");
   const std::string device = std::string(ring ? "_ring" : "") + (cuda ? "_cuda" : "");
   const std::vector<ExternFuncArgument> indices =
       ring ? std::vector<ExternFuncArgument>{buffer(n.inputs[n.inputs.size() - 2], "kidx_s"), buffer(n.inputs.back(), "qidx_s")}

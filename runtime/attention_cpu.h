@@ -72,6 +72,10 @@ int halyard_written_beside(halide_buffer_t* out);
 
 namespace halyard::runtime::attention_cpu {
 
+// The log-sum-exp of a row that sees no key of a ring block (dsl/ops.h:
+// kNoKeysLse, which the runtime cannot include).
+constexpr float kNoKeysLse = -1e30f;
+
 // What every task reads of one kv head of one row: rows of k and v are
 // head_dim floats each, `*_ld` floats apart.
 struct KeyRows {
@@ -84,6 +88,7 @@ struct KeyRows {
   const int32_t* pos = nullptr;
   // A ring block's token indices (null: each token's seq index).
   const int32_t *qidx = nullptr, *kidx = nullptr;
+  int64_t query_index(int64_t i) const { return qidx ? qidx[i] : i; }
 };
 
 // One query head of one row (the forward's task).
@@ -100,14 +105,20 @@ struct Group : KeyRows {
   int64_t q_ld = 0, o_ld = 0, dO_ld = 0, lse_ld = 0;
 };
 
+// A ring block's token indices (the _ring entry points' kidx and qidx,
+// [seq, batch]); both null elsewhere.
+struct RingIndices {
+  halide_buffer_t *kidx = nullptr, *qidx = nullptr;
+};
+
 // A bounds query of the entry points, these and their CUDA twins
 // (attention_cuda.h): q, k, v and pos (and the backward's o, dO and lse,
-// where given; v where given) are asked for whole rows of the output's
-// batch rows. The output is [head_dim, heads, seq, batch], or the
-// log-sum-exp alone [heads, seq, batch].
+// where given; v where given; a ring block's indices, where given) are
+// asked for whole rows of the output's batch rows. The output is
+// [head_dim, heads, seq, batch], or the log-sum-exp alone [heads, seq, batch].
 int ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
                    int kv_heads, int head_dim, const halide_buffer_t* out, halide_buffer_t* o = nullptr,
-                   halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr);
+                   halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr, RingIndices idx = {});
 
 // The ISA the entry points run with on this CPU ("avx512", "avx2", "base"; the
 // widest it runs, or the one HALYARD_CPU_ISA names if it runs that one).

@@ -216,7 +216,7 @@ std::vector<BlockBounds> block_bounds(const KeyRows& a, int Br) {
   for (int64_t i0 = 0; i0 < a.S; i0 += Br) {
     BlockBounds b{INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN};
     for (int64_t i = i0; i < std::min<int64_t>(a.S, i0 + Br); ++i) {
-      const int64_t hi = a.qidx ? a.qidx[i] : i, lo = std::max<int64_t>(0, hi - a.pos[i]);
+      const int64_t hi = a.query_index(i), lo = std::max<int64_t>(0, hi - a.pos[i]);
       b.lo_min = std::min(b.lo_min, lo);
       b.lo_max = std::max(b.lo_max, lo);
       b.hi_min = std::min(b.hi_min, hi);
@@ -388,7 +388,7 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
       const bool full = sees_all(bb, ks);
       if (!full)
         for (int r = 0; r < rows; ++r)
-          mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, a.qidx ? a.qidx[i0 + r] : i0 + r, j0, a.pos[i0 + r], kidx);
+          mask_row(s.data() + static_cast<int64_t>(r) * Bc, Bc, a.query_index(i0 + r), j0, a.pos[i0 + r], kidx);
       (full ? (a.bf16 ? softmax_rows<false, true> : softmax_rows<false, false>)
             : (a.bf16 ? softmax_rows<true, true> : softmax_rows<true, false>))(s.data(), Bc, rows, c, m.data(), l.data(),
                                                                                 out ? o.data() : nullptr, Dp);
@@ -400,7 +400,7 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
         float* dst = out + (i0 + r) * out_ld;
         for (int d = 0; d < D; ++d) dst[d] = o[static_cast<size_t>(r * Dp + d)] * inv;
       }
-      lse[(i0 + r) * lse_ld] = sum > 0 ? (m[static_cast<size_t>(r)] + std::log2(sum)) * kLn2 : -1e30f;
+      lse[(i0 + r) * lse_ld] = sum > 0 ? (m[static_cast<size_t>(r)] + std::log2(sum)) * kLn2 : kNoKeysLse;
     }
   }
 }
@@ -459,7 +459,7 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
         const bool full = sees_all(bb, ks);
         if (!full)
           for (int r = 0; r < rows; ++r)
-            mask_row(p.data() + static_cast<int64_t>(r) * Bc, Bc, a.qidx ? a.qidx[i0 + r] : i0 + r, j0, a.pos[i0 + r], kidx);
+            mask_row(p.data() + static_cast<int64_t>(r) * Bc, Bc, a.query_index(i0 + r), j0, a.pos[i0 + r], kidx);
         (full ? (a.bf16 ? probabilities_and_ds<false, true> : probabilities_and_ds<false, false>)
               : (a.bf16 ? probabilities_and_ds<true, true> : probabilities_and_ds<true, false>))(
             p.data(), ds.data(), Bc, rows, c, a.scale, lse2.data(), dsum.data());

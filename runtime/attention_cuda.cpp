@@ -23,6 +23,8 @@ extern "C" const unsigned char halyard_attention_fatbin[];
 namespace halyard::runtime::attention_cuda {
 namespace {
 
+using attention_cpu::RingIndices;
+
 constexpr int kRows = 64;  // rows per block (Shape<D>::R in attention_cuda.cu)
 
 int fail(const std::string& why) {
@@ -123,6 +125,7 @@ int to_device(std::initializer_list<halide_buffer_t*> inputs, const std::vector<
   if (!halide_cuda_device_interface) return fail("halyard attention (CUDA): this program has no Halide CUDA runtime");
   const halide_device_interface_t* cuda = halide_cuda_device_interface();
   for (halide_buffer_t* x : inputs) {
+    if (!x) continue;  // (a plain block's ring indices)
     if (!x->device) {
       if (!x->host) return fail("halyard attention (CUDA): an operand has neither host nor device memory");
       x->set_host_dirty(true);
@@ -176,14 +179,37 @@ int call(const char* who, int heads, int kv_heads, int D, int S, std::initialize
   return run(who, launches, outputs);
 }
 
-int forward(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, halide_buffer_t* lse,
-            int heads, int kv_heads, int D, int bf16, halide_buffer_t* out) {
-  if (out->is_bounds_query()) return attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out);
-  return call(lse ? "halyard_attention_forward_lse_cuda" : "halyard_attention_forward_cuda", heads, kv_heads, D,
-              out->dim[2].extent, {q, k, v, pos},
+int forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+            RingIndices idx, halide_buffer_t* lse, int heads, int kv_heads, int D, int bf16, halide_buffer_t* out) {
+  if (out->is_bounds_query())
+    return attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, nullptr, nullptr, nullptr, idx);
+  return call(who, heads, kv_heads, D, out->dim[2].extent, {q, k, v, pos, idx.kidx, idx.qidx},
               lse ? std::vector<halide_buffer_t*>{out, lse} : std::vector<halide_buffer_t*>{out},
               [&](std::vector<Launch>* launches) {
-                return forward_launches(q, k, v, pos, lse, heads, kv_heads, D, bf16 != 0, out, launches);
+                return forward_launches(q, k, v, pos, lse, heads, kv_heads, D, bf16 != 0, out, launches, idx);
+              });
+}
+
+int lse_alone(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, RingIndices idx,
+              int heads, int kv_heads, int D, int bf16, halide_buffer_t* out) {
+  if (out->is_bounds_query())
+    return attention_cpu::ask_whole_rows(q, k, nullptr, pos, heads, kv_heads, D, out, nullptr, nullptr, nullptr, idx);
+  return call(who, heads, kv_heads, D, out->dim[1].extent, {q, k, pos, idx.kidx, idx.qidx}, {out},
+              [&](std::vector<Launch>* launches) {
+                return lse_launches(q, k, pos, heads, kv_heads, D, bf16 != 0, out, launches, idx);
+              });
+}
+
+int backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
+             halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx, halide_buffer_t* dv,
+             halide_buffer_t* dq, int heads, int kv_heads, int bf16, halide_buffer_t* out) {
+  const int D = out->dim[0].extent;
+  if (out->is_bounds_query())
+    return attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse, idx);
+  return call(who, heads, kv_heads, D, out->dim[2].extent, {q, k, v, pos, o, dO, lse, idx.kidx, idx.qidx},
+              {out, dv, dq}, [&](std::vector<Launch>* launches) {
+                return backward_launches(q, k, v, pos, o, dO, lse, dv, dq, heads, kv_heads, bf16 != 0, out, launches,
+                                         idx);
               });
 }
 
@@ -197,13 +223,18 @@ namespace {
 
 // What every launch of a call shares: the operands, the sizes, and a grid
 // over row blocks and the nb batch rows from b0.
-Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
-              int kv_heads, int D, bool bf16, int S, int b0, int nb) {
+Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, RingIndices idx,
+              int heads, int kv_heads, int D, bool bf16, int S, int b0, int nb) {
   Launch l;
   Args& a = l.args;
   a.q = origin<const float>(q, b0), a.k = origin<const float>(k, b0), a.v = origin<const float>(v, b0);
   a.pos = origin<const int32_t>(pos, b0);
   a.pos_s = pos->dim[0].stride, a.pos_b = pos->dim[1].stride;
+  if (idx.kidx) {
+    a.kidx = origin<const int32_t>(idx.kidx, b0), a.qidx = origin<const int32_t>(idx.qidx, b0);
+    a.kidx_s = idx.kidx->dim[0].stride, a.kidx_b = idx.kidx->dim[1].stride;
+    a.qidx_s = idx.qidx->dim[0].stride, a.qidx_b = idx.qidx->dim[1].stride;
+  }
   a.q_st = rows(q), a.k_st = rows(k), a.v_st = rows(v);
   a.S = S, a.H = heads, a.KV = kv_heads, a.D = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -214,27 +245,37 @@ Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide
 }
 
 // The same with the output (the forward's, or dK) [head_dim, heads, seq, batch].
-Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
-              int kv_heads, int D, bool bf16, halide_buffer_t* out) {
+Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, RingIndices idx,
+              int heads, int kv_heads, int D, bool bf16, halide_buffer_t* out) {
   const int b0 = out->dim[3].min;
-  Launch l = common(q, k, v, pos, heads, kv_heads, D, bf16, out->dim[2].extent, b0, out->dim[3].extent);
+  Launch l = common(q, k, v, pos, idx, heads, kv_heads, D, bf16, out->dim[2].extent, b0, out->dim[3].extent);
   l.args.out = origin<float>(out, b0), l.args.out_st = rows(out);
   return l;
+}
+
+// A ring block's indices, where given, cover the call's rows.
+std::string check_indices(RingIndices idx, int S, int b0, int nb) {
+  if (!idx.kidx && !idx.qidx) return "";
+  for (const halide_buffer_t* x : {idx.kidx, idx.qidx})
+    if (!x || x->dimensions != 2 || x->type.bits != 32 || !covers(x, 0, 0, S) || !covers(x, 1, b0, nb))
+      return "a ring block's key and query indices must both be int32 [seq, batch] covering the rows";
+  return "";
 }
 
 }  // namespace
 
 std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                              halide_buffer_t* lse, int heads, int kv_heads, int D, bool bf16, halide_buffer_t* out,
-                             std::vector<Launch>* launches) {
+                             std::vector<Launch>* launches, RingIndices idx) {
   const int S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
+  if (std::string e = check_indices(idx, S, b0, nb); !e.empty()) return e;
   if (out->dim[0].min != 0 || out->dim[0].extent != D || out->dim[2].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k, v, out})
     if (x->dim[0].stride != 1) return "head_dim must be dense";
   if (lse && (!covers(lse, 0, out->dim[1].min, out->dim[1].extent) || !covers(lse, 1, 0, S) || !covers(lse, 2, b0, nb)))
     return "the log-sum-exp must cover the output's heads and rows";
-  Launch l = common(q, k, v, pos, heads, kv_heads, D, bf16, out);
+  Launch l = common(q, k, v, pos, idx, heads, kv_heads, D, bf16, out);
   Args& a = l.args;
   if (lse) a.lse_out = origin<float>(lse, b0), a.lse_out_st = stats(lse);
   a.h0 = out->dim[1].min;
@@ -247,13 +288,15 @@ std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buff
 // The forward's kernel without an output, which reads no v (given k's
 // pointer, which it never follows).
 std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads, int D,
-                         bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches) {
+                         bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches,
+                         RingIndices idx) {
   const int S = lse->dim[1].extent, b0 = lse->dim[2].min;
   if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
+  if (std::string e = check_indices(idx, S, b0, lse->dim[2].extent); !e.empty()) return e;
   if (lse->dim[1].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k})
     if (x->dim[0].stride != 1) return "head_dim must be dense";
-  Launch l = common(q, k, k, pos, heads, kv_heads, D, bf16, S, b0, lse->dim[2].extent);
+  Launch l = common(q, k, k, pos, idx, heads, kv_heads, D, bf16, S, b0, lse->dim[2].extent);
   l.args.lse_out = origin<float>(lse, b0), l.args.lse_out_st = stats(lse);
   l.args.h0 = lse->dim[0].min;
   l.kernel = kernel_name("fwd", D, bf16);
@@ -265,9 +308,10 @@ std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                               halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
-                              std::vector<Launch>* launches) {
+                              std::vector<Launch>* launches, RingIndices idx) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
+  if (std::string e = check_indices(idx, S, b0, nb); !e.empty()) return e;
   const int grp = heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
   if (out->dim[0].min != 0 || out->dim[2].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k, v, o, dO, dv, dq, out})
@@ -275,7 +319,7 @@ std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buf
   if (!covers(dv, 1, g0, ng) || !covers(dv, 2, 0, S) || !covers(dv, 3, b0, nb) || !covers(dq, 1, g0 * grp, ng * grp) ||
       !covers(dq, 2, 0, S) || !covers(dq, 3, b0, nb))
     return "dV and dQ must cover dK's groups and rows";
-  Launch l = common(q, k, v, pos, heads, kv_heads, D, bf16, out);
+  Launch l = common(q, k, v, pos, idx, heads, kv_heads, D, bf16, out);
   Args& a = l.args;
   a.o = origin<const float>(o, b0), a.dO = origin<const float>(dO, b0), a.lse = origin<const float>(lse, b0);
   a.o_st = rows(o), a.dO_st = rows(dO), a.lse_st = stats(lse);
@@ -299,34 +343,55 @@ using namespace halyard::runtime::attention_cuda;
 extern "C" int halyard_attention_forward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                               halide_buffer_t* pos, int heads, int kv_heads, int head_dim, int,
                                               int, int bf16, halide_buffer_t* out) {
-  return forward(q, k, v, pos, nullptr, heads, kv_heads, head_dim, bf16, out);
+  return forward("halyard_attention_forward_cuda", q, k, v, pos, {}, nullptr, heads, kv_heads, head_dim, bf16, out);
 }
 
 extern "C" int halyard_attention_forward_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                                   halide_buffer_t* pos, halide_buffer_t* lse, int heads, int kv_heads,
                                                   int head_dim, int, int, int bf16, halide_buffer_t* out) {
-  return forward(q, k, v, pos, lse, heads, kv_heads, head_dim, bf16, out);
+  return forward("halyard_attention_forward_lse_cuda", q, k, v, pos, {}, lse, heads, kv_heads, head_dim, bf16, out);
 }
 
 extern "C" int halyard_attention_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads,
                                           int kv_heads, int head_dim, int, int, int bf16, halide_buffer_t* out) {
-  if (out->is_bounds_query())
-    return halyard::runtime::attention_cpu::ask_whole_rows(q, k, nullptr, pos, heads, kv_heads, head_dim, out);
-  return call("halyard_attention_lse_cuda", heads, kv_heads, head_dim, out->dim[1].extent, {q, k, pos}, {out},
-              [&](std::vector<Launch>* launches) {
-                return lse_launches(q, k, pos, heads, kv_heads, head_dim, bf16 != 0, out, launches);
-              });
+  return lse_alone("halyard_attention_lse_cuda", q, k, pos, {}, heads, kv_heads, head_dim, bf16, out);
 }
 
 extern "C" int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                                halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
                                                halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq,
                                                int heads, int kv_heads, int, int, int bf16, halide_buffer_t* out) {
-  const int D = out->dim[0].extent;
-  if (out->is_bounds_query())
-    return halyard::runtime::attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
-  return call("halyard_attention_backward_cuda", heads, kv_heads, D, out->dim[2].extent, {q, k, v, pos, o, dO, lse},
-              {out, dv, dq}, [&](std::vector<Launch>* launches) {
-                return backward_launches(q, k, v, pos, o, dO, lse, dv, dq, heads, kv_heads, bf16 != 0, out, launches);
-              });
+  return backward("halyard_attention_backward_cuda", q, k, v, pos, o, dO, lse, {}, dv, dq, heads, kv_heads, bf16, out);
+}
+
+extern "C" int halyard_attention_forward_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                   halide_buffer_t* pos, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                                   int heads, int kv_heads, int head_dim, int, int, int bf16,
+                                                   halide_buffer_t* out) {
+  return forward("halyard_attention_forward_ring_cuda", q, k, v, pos, {kidx, qidx}, nullptr, heads, kv_heads, head_dim,
+                 bf16, out);
+}
+
+extern "C" int halyard_attention_forward_lse_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                       halide_buffer_t* pos, halide_buffer_t* kidx,
+                                                       halide_buffer_t* qidx, halide_buffer_t* lse, int heads,
+                                                       int kv_heads, int head_dim, int, int, int bf16,
+                                                       halide_buffer_t* out) {
+  return forward("halyard_attention_forward_lse_ring_cuda", q, k, v, pos, {kidx, qidx}, lse, heads, kv_heads, head_dim,
+                 bf16, out);
+}
+
+extern "C" int halyard_attention_lse_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos,
+                                               halide_buffer_t* kidx, halide_buffer_t* qidx, int heads, int kv_heads,
+                                               int head_dim, int, int, int bf16, halide_buffer_t* out) {
+  return lse_alone("halyard_attention_lse_ring_cuda", q, k, pos, {kidx, qidx}, heads, kv_heads, head_dim, bf16, out);
+}
+
+extern "C" int halyard_attention_backward_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                    halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                                    halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                                    halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
+                                                    int, int, int bf16, halide_buffer_t* out) {
+  return backward("halyard_attention_backward_ring_cuda", q, k, v, pos, o, dO, lse, {kidx, qidx}, dv, dq, heads,
+                  kv_heads, bf16, out);
 }

@@ -16,11 +16,18 @@
 // Three kernels per head_dim: the forward (output and log-sum-exp); dQ; and
 // dK with dV, which walks every query head of its kv head (no atomics: each
 // output element has one writer, so every run gives the same bits).
+//
+// A ring attention key block (Args::kidx, qidx) is not in its queries'
+// order: a block walks every tile of the other side, and skips one whose
+// tokens' indices all fall outside its own rows' window of visible indices.
+// A row that sees no key of the block gets output 0 and log-sum-exp
+// kNoKeysLse, as on the CPU.
 #include <climits>
 
 #include "runtime/attention_cuda_args.h"
 
 using halyard::runtime::attention_cuda::Args;
+using halyard::runtime::attention_cuda::kNoKeysLse;
 
 namespace {
 
@@ -112,23 +119,43 @@ __device__ __forceinline__ int block_min(int* slot, bool valid, int value) {
   return *slot;
 }
 
-// For the dK/dV kernels, with the whole block: the positions of query tile
-// [i0, i0 + n) of batch row b into poss[0, B) (-1 past n), and whether any
-// of those queries sees a key at or before j_last (its document starts, at
-// i - pos[i], by then).
+// The greatest value over the block's valid rows; INT_MIN + 1 when none.
+// (slot: another than block_min's, which a thread may still be reading.)
+__device__ __forceinline__ int block_max(int* slot, bool valid, int value) { return -block_min(slot, valid, -value); }
+
+// Token i's index in the whole row: a ring block's query or key index
+// (Args::qidx, kidx; s and bs its strides), else i itself.
+__device__ __forceinline__ int token_index(const int32_t* idx, int64_t s, int64_t bs, int i, int b) {
+  return idx ? idx[i * s + b * bs] : i;
+}
+
+// Whether a query at index qi (position pos_i) sees a key at index kj:
+// qi - pos_i <= kj <= qi (dsl/ops.h).
+__device__ __forceinline__ bool visible(int qi, int kj, int pos_i) { return kj <= qi && qi - kj <= pos_i; }
+
+// For the dK/dV kernels, with the whole block: the positions and indices of
+// query tile [i0, i0 + n) of batch row b into poss and qis [0, B) (-1 past
+// n), and whether any of those queries can see a key of index in [kmin,
+// kmax], the block's keys': one whose document starts (qi - pos) by kmax,
+// at index kmin or later. slots: two.
 template <int B>
-__device__ __forceinline__ bool query_tile_sees(const Args& a, int b, int i0, int n, int j_last, int* poss, int* slot) {
+__device__ __forceinline__ bool query_tile_sees(const Args& a, int b, int i0, int n, int kmin, int kmax, int* poss,
+                                                int* qis, int* slots) {
   __syncthreads();
-  if (threadIdx.x == 0) *slot = INT_MAX;
+  if (threadIdx.x == 0) slots[0] = slots[1] = INT_MAX;
   __syncthreads();
   for (int x = threadIdx.x; x < B; x += blockDim.x) {
     const int i = i0 + x;
     const int p = x < n ? a.pos[i * a.pos_s + b * a.pos_b] : -1;
-    poss[x] = p;
-    if (x < n) atomicMin(slot, i - p);
+    const int qi = x < n ? token_index(a.qidx, a.qidx_s, a.qidx_b, i, b) : -1;
+    poss[x] = p, qis[x] = qi;
+    if (x < n) {
+      atomicMin(&slots[0], qi - p);
+      atomicMin(&slots[1], -qi);
+    }
   }
   __syncthreads();
-  return *slot <= j_last;
+  return slots[0] <= kmax && -slots[1] >= kmin;
 }
 
 // For the dK/dV kernels, with the whole block: D_i = dO_i . O_i of query
@@ -159,9 +186,9 @@ __device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, i
 
 // A query row's thread in a grid of (row blocks, heads from h0, batch rows):
 // its lane t of the row's T, row i of head h of batch row b, the kv head,
-// and the row's position (-1 past the rows).
+// the row's position (-1 past the rows) and its index in the whole row.
 struct QueryRow {
-  int t, i, h, b, kvh, pos;
+  int t, i, h, b, kvh, pos, qi;
   bool valid;
 };
 
@@ -173,29 +200,69 @@ __device__ __forceinline__ QueryRow query_row(const Args& a) {
   r.h = a.h0 + blockIdx.y, r.b = blockIdx.z, r.kvh = r.h / (a.H / a.KV);
   r.valid = r.i < a.S;
   r.pos = r.valid ? a.pos[r.i * a.pos_s + r.b * a.pos_b] : -1;
+  r.qi = r.valid ? token_index(a.qidx, a.qidx_s, a.qidx_b, r.i, r.b) : 0;
   return r;
 }
 
-// The keys a block of query rows sees, walked in tiles of B: from the least
-// document start of its rows (block_min) to its last row.
+// The keys a block of query rows sees, walked in tiles: from the least
+// document start of its rows (block_min) to its last row; a ring block's,
+// all of them, each tile checked against the window of indices its rows
+// see (key_indices).
 struct KeyRange {
   int lo, hi;
   const float *k, *v;  // the kv head's rows of the batch row
 };
 
-template <int D>
-__device__ __forceinline__ KeyRange key_range(const Args& a, int* slot, const QueryRow& r) {
-  const int lo = block_min(slot, r.valid && r.t == 0, r.i - r.pos < 0 ? 0 : r.i - r.pos);
-  return {lo, min(a.S, static_cast<int>(blockIdx.x + 1) * Shape<D>::R), a.k + r.kvh * a.k_st.h + r.b * a.k_st.b,
-          a.v + r.kvh * a.v_st.h + r.b * a.v_st.b};
+// From each valid row's least and greatest visible index (qi - pos and qi;
+// INT_MAX and INT_MIN for none), over the block. slots: three, of which
+// a ring block's window stays in the first two (slots[0] and -slots[1],
+// in shared memory rather than in registers every thread keeps).
+__device__ __forceinline__ KeyRange key_range(const Args& a, int* slots, int lo, int hi, int rows_per_block,
+                                              const float* k, const float* v) {
+  lo = block_min(&slots[0], lo != INT_MAX, lo);
+  if (!a.kidx) return {lo, min(a.S, static_cast<int>(blockIdx.x + 1) * rows_per_block), k, v};
+  block_max(&slots[1], hi != INT_MIN, hi);
+  return {0, a.S, k, v};
 }
 
-// Keys [j0, j0 + n) and their values into ks and vs (null: no values), for
-// the whole block; returns n.
 template <int D>
-__device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int j0, float* ks, float* vs) {
-  const int n = min(Shape<D>::B, kr.hi - j0);
+__device__ __forceinline__ KeyRange key_range(const Args& a, int* slots, const QueryRow& r) {
+  const bool row = r.valid && r.t == 0;
+  return key_range(a, slots, row ? max(0, r.qi - r.pos) : INT_MAX, row ? r.qi : INT_MIN, Shape<D>::R,
+                   a.k + r.kvh * a.k_st.h + r.b * a.k_st.b, a.v + r.kvh * a.v_st.h + r.b * a.v_st.b);
+}
+
+// For the whole block: the indices of keys [j0, j0 + n) of the range (n =
+// B, or fewer at its end) into kis; returns n, or 0 where none of them is
+// in the rows' window (key_range's slots; nothing else staged then).
+template <int B>
+__device__ __forceinline__ int key_indices(const Args& a, const KeyRange& kr, int j0, int* kis, int* slots) {
+  const int n = min(B, kr.hi - j0);
   __syncthreads();
+  if (!a.kidx) {
+    for (int x = threadIdx.x; x < n; x += blockDim.x) kis[x] = j0 + x;
+    return n;
+  }
+  if (threadIdx.x == 0) slots[2] = 1;
+  __syncthreads();
+  const int seen_lo = slots[0], seen_hi = -slots[1], b = blockIdx.z;
+  for (int x = threadIdx.x; x < n; x += blockDim.x) {
+    const int kj = a.kidx[(j0 + x) * a.kidx_s + b * a.kidx_b];
+    kis[x] = kj;
+    if (kj >= seen_lo && kj <= seen_hi) atomicMin(&slots[2], 0);
+  }
+  __syncthreads();
+  return slots[2] ? 0 : n;
+}
+
+// Keys [j0, j0 + n) and their values into ks and vs (null: no values), and
+// their indices into kis, for the whole block; returns n (0: a tile the
+// rows do not see, not staged).
+template <int D>
+__device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int j0, float* ks, float* vs, int* kis,
+                                          int* slots) {
+  const int n = key_indices<Shape<D>::B>(a, kr, j0, kis, slots);
+  if (n == 0) return 0;
   stage<D>(ks, kr.k, a.k_st.s, j0, n, a.D);
   if (vs) stage<D>(vs, kr.v, a.v_st.s, j0, n, a.D);
   __syncthreads();
@@ -210,9 +277,9 @@ __device__ void forward(const Args& a) {
   constexpr int T = S_::T, B = S_::B, KC = 8;
   __shared__ __align__(16) float ks[B * D];
   __shared__ __align__(16) float vs[B * D];
-  __shared__ int lo_slot;
+  __shared__ int kis[B], slots[3];
   const QueryRow row = query_row<D>(a);
-  const auto [t, i, h, b, kvh, pi, valid] = row;
+  const auto [t, i, h, b, kvh, pi, qi, valid] = row;
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   float q[4 * S_::C], acc[4 * S_::C];
   if (valid) load_slice<D>(a.q + h * a.q_st.h + i * a.q_st.s + b * a.q_st.b, a.D, t, q);
@@ -221,18 +288,17 @@ __device__ void forward(const Args& a) {
     if (!valid) q[x] = 0;
     acc[x] = 0;
   }
-  const KeyRange kr = key_range<D>(a, &lo_slot, row);
+  const KeyRange kr = key_range<D>(a, slots, row);
   float m = -INFINITY, l = 0;
   for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
-    const int n = stage_keys<D>(a, kr, j0, ks, a.out ? vs : nullptr);
+    const int n = stage_keys<D>(a, kr, j0, ks, a.out ? vs : nullptr, kis, slots);
     for (int u0 = 0; u0 < n; u0 += KC) {
       float s[KC];
       float mx = m;
 #pragma unroll
       for (int u = 0; u < KC; ++u) {
         const float dot = lanes_sum<T>(dot_shared<D>(ks + (u0 + u) * D, q, t));
-        const int j = j0 + u0 + u;
-        const bool vis = valid && u0 + u < n && j <= i && i - j <= pi;
+        const bool vis = valid && u0 + u < n && visible(qi, kis[u0 + u], pi);
         s[u] = vis ? dot * c : -INFINITY;
         mx = fmaxf(mx, s[u]);
       }
@@ -255,7 +321,7 @@ __device__ void forward(const Args& a) {
   const float inv = l > 0 ? 1.f / l : 0.f;
   if (a.out) store_slice<D>(a.out + h * a.out_st.h + i * a.out_st.s + b * a.out_st.b, a.D, t, acc, inv);
   if (a.lse_out && t == 0)
-    a.lse_out[h * a.lse_out_st.h + i * a.lse_out_st.s + b * a.lse_out_st.b] = l > 0 ? (m + log2f(l)) * kLn2 : -INFINITY;
+    a.lse_out[h * a.lse_out_st.h + i * a.lse_out_st.s + b * a.lse_out_st.b] = l > 0 ? (m + log2f(l)) * kLn2 : kNoKeysLse;
 }
 
 // dQ: grid and block as the forward's. dS = P (dP - rowsum(dO * O)), dQ = scale dS K.
@@ -265,9 +331,9 @@ __device__ void grad_q(const Args& a) {
   constexpr int T = S_::T, B = S_::B;
   __shared__ __align__(16) float ks[B * D];
   __shared__ __align__(16) float vs[B * D];
-  __shared__ int lo_slot;
+  __shared__ int kis[B], slots[3];
   const QueryRow row = query_row<D>(a);
-  const auto [t, i, h, b, kvh, pi, valid] = row;
+  const auto [t, i, h, b, kvh, pi, qi, valid] = row;
   const float c = a.scale * kLog2e;
   float q[4 * S_::C], dO[4 * S_::C], dq[4 * S_::C];
   float di = 0, lse2 = 0;
@@ -286,14 +352,13 @@ __device__ void grad_q(const Args& a) {
   di = lanes_sum<T>(di);
 #pragma unroll
   for (int x = 0; x < 4 * S_::C; ++x) dq[x] = 0;
-  const KeyRange kr = key_range<D>(a, &lo_slot, row);
+  const KeyRange kr = key_range<D>(a, slots, row);
   for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
-    const int n = stage_keys<D>(a, kr, j0, ks, vs);
+    const int n = stage_keys<D>(a, kr, j0, ks, vs, kis, slots);
     for (int u = 0; u < n; ++u) {
       const float s = lanes_sum<T>(dot_shared<D>(ks + u * D, q, t));
       const float dp = lanes_sum<T>(dot_shared<D>(vs + u * D, dO, t));
-      const int j = j0 + u;
-      const bool vis = valid && j <= i && i - j <= pi;
+      const bool vis = valid && visible(qi, kis[u], pi);
       const float p = vis ? exp2f(s * c - lse2) : 0.f;
       add_shared<D>(ks + u * D, p * (dp - di), dq, t);
     }
@@ -304,7 +369,8 @@ __device__ void grad_q(const Args& a) {
 
 // dK (into out) and dV: grid (key row blocks, kv heads from h0, batch rows);
 // block R * T threads, one key row each, walking every query head of the kv
-// head and every query tile that can see the block's keys.
+// head and every query tile that can see the block's keys (from the
+// block's first row; a ring block's, from the first).
 template <int D>
 __device__ void grad_kv(const Args& a) {
   using S_ = Shape<D>;
@@ -312,11 +378,12 @@ __device__ void grad_kv(const Args& a) {
   __shared__ __align__(16) float qs[B * D];
   __shared__ __align__(16) float ds_[B * D];  // dO rows
   __shared__ float lse2s[B], dis[B];
-  __shared__ int poss[B];
-  __shared__ int lo_slot;
+  __shared__ int poss[B], qis[B], slots[2], k_slots[2];
   const int t = threadIdx.x % T, j = blockIdx.x * R + threadIdx.x / T;
   const int g = a.h0 + blockIdx.y, b = blockIdx.z, grp = a.H / a.KV;
   const bool valid = j < a.S;
+  const int kj = valid ? token_index(a.kidx, a.kidx_s, a.kidx_b, j, b) : 0;
+  const int kmin = block_min(&k_slots[0], valid && t == 0, kj), kmax = block_max(&k_slots[1], valid && t == 0, kj);
   const float c = a.scale * kLog2e;
   float k[4 * S_::C], v[4 * S_::C], dk[4 * S_::C], dv[4 * S_::C];
   if (valid) {
@@ -328,12 +395,11 @@ __device__ void grad_kv(const Args& a) {
     if (!valid) k[x] = v[x] = 0;
     dk[x] = dv[x] = 0;
   }
-  const int j_first = blockIdx.x * R, j_last = min(a.S, j_first + R) - 1;
   for (int w = 0; w < grp; ++w) {
     const int h = g * grp + w;
-    for (int i0 = j_first; i0 < a.S; i0 += B) {
+    for (int i0 = a.qidx ? 0 : static_cast<int>(blockIdx.x) * R; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
-      if (!query_tile_sees<B>(a, b, i0, n, j_last, poss, &lo_slot)) continue;
+      if (!query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots)) continue;
       stage<D>(qs, a.q + h * a.q_st.h + b * a.q_st.b, a.q_st.s, i0, n, a.D);
       stage<D>(ds_, a.dO + h * a.dO_st.h + b * a.dO_st.b, a.dO_st.s, i0, n, a.D);
       __syncthreads();
@@ -341,8 +407,7 @@ __device__ void grad_kv(const Args& a) {
       for (int u = 0; u < n; ++u) {
         const float s = lanes_sum<T>(dot_shared<D>(qs + u * D, k, t));
         const float dp = lanes_sum<T>(dot_shared<D>(ds_ + u * D, v, t));
-        const int i = i0 + u;
-        const bool vis = valid && j <= i && i - j <= poss[u];
+        const bool vis = valid && visible(qis[u], kj, poss[u]);
         const float p = vis ? exp2f(s * c - lse2s[u]) : 0.f;
         add_shared<D>(ds_ + u * D, p, dv, t);
         add_shared<D>(qs + u * D, p * (dp - dis[u]), dk, t);
@@ -536,11 +601,13 @@ __device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const
   }
 }
 
-// The warp's query rows (the forward and dQ): absolute head h, its rows
-// row[0] = r0 + g and row[1] = r0 + g + 8, and their positions.
+// The warp's query rows (the forward and dQ): absolute head h, the lane's
+// rows row(0) = r0 + g and row(1) = r0 + g + 8 (computed where needed: a
+// register less each), their positions and their indices in the whole row.
 struct TcRows {
-  int h, b, kvh, r0, row[2], pos[2];
+  int h, b, kvh, r0, pos[2], qi[2];
   bool valid[2];
+  __device__ __forceinline__ int row(int w) const { return r0 + lane().g + 8 * w; }
 };
 __device__ __forceinline__ TcRows tc_rows(const Args& a, int rows_per_block) {
   const Lane l = lane();
@@ -549,44 +616,38 @@ __device__ __forceinline__ TcRows tc_rows(const Args& a, int rows_per_block) {
   r.r0 = blockIdx.x * rows_per_block + (threadIdx.x >> 5) * 16;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    r.row[e] = r.r0 + l.g + 8 * e;
-    r.valid[e] = r.row[e] < a.S;
-    r.pos[e] = r.valid[e] ? a.pos[r.row[e] * a.pos_s + r.b * a.pos_b] : -1;
+    const int i = r.r0 + l.g + 8 * e;
+    r.valid[e] = i < a.S;
+    r.pos[e] = r.valid[e] ? a.pos[i * a.pos_s + r.b * a.pos_b] : -1;
+    r.qi[e] = r.valid[e] ? token_index(a.qidx, a.qidx_s, a.qidx_b, i, r.b) : 0;
   }
   return r;
 }
-// The keys the block's rows see, from their least document start
-// (block_min) to its last row, and their kv head's rows of k and v.
-struct TcKeys {
-  int lo, hi;
-  const float *k, *v;
-};
-__device__ __forceinline__ TcKeys tc_keys(const Args& a, int* slot, const TcRows& r, int rows_per_block) {
-  int lo = INT_MAX;
+// The keys the block's rows see (key_range), and their kv head's rows of k
+// and v. slots: three.
+__device__ __forceinline__ KeyRange tc_keys(const Args& a, int* slots, const TcRows& r, int rows_per_block) {
+  int lo = INT_MAX, hi = INT_MIN;
 #pragma unroll
   for (int e = 0; e < 2; ++e)
-    if (r.valid[e]) lo = min(lo, max(0, r.row[e] - r.pos[e]));
-  lo = block_min(slot, lo != INT_MAX, lo);
-  return {lo, min(a.S, static_cast<int>(blockIdx.x + 1) * rows_per_block), a.k + r.kvh * a.k_st.h + r.b * a.k_st.b,
-          a.v + r.kvh * a.v_st.h + r.b * a.v_st.b};
+    if (r.valid[e]) lo = min(lo, max(0, r.qi[e] - r.pos[e])), hi = max(hi, r.qi[e]);
+  return key_range(a, slots, lo, hi, rows_per_block, a.k + r.kvh * a.k_st.h + r.b * a.k_st.b,
+                   a.v + r.kvh * a.v_st.h + r.b * a.v_st.b);
 }
 
-// Keys [j0, j0 + B) (n of them, returned) and their values as bf16 into
-// the tiles given (row-major, transposed; null for none), for the whole
-// block.
+// Keys [j0, j0 + B) (n of them, returned; 0: a tile the rows do not see,
+// not staged) and their values as bf16 into the tiles given (row-major,
+// transposed; null for none), their indices into kis, for the whole block.
 template <int DP>
-__device__ __forceinline__ int stage_keys_bf16(const Args& a, const TcKeys& keys, int j0, uint16_t* k_rows,
-                                               uint16_t* k_cols, uint16_t* v_rows, uint16_t* v_cols) {
-  const int n = min(Tc<DP>::B, keys.hi - j0);
-  __syncthreads();
+__device__ __forceinline__ int stage_keys_bf16(const Args& a, const KeyRange& keys, int j0, uint16_t* k_rows,
+                                               uint16_t* k_cols, uint16_t* v_rows, uint16_t* v_cols, int* kis,
+                                               int* slots) {
+  const int n = key_indices<Tc<DP>::B>(a, keys, j0, kis, slots);
+  if (n == 0) return 0;
   stage_bf16<DP>(k_rows, k_cols, keys.k, a.k_st.s, j0, n, a.D);
   if (v_rows || v_cols) stage_bf16<DP>(v_rows, v_cols, keys.v, a.v_st.s, j0, n, a.D);
   __syncthreads();
   return n;
 }
-
-// Whether query i sees key j: 0 <= i - j <= pos[i] (dsl/ops.h).
-__device__ __forceinline__ bool tc_visible(int i, int j, int pos_i) { return j <= i && i - j <= pos_i; }
 
 template <int DP>
 __device__ void forward_bf16(const Args& a) {
@@ -594,17 +655,19 @@ __device__ void forward_bf16(const Args& a) {
   constexpr int B = T::B;
   __shared__ __align__(16) uint16_t ks[B * T::LR];
   __shared__ __align__(16) uint16_t vt[DP * T::LC];
-  __shared__ int lo_slot;
+  __shared__ int kis[B], slots[3];
   const Lane l = lane();
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4];
   load_a<DP>(qa, a.q + r.h * a.q_st.h + r.b * a.q_st.b, a.q_st.s, r.r0, a.S, a.D);
-  const TcKeys keys = tc_keys(a, &lo_slot, r, T::R);
+  const KeyRange keys = tc_keys(a, slots, r, T::R);
   const float c = a.scale * kLog2e;
   float acc[T::DT][4], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
   zero<T::DT>(acc);
   for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
-    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, a.out ? vt : nullptr);  // (no v for the log-sum-exp alone)
+    // (no v for the log-sum-exp alone)
+    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, a.out ? vt : nullptr, kis, slots);
+    if (n == 0) continue;
     float s[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
     float mx[2] = {m[0], m[1]};
@@ -613,7 +676,7 @@ __device__ void forward_bf16(const Args& a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
-        const bool vis = r.valid[w] && u < n && tc_visible(r.row[w], j0 + u, r.pos[w]);
+        const bool vis = r.valid[w] && u < n && visible(r.qi[w], kis[u], r.pos[w]);
         s[nt][e] = vis ? s[nt][e] * c : -INFINITY;
         mx[w] = fmaxf(mx[w], s[nt][e]);
       }
@@ -649,7 +712,7 @@ __device__ void forward_bf16(const Args& a) {
     if (!r.valid[w]) continue;
     const float inv = sum[w] > 0 ? 1.f / sum[w] : 0.f;
     if (a.out) {
-      float* out = a.out + r.h * a.out_st.h + r.row[w] * a.out_st.s + r.b * a.out_st.b;
+      float* out = a.out + r.h * a.out_st.h + r.row(w) * a.out_st.s + r.b * a.out_st.b;
 #pragma unroll
       for (int dt = 0; dt < T::DT; ++dt)
 #pragma unroll
@@ -659,8 +722,8 @@ __device__ void forward_bf16(const Args& a) {
         }
     }
     if (a.lse_out && l.t == 0)
-      a.lse_out[r.h * a.lse_out_st.h + r.row[w] * a.lse_out_st.s + r.b * a.lse_out_st.b] =
-          sum[w] > 0 ? (m[w] + log2f(sum[w])) * kLn2 : -INFINITY;
+      a.lse_out[r.h * a.lse_out_st.h + r.row(w) * a.lse_out_st.s + r.b * a.lse_out_st.b] =
+          sum[w] > 0 ? (m[w] + log2f(sum[w])) * kLn2 : kNoKeysLse;
   }
 }
 
@@ -674,7 +737,7 @@ __device__ __forceinline__ void tc_dsum(float* di, const uint32_t (*da)[4], cons
   for (int w = 0; w < 2; ++w) {
     float x = 0;
     if (r.valid[w]) {
-      const float* orow = o + r.row[w] * a.o_st.s;
+      const float* orow = o + r.row(w) * a.o_st.s;
 #pragma unroll
       for (int k = 0; k < Tc<DP>::KS; ++k)
 #pragma unroll
@@ -700,7 +763,7 @@ __device__ void grad_q_bf16(const Args& a) {
   __shared__ __align__(16) uint16_t ks[B * T::LR];
   __shared__ __align__(16) uint16_t vs[B * T::LR];
   __shared__ __align__(16) uint16_t kt[DP * T::LC];
-  __shared__ int lo_slot;
+  __shared__ int kis[B], slots[3];
   const Lane l = lane();
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4], da[T::KS][4];
@@ -710,26 +773,27 @@ __device__ void grad_q_bf16(const Args& a) {
   tc_dsum<DP>(di, da, a.o + r.h * a.o_st.h + r.b * a.o_st.b, a, r);
 #pragma unroll
   for (int w = 0; w < 2; ++w)
-    lse2[w] = r.valid[w] ? a.lse[r.h * a.lse_st.h + r.row[w] * a.lse_st.s + r.b * a.lse_st.b] * kLog2e : 0.f;
-  const TcKeys keys = tc_keys(a, &lo_slot, r, T::R);
+    lse2[w] = r.valid[w] ? a.lse[r.h * a.lse_st.h + r.row(w) * a.lse_st.s + r.b * a.lse_st.b] * kLog2e : 0.f;
+  const KeyRange keys = tc_keys(a, slots, r, T::R);
   const float c = a.scale * kLog2e;
   float dq[T::DT][4];
   zero<T::DT>(dq);
   for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
-    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, kt, vs, nullptr);
+    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, kt, vs, nullptr, kis, slots);
+    if (n == 0) continue;
     float s[T::NT][4], dp[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
     products_over_head_dim<DP>(dp, da, vs);
     probabilities_and_ds<DP>(s, dp, c, a.scale, [&](int w, int u, float* lse2_wu, float* di_wu) {
       *lse2_wu = lse2[w], *di_wu = di[w];
-      return r.valid[w] && u < n && tc_visible(r.row[w], j0 + u, r.pos[w]);
+      return r.valid[w] && u < n && visible(r.qi[w], kis[u], r.pos[w]);
     });
     accumulate_over_rows<DP>(dq, dp, kt);
   }
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     if (!r.valid[w]) continue;
-    float* out = a.dq + r.h * a.dq_st.h + r.row[w] * a.dq_st.s + r.b * a.dq_st.b;
+    float* out = a.dq + r.h * a.dq_st.h + r.row(w) * a.dq_st.s + r.b * a.dq_st.b;
 #pragma unroll
     for (int dt = 0; dt < T::DT; ++dt)
 #pragma unroll
@@ -753,15 +817,19 @@ __device__ void grad_kv_bf16(const Args& a) {
   __shared__ __align__(16) uint16_t qt[DP * T::LC];
   __shared__ __align__(16) uint16_t dot[DP * T::LC];
   __shared__ float lse2s[B], dis[B];
-  __shared__ int poss[B];
-  __shared__ int lo_slot;
+  __shared__ int poss[B], qis[B], slots[2], k_slots[2];
   const Lane l = lane();
   const int kvh = a.h0 + blockIdx.y, b = blockIdx.z, grp = a.H / a.KV;
   const int r0 = blockIdx.x * T::R + (threadIdx.x >> 5) * 16;
-  int j[2];
+  int j[2], kj[2], lo = INT_MAX, hi = INT_MIN;
   bool valid[2];
 #pragma unroll
-  for (int w = 0; w < 2; ++w) j[w] = r0 + l.g + 8 * w, valid[w] = j[w] < a.S;
+  for (int w = 0; w < 2; ++w) {
+    j[w] = r0 + l.g + 8 * w, valid[w] = j[w] < a.S;
+    kj[w] = valid[w] ? token_index(a.kidx, a.kidx_s, a.kidx_b, j[w], b) : 0;
+    if (valid[w]) lo = min(lo, kj[w]), hi = max(hi, kj[w]);
+  }
+  const int kmin = block_min(&k_slots[0], lo != INT_MAX, lo), kmax = block_max(&k_slots[1], hi != INT_MIN, hi);
   uint32_t ka[T::KS][4], va[T::KS][4];
   load_a<DP>(ka, a.k + kvh * a.k_st.h + b * a.k_st.b, a.k_st.s, r0, a.S, a.D);
   load_a<DP>(va, a.v + kvh * a.v_st.h + b * a.v_st.b, a.v_st.s, r0, a.S, a.D);
@@ -769,14 +837,13 @@ __device__ void grad_kv_bf16(const Args& a) {
   float dk[T::DT][4], dv[T::DT][4];
   zero<T::DT>(dk);
   zero<T::DT>(dv);
-  const int j_first = blockIdx.x * T::R, j_last = min(a.S, j_first + T::R) - 1;
   for (int hw = 0; hw < grp; ++hw) {
     const int h = kvh * grp + hw;
     const float* qh = a.q + h * a.q_st.h + b * a.q_st.b;
     const float* dOh = a.dO + h * a.dO_st.h + b * a.dO_st.b;
-    for (int i0 = j_first; i0 < a.S; i0 += B) {
+    for (int i0 = a.qidx ? 0 : static_cast<int>(blockIdx.x) * T::R; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
-      if (!query_tile_sees<B>(a, b, i0, n, j_last, poss, &lo_slot)) continue;
+      if (!query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots)) continue;
       stage_bf16<DP>(qs, qt, qh, a.q_st.s, i0, n, a.D);
       stage_bf16<DP>(dos, dot, dOh, a.dO_st.s, i0, n, a.D);
       __syncthreads();
@@ -788,7 +855,7 @@ __device__ void grad_kv_bf16(const Args& a) {
       products_over_head_dim<DP>(dp, va, dos);
       probabilities_and_ds<DP>(s, dp, c, a.scale, [&](int w, int u, float* lse2_wu, float* di_wu) {
         *lse2_wu = lse2s[u], *di_wu = dis[u];
-        return valid[w] && u < n && tc_visible(i0 + u, j[w], poss[u]);
+        return valid[w] && u < n && visible(qis[u], kj[w], poss[u]);
       });
       accumulate_over_rows<DP>(dv, s, dot);
       accumulate_over_rows<DP>(dk, dp, qt);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/attention_cpu.h"
 #include "runtime/attention_cuda_args.h"
 
 struct halide_buffer_t;
@@ -31,7 +32,23 @@ int halyard_attention_lse_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_bu
 int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                                     halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                                     halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
-                                    int bf16, halide_buffer_t* out);
+                                    int bf16, halide_buffer_t* out);// A ring attention key block's (attention_cpu.h: the _ring entry points).
+int halyard_attention_forward_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                        halide_buffer_t* pos, halide_buffer_t* kidx, halide_buffer_t* qidx, int heads,
+                                        int kv_heads, int head_dim, int query_block, int key_block, int bf16,
+                                        halide_buffer_t* out);
+int halyard_attention_forward_lse_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                            halide_buffer_t* pos, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                            halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
+                                            int query_block, int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_lse_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos,
+                                    halide_buffer_t* kidx, halide_buffer_t* qidx, int heads, int kv_heads,
+                                    int head_dim, int query_block, int key_block, int bf16, halide_buffer_t* out);
+int halyard_attention_backward_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                         halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                         halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                         halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
+                                         int query_block, int key_block, int bf16, halide_buffer_t* out);
 }
 
 namespace halyard::runtime::attention_cuda {
@@ -52,19 +69,22 @@ struct Launch {
   Args args;
 };
 // The launches of a call (the entry points' arguments, its buffers' device
-// fields holding their addresses), or an error naming what is wrong with
-// the buffers. The entry points launch these; the tests also run them
-// through an emulator on the CPU (tests/runtime/cuda_emulation.h).
+// fields holding their addresses; a ring block's indices, where given), or
+// an error naming what is wrong with the buffers. The entry points launch
+// these; the tests also run them through an emulator on the CPU
+// (tests/runtime/cuda_emulation.h).
 std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                              halide_buffer_t* lse, int heads, int kv_heads, int head_dim, bool bf16,
-                             halide_buffer_t* out, std::vector<Launch>* launches);
+                             halide_buffer_t* out, std::vector<Launch>* launches,
+                             attention_cpu::RingIndices idx = {});
 // The log-sum-exp alone [heads, seq, batch] (lse): the forward's kernel
 // without its output.
 std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* pos, int heads, int kv_heads,
-                         int head_dim, bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches);
+                         int head_dim, bool bf16, halide_buffer_t* lse, std::vector<Launch>* launches,
+                         attention_cpu::RingIndices idx = {});
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                               halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
-                              std::vector<Launch>* launches);
+                              std::vector<Launch>* launches, attention_cpu::RingIndices idx = {});
 
 }  // namespace halyard::runtime::attention_cuda

@@ -15,6 +15,10 @@ constexpr int kMaxHeadDim = 128;
 // Those of the bf16 kernels on tensor cores (products over 16 elements).
 constexpr int kBf16HeadDims[] = {16, 32, 64, 128};
 
+// The log-sum-exp of a row that sees no key of a ring block (dsl/ops.h:
+// kNoKeysLse): finite, so that merging blocks never computes inf - inf.
+constexpr float kNoKeysLse = -1e30f;
+
 // Element strides of a tensor's (head, seq, batch) dimensions; head_dim is
 // dense (stride 1). The log-sum-exp [heads, seq, batch] has no head_dim.
 struct Strides {
@@ -33,6 +37,11 @@ struct Args {
   float *dv = nullptr, *dq = nullptr;
   Strides q_st, k_st, v_st, o_st, dO_st, lse_st, out_st, lse_out_st, dv_st, dq_st;
   int64_t pos_s = 1, pos_b = 0;
+  // A ring block's token indices [seq, batch] (attention_cpu.h: the _ring
+  // entry points); null: each token's seq index. Key j is then visible to
+  // query i when qidx[i] - pos[i] <= kidx[j] <= qidx[i].
+  const int32_t *qidx = nullptr, *kidx = nullptr;
+  int64_t qidx_s = 1, qidx_b = 0, kidx_s = 1, kidx_b = 0;
   int S = 0, H = 0, KV = 0, D = 0;  // D: head_dim, at most the kernel's padded one
   int h0 = 0;  // the head (forward, dQ) or kv head (dK and dV) of the grid's first y
   float scale = 1;

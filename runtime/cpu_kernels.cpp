@@ -44,6 +44,7 @@ namespace {
 using attention_cpu::Group;
 using attention_cpu::Head;
 using attention_cpu::KeyRows;
+using attention_cpu::RingIndices;
 using gemm_cpu::Operands;
 using gemm_cpu::Tile;
 
@@ -237,14 +238,8 @@ int64_t l2_bytes() {
 // (attention_cpu_impl.h).
 int default_query_block() { return 2 * 256 * 128 * 4 <= l2_bytes() / 4 ? 256 : 128; }
 
-// A ring block's token indices (attention_cpu.h: the _ring entry points);
-// both null elsewhere.
-struct Indices {
-  halide_buffer_t *kidx = nullptr, *qidx = nullptr;
-};
-
 // The kv head g of row b, as every task reads it.
-KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, Indices idx, int g,
+KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, RingIndices idx, int g,
                  int b, int S, int D, int query_block, int key_block, int bf16) {
   KeyRows a;
   a.S = S;
@@ -409,7 +404,7 @@ bool covers(const halide_buffer_t* x, std::initializer_list<std::pair<int, int>>
 int halyard::runtime::attention_cpu::ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                                     halide_buffer_t* pos, int heads, int kv_heads, int head_dim,
                                                     const halide_buffer_t* out, halide_buffer_t* o,
-                                                    halide_buffer_t* dO, halide_buffer_t* lse) {
+                                                    halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx) {
   const int rows = out->dimensions - 2;  // (the log-sum-exp alone has no head_dim)
   const int D = head_dim, S = out->dim[rows].extent, b0 = out->dim[rows + 1].min, nb = out->dim[rows + 1].extent;
   for (halide_buffer_t* x : {q, o, dO})
@@ -417,31 +412,22 @@ int halyard::runtime::attention_cpu::ask_whole_rows(halide_buffer_t* q, halide_b
   for (halide_buffer_t* x : {k, v})
     if (x) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
   if (lse) whole(lse, {{0, heads}, {0, S}, {b0, nb}});
-  whole(pos, {{0, S}, {b0, nb}});
+  for (halide_buffer_t* x : {pos, idx.kidx, idx.qidx})
+    if (x) whole(x, {{0, S}, {b0, nb}});
   return 0;
 }
 
 namespace {
-
-// A bounds query: whole rows (ask_whole_rows), and a ring block's indices like pos.
-int ask_whole_rows_and(Indices idx, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-                       int heads, int kv_heads, int head_dim, const halide_buffer_t* out, halide_buffer_t* o = nullptr,
-                       halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr) {
-  ask_whole_rows(q, k, v, pos, heads, kv_heads, head_dim, out, o, dO, lse);
-  for (halide_buffer_t* x : {idx.kidx, idx.qidx})
-    if (x) whole(x, {{pos->dim[0].min, pos->dim[0].extent}, {pos->dim[1].min, pos->dim[1].extent}});
-  return 0;
-}
 
 // The forward over the output's heads and rows: out is the output
 // [head_dim, heads, seq, batch], lse (where the stage writes it) the
 // log-sum-exp [heads, seq, batch], both the stage's own buffers. Without
 // out (and v), the log-sum-exp alone, over its own heads and rows.
 int attention_forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
-                      halide_buffer_t* pos, Indices idx, halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
+                      halide_buffer_t* pos, RingIndices idx, halide_buffer_t* lse, int heads, int kv_heads, int head_dim,
                       int query_block, int key_block, int bf16, halide_buffer_t* out) {
   halide_buffer_t* rows = out ? out : lse;
-  if (rows->is_bounds_query()) return ask_whole_rows_and(idx, q, k, v, pos, heads, kv_heads, head_dim, rows);
+  if (rows->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, head_dim, rows, nullptr, nullptr, nullptr, idx);
   const int x = out ? 1 : 0;  // rows' heads dimension
   const int D = head_dim, h0 = rows->dim[x].min, nh = rows->dim[x].extent, S = rows->dim[x + 1].extent,
             b0 = rows->dim[x + 2].min, nb = rows->dim[x + 2].extent;
@@ -491,11 +477,11 @@ extern "C" int halyard_attention_lse(halide_buffer_t* q, halide_buffer_t* k, hal
 namespace {
 
 int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
-                       halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, Indices idx,
+                       halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx,
                        halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads, int query_block,
                        int key_block, int bf16, halide_buffer_t* out) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  if (out->is_bounds_query()) return ask_whole_rows_and(idx, q, k, v, pos, heads, kv_heads, D, out, o, dO, lse);
+  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse, idx);
   const int grp = kv_heads < 1 ? 0 : heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
   if (out->dim[0].min != 0 || out->dim[2].min != 0 || grp < 1 || grp > Group::kMaxHeads || heads != grp * kv_heads ||
       out->dim[0].stride != 1)

@@ -258,9 +258,6 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   // dK and dV of one attention recompute the same probabilities over the
   // same key tiles: one kernel writes both. The library's backward writes
   // dQ too (FlashAttention-2's single pass).
-  auto library_kernel = [&](const Node& x) {
-    return is_ring_block(x) ? s.library_ring_attention() : s.library_attention();
-  };
   std::map<int, int> dv_of, dq_of;  // dK node -> its dV, its dQ (library kernels)
   std::set<int> fused;
   {
@@ -268,8 +265,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     for (int id = 0; id < n; ++id) {
       if (!needed[static_cast<size_t>(id)]) continue;
       if (g.node(id).op == Op::AttentionGradV) grad_v_on.emplace(g.node(id).inputs, id);
-      if (g.node(id).op == Op::AttentionGradQ && library_kernel(g.node(id)))
-        grad_q_on.emplace(g.node(id).inputs, id);
+      if (g.node(id).op == Op::AttentionGradQ && s.library_attention()) grad_q_on.emplace(g.node(id).inputs, id);
     }
     for (int id = 0; id < n; ++id) {
       const Node& x = g.node(id);
@@ -337,7 +333,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.signature += "+dq:" + g.node(it->second).type.str();
       st.library = true;
     }
-    if ((node.op == Op::Attention || node.op == Op::AttentionLse) && library_kernel(node)) st.library = true;
+    if ((node.op == Op::Attention || node.op == Op::AttentionLse) && s.library_attention()) st.library = true;
     // The library reads its operands from buffers: one computed inline is
     // computed once, whole, into a copy (the plan counts it as scratch).
     if (s.library_weight_grad() && weight_grad_form(g, node)) st.library = true;

@@ -559,26 +559,26 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     sc.backward = root.backward;
     sc.layer = layer_of(root.name);
     sc.label = std::string(op_name(root.op)) + " %" + std::to_string(st.root) + (root.name.empty() ? "" : " " + root.name);
-    sc.flops = op_flops(g, root);
-    for (int x : st.extra_outputs) sc.flops += extra_output_flops(g, g.node(x));
+    // On a GPU the library's dQ is a kernel of its own (runtime/attention_cuda.cu),
+    // which computes the scores and dP again: two products more than the
+    // CPU library's single pass.
+    auto times = [&](int x) {
+      return gpu && st.library && root.op == Op::AttentionGradK && g.node(x).op == Op::AttentionGradQ ? 3.0 : 1.0;
+    };
     // The op table counts a ring block as Halide's kernels compute it (its
     // scores whole, on the busiest rank); the library's skip the key blocks
     // no query sees.
     if (st.library && is_ring_block(root)) {
-      sc.flops = 0;
       for (int64_t r = 0; r < std::max<int64_t>(root.attrs.degree, 1); ++r) {
         double f = ring_block_visible_flops(g, root, r, false);
-        for (int x : st.extra_outputs) f += ring_block_visible_flops(g, g.node(x), r, true);
+        for (int x : st.extra_outputs) f += times(x) * ring_block_visible_flops(g, g.node(x), r, true);
         sc.flops = std::max(sc.flops, f);
       }
+    } else {
+      sc.flops = op_flops(g, root);
+      for (int x : st.extra_outputs) sc.flops += times(x) * extra_output_flops(g, g.node(x));
     }
     for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
-    // On a GPU the library's dQ is a kernel of its own (runtime/attention_cuda.cu),
-    // which computes the scores and dP again: two products more than the
-    // CPU library's single pass.
-    if (gpu && st.library && root.op == Op::AttentionGradK)
-      for (int x : st.extra_outputs)
-        if (g.node(x).op == Op::AttentionGradQ) sc.flops += 2 * extra_output_flops(g, g.node(x));
     sc.bytes = stored(bytes);
     sc.charged_flops = sc.flops * (reads_bf16(root) || root.attrs.bf16 ? 1.0 : f32_flops);
     sc.time_s = cluster.kernel_time(sc.kind, sc.charged_flops, static_cast<double>(sc.bytes));

@@ -158,10 +158,8 @@ Keep Schedule::keep(const Node& n) const {
 Schedule Schedule::on_gpu(bool cuda) const {
   Schedule s = *this;
   s.weight_grad_kernel = "halide";
-  // The library's attention kernels exist for CPUs and CUDA (runtime/attention_cuda.h),
-  // the CUDA ones without ring blocks.
+  // The library's attention kernels exist for CPUs and CUDA (runtime/attention_cuda.h).
   if (!cuda) s.attention_kernel = "halide";
-  s.ring_blocks_in_library = false;
   if (s.contract_kernel == "auto") s.contract_kernel = cuda ? "cublas" : "halide";
   return s;
 }

@@ -121,13 +121,9 @@ struct Schedule {
   // runtime/attention_cuda.h's. Other GPU targets and the autoscheduler
   // always get Halide's.
   std::string attention_kernel = "library";
+  // (Ring attention's key blocks too: the library's _ring entry points
+  // take their tokens' indices.)
   bool library_attention() const { return attention_kernel == "library" && autoscheduler.empty(); }
-  // Ring attention's key blocks (their operands end with the tokens'
-  // indices) through the library too. The CPU library's kernels take the
-  // indices; the CUDA kernels do not yet, so on_gpu() clears this and a
-  // CUDA library's ring blocks are Halide's. Not a user's setting.
-  bool ring_blocks_in_library = true;
-  bool library_ring_attention() const { return library_attention() && ring_blocks_in_library; }
   // Weight-gradient contractions (a sum over the tokens, schedules/partition.h:
   // weight_grad_form): "library" (runtime/gemm_cpu.h, a packed GEMM; an
   // operand computed inline is computed once into a whole copy, which the

@@ -6,7 +6,9 @@
 // with NaN so that every element must be written; then, where there are 4
 // heads on 2 kv heads, outputs holding only heads 1 and 2 of the forward
 // (and of the log-sum-exp alone) and kv head 1 of the backward, as a stage
-// split over heads asks.
+// split over heads asks. With a ring block, the CPU's _ring entry points
+// are the reference, and each row's positions follow its queries' indices
+// in the whole row (the second row's second document starting at doc).
 #pragma once
 
 #include <HalideBuffer.h>
@@ -24,14 +26,41 @@ namespace halyard::testing {
 
 using Halide::Runtime::Buffer;
 
+// A ring attention key block (attention_cpu.h: the _ring entry points):
+// each key's and each query's index in the whole row, [seq, batch].
+struct RingBlock {
+  Buffer<int32_t> kidx, qidx;
+};
+
+// The block of key_rank's tokens that query_rank's queries meet in a ring
+// of sp ranks of S tokens each (two rows, [S, 2]), placed as
+// schedules/sharding.cpp places them: contiguous, or zigzag (chunks r and
+// 2 sp - 1 - r of S / 2).
+inline RingBlock ring_block(int S, int sp, int query_rank, int key_rank, bool zigzag) {
+  auto tokens = [&](int r) {
+    Buffer<int32_t> x(S, 2);
+    for (int b = 0; b < 2; ++b)
+      for (int i = 0; i < S; ++i)
+        x(i, b) = !zigzag ? r * S + i : i < S / 2 ? r * (S / 2) + i : (2 * sp - 1 - r) * (S / 2) + i - S / 2;
+    return x;
+  };
+  return {tokens(key_rank), tokens(query_rank)};
+}
+
 // max |got - want| / max |want| (rms: the root mean squares' ratio
-// instead); NaN anywhere in got gives 1e30.
+// instead); NaN anywhere in got gives 1e30. A row's log-sum-exp that says it
+// sees no key (attention_cpu.h: kNoKeysLse) must be that exactly, and is
+// left out of the scale.
 inline double attention_rel(const Buffer<float>& got, const Buffer<float>& want, bool rms = false) {
   double diff = 0, scale = 1e-30;
   bool nan = false;
   got.for_each_element([&](const int* at) {
     const double g = got(at), w = want(at);
     nan = nan || std::isnan(g);
+    if (want(at) == runtime::attention_cpu::kNoKeysLse || got(at) == runtime::attention_cpu::kNoKeysLse) {
+      nan = nan || got(at) != want(at);
+      return;
+    }
     diff = rms ? diff + (g - w) * (g - w) : std::max(diff, std::abs(g - w));
     scale = rms ? scale + w * w : std::max(scale, std::abs(w));
   });
@@ -48,7 +77,7 @@ inline double attention_rel(const Buffer<float>& got, const Buffer<float>& want,
 // rounded the other way moves a few elements by up to 2^-9 of the largest.
 template <class Forward, class LseAlone, class Backward>
 double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double limit, bool bf16, Forward forward,
-                                   LseAlone lse_alone, Backward backward) {
+                                   LseAlone lse_alone, Backward backward, RingBlock* ring = nullptr) {
   const int B = 2;
   std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> normal(0, 1);
@@ -66,11 +95,21 @@ double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double 
   Buffer<float> q = random({D, H, S, B}), k = random({D, KV, S, B}), v = random({D, KV, S, B}),
                 dO = random({D, H, S, B});
   Buffer<int32_t> pos(S, B);
-  for (int i = 0; i < S; ++i) pos(i, 0) = i, pos(i, 1) = i < doc ? i : i - doc;
+  for (int i = 0; i < S; ++i) {
+    const int q0 = ring ? ring->qidx(i, 0) : i, q1 = ring ? ring->qidx(i, 1) : i;
+    pos(i, 0) = q0, pos(i, 1) = q1 < doc ? q1 : q1 - doc;
+  }
   Buffer<float> o = poisoned({D, H, S, B}), lse = poisoned({H, S, B}), dk = poisoned({D, KV, S, B}),
                 dv = poisoned({D, KV, S, B}), dq = poisoned({D, H, S, B});
-  EXPECT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o), 0);
-  EXPECT_EQ(halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk), 0);
+  if (ring) {
+    EXPECT_EQ(halyard_attention_forward_lse_ring(q, k, v, pos, ring->kidx, ring->qidx, lse, H, KV, D, 0, 0, bf16, o), 0);
+    EXPECT_EQ(halyard_attention_backward_ring(q, k, v, pos, o, dO, lse, ring->kidx, ring->qidx, dv, dq, H, KV, 0, 0,
+                                              bf16, dk),
+              0);
+  } else {
+    EXPECT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o), 0);
+    EXPECT_EQ(halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk), 0);
+  }
 
   Buffer<float> to = poisoned({D, H, S, B}), tlse = poisoned({H, S, B}), alone = poisoned({H, S, B}),
                 tdk = poisoned({D, KV, S, B}), tdv = poisoned({D, KV, S, B}), tdq = poisoned({D, H, S, B});
@@ -80,8 +119,8 @@ double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double 
   backward(q, k, v, pos, o, dO, lse, tdv, tdq, tdk);
   const double e[6] = {attention_rel(to, o, bf16),      attention_rel(tlse, lse, bf16), attention_rel(alone, lse, bf16),
                        attention_rel(tdq, dq, bf16),    attention_rel(tdk, dk, bf16),   attention_rel(tdv, dv, bf16)};
-  std::printf("  head_dim %3d, %d heads on %d%s: output %.1e, log-sum-exp %.1e (alone %.1e), dQ %.1e, dK %.1e, dV "
-              "%.1e of the CPU's %s\n", D, H, KV, bf16 ? ", bf16" : "", e[0], e[1], e[2], e[3], e[4], e[5],
+  std::printf("  %shead_dim %3d, %d heads on %d%s: output %.1e, log-sum-exp %.1e (alone %.1e), dQ %.1e, dK %.1e, dV "
+              "%.1e of the CPU's %s\n", ring ? "ring block, " : "", D, H, KV, bf16 ? ", bf16" : "", e[0], e[1], e[2], e[3], e[4], e[5],
               bf16 ? "rms" : "largest");
   for (double x : e) EXPECT_LE(x, limit) << "head_dim " << D;
   const double worst = *std::max_element(e, e + 6);

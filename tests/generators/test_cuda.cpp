@@ -17,6 +17,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -99,41 +100,58 @@ TEST(Cuda, AttentionRunsTheLibrarysCudaKernels) {
 // The CUDA attention kernels against the CPU library's, entry point for entry
 // point (tests/attention_against_cpu.h): every head_dim they are built for
 // and ones between (run padded), grouped queries, packed documents, rows not
-// a multiple of a block, and outputs holding only some heads.
+// a multiple of a block, and outputs holding only some heads; then ring
+// attention's key blocks through the _ring entry points (4 ranks of 200
+// tokens: a block every query sees, one none sees, zigzag blocks).
 TEST(Cuda, AttentionKernelsMatchTheCpuLibrary) {
   HALYARD_NEED_GPU();
   runtime::use_runtime_cuda_context();
   ASSERT_EQ(runtime::attention_cuda::why_unusable(), "");
   using Halide::Runtime::Buffer;
   const int H = 4, KV = 2;
-  // f32 on CUDA cores; bf16 on tensor cores, against the CPU's bf16 (as
-  // tests/runtime/test_attention_cuda_emulated.cpp checks in the emulator).
-  for (const bool bf16 : {false, true})
-  for (int D : {8, 16, 24, 32, 48, 64, 80, 128}) {
-    // Outputs marked clean: their device copies get written, and come home.
-    auto home = [](std::initializer_list<Buffer<float>*> xs) {
-      for (Buffer<float>* x : xs) ASSERT_EQ(x->copy_to_host(), 0);
-    };
+  // Outputs marked clean: their device copies get written, and come home.
+  auto home = [](std::initializer_list<Buffer<float>*> xs) {
+    for (Buffer<float>* x : xs) ASSERT_EQ(x->copy_to_host(), 0);
+  };
+  auto check = [&](int D, bool bf16, testing::RingBlock* ring, int doc) {
     testing::check_attention_against_cpu(
-        D, H, KV, 200, 77, bf16 ? 1e-3 : 1e-4, bf16,
+        D, H, KV, 200, doc, bf16 ? 1e-3 : 1e-4, bf16,
         [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& lse,
             Buffer<float>& o) {
           for (Buffer<float>* x : {&lse, &o}) x->set_host_dirty(false);
-          ASSERT_EQ(halyard_attention_forward_lse_cuda(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o), 0);
+          ASSERT_EQ(ring ? halyard_attention_forward_lse_ring_cuda(q, k, v, pos, ring->kidx, ring->qidx, lse, H, KV, D, 0,
+                                                                   0, bf16, o)
+                         : halyard_attention_forward_lse_cuda(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o),
+                    0);
           home({&lse, &o});
         },
         [&](Buffer<float>& q, Buffer<float>& k, Buffer<int32_t>& pos, Buffer<float>& lse) {
           lse.set_host_dirty(false);
-          ASSERT_EQ(halyard_attention_lse_cuda(q, k, pos, H, KV, D, 0, 0, bf16, lse), 0);
+          ASSERT_EQ(ring ? halyard_attention_lse_ring_cuda(q, k, pos, ring->kidx, ring->qidx, H, KV, D, 0, 0, bf16, lse)
+                         : halyard_attention_lse_cuda(q, k, pos, H, KV, D, 0, 0, bf16, lse),
+                    0);
           home({&lse});
         },
         [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& o,
             Buffer<float>& dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
           for (Buffer<float>* x : {&dv, &dq, &dk}) x->set_host_dirty(false);
-          ASSERT_EQ(halyard_attention_backward_cuda(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk), 0);
+          ASSERT_EQ(ring ? halyard_attention_backward_ring_cuda(q, k, v, pos, o, dO, lse, ring->kidx, ring->qidx, dv, dq,
+                                                                H, KV, 0, 0, bf16, dk)
+                         : halyard_attention_backward_cuda(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk),
+                    0);
           home({&dv, &dq, &dk});
-        });
-  }
+        },
+        ring);
+  };
+  // f32 on CUDA cores; bf16 on tensor cores, against the CPU's bf16 (as
+  // tests/runtime/test_attention_cuda_emulated.cpp checks in the emulator).
+  for (const bool bf16 : {false, true})
+    for (int D : {8, 16, 24, 32, 48, 64, 80, 128}) check(D, bf16, nullptr, 77);
+  for (const bool bf16 : {false, true})
+    for (auto [query_rank, key_rank, zigzag] : {std::tuple{2, 0, false}, {0, 2, false}, {1, 2, true}, {3, 0, true}}) {
+      testing::RingBlock ring = testing::ring_block(200, 4, query_rank, key_rank, zigzag);
+      check(64, bf16, &ring, 300);
+    }
   const int D = 256;
   // A head_dim over the kernels' is an error naming the fix (through Halide's
   // error handler, whose default aborts: the executor's throws it).

@@ -46,6 +46,9 @@
 namespace halyard {
 namespace {
 
+// The library's kernels and the DSL agree on a row that sees no key.
+static_assert(runtime::attention_cpu::kNoKeysLse == static_cast<float>(kNoKeysLse));
+
 // Before any stage is lowered: the library stages call the CPU kernels.
 [[maybe_unused]] const bool kLibraryKernels = (use_library_kernels_in_jit(), true);
 
@@ -844,27 +847,37 @@ TEST(Kernels, LibraryRingBlocksMatchTheInterpreter) {
   }
 }
 
-// Which kernels a ring block gets is the schedule's decision
-// (Schedule::ring_blocks_in_library): the library's on a CPU cluster; on a
-// CUDA cluster Halide's, since the CUDA kernels take no token indices, and
-// such a stage lowers for CUDA without calling the library.
-TEST(Kernels, RingBlocksAreTheLibrarysOnCpusAndHalidesOnCuda) {
+// A ring block's kernels are the library's (Schedule::attention_kernel) on
+// a CPU cluster and on a CUDA one, whose stages lower to the CUDA entry
+// points that take the token indices (runtime/attention_cuda.h:
+// halyard_attention_*_ring_cuda); the "halide" choice keeps Halide's.
+TEST(Kernels, RingBlocksAreTheLibrarysOnCpusAndOnCuda) {
   Schedule s = Schedule::named("ring_zigzag");
   s.mesh.sp = 4;
-  for (const char* cluster : {"local-cpu", "8xH200"}) {
-    const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024}, s,
-                        Cluster::named(cluster));
-    const bool cuda = std::string(cluster) != "local-cpu";
-    const Graph& g = *p.model.graph;
-    int ring = 0;
-    for (const Stage& st : p.train.stages) {
-      if (!is_ring_block(g.node(st.root))) continue;
-      ++ring;
-      EXPECT_EQ(st.library, !cuda) << cluster << ": " << describe(g, st.root);
-      if (cuda && ring <= 3) lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+  for (const char* kernel : {"library", "halide"})
+    for (const char* cluster : {"local-cpu", "8xH200"}) {
+      s.attention_kernel = kernel;
+      const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024}, s,
+                          Cluster::named(cluster));
+      const bool cuda = std::string(cluster) != "local-cpu", library = std::string(kernel) == "library";
+      const Graph& g = *p.model.graph;
+      int ring = 0;
+      std::set<std::string> called;
+      for (const Stage& st : p.train.stages) {
+        if (!is_ring_block(g.node(st.root))) continue;
+        ++ring;
+        EXPECT_EQ(st.library, library) << cluster << ": " << describe(g, st.root);
+        if (cuda && library) {
+          LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
+          called.insert(ls.funcs.out.extern_function_name());
+        }
+      }
+      EXPECT_GE(ring, 3) << cluster;
+      if (cuda && library)
+        EXPECT_EQ(called, (std::set<std::string>{"halyard_attention_forward_lse_ring_cuda",
+                                                 "halyard_attention_backward_ring_cuda"}))
+            << ::testing::PrintToString(called);
     }
-    EXPECT_GE(ring, 3) << cluster;
-  }
 }
 
 // Blocks a schedule may ask for (kernel_tiles) where the key block does not

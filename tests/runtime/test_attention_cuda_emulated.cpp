@@ -43,7 +43,8 @@ void run(const std::vector<Launch>& launches) {
 // the launcher maps; cleared before they are freed.
 struct AsDevice {
   std::vector<halide_buffer_t*> bufs;
-  AsDevice(std::initializer_list<halide_buffer_t*> xs) : bufs(xs) {
+  AsDevice(std::initializer_list<halide_buffer_t*> xs, halyard::testing::RingBlock* ring = nullptr) : bufs(xs) {
+    if (ring) bufs.insert(bufs.end(), {ring->kidx.raw_buffer(), ring->qidx.raw_buffer()});
     for (halide_buffer_t* x : bufs) x->device = reinterpret_cast<uint64_t>(x->host);
   }
   ~AsDevice() {
@@ -52,34 +53,41 @@ struct AsDevice {
 };
 
 // The kernels' launches run in the emulator against the CPU library with the
-// same bf16 (tests/attention_against_cpu.h); the largest error.
-double check_emulated(int D, int H, int KV, double limit, bool bf16) {
+// same bf16 (tests/attention_against_cpu.h), a ring block's where given;
+// the largest error.
+double check_emulated(int D, int H, int KV, double limit, bool bf16, halyard::testing::RingBlock* ring = nullptr,
+                      int S = 70, int doc = 30) {
+  halyard::runtime::attention_cpu::RingIndices idx;
+  if (ring) idx = {ring->kidx, ring->qidx};
   return halyard::testing::check_attention_against_cpu(
-      D, H, KV, 70, 30, limit, bf16,
+      D, H, KV, S, doc, limit, bf16,
       [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& lse,
           Buffer<float>& o) {
-        AsDevice on({q, k, v, pos, lse, o});
+        AsDevice on({q, k, v, pos, lse, o}, ring);
         std::vector<Launch> launches;
-        ASSERT_EQ(halyard::runtime::attention_cuda::forward_launches(q, k, v, pos, lse, H, KV, D, bf16, o, &launches),
-                  "");
+        ASSERT_EQ(
+            halyard::runtime::attention_cuda::forward_launches(q, k, v, pos, lse, H, KV, D, bf16, o, &launches, idx),
+            "");
         run(launches);
       },
       [&](Buffer<float>& q, Buffer<float>& k, Buffer<int32_t>& pos, Buffer<float>& lse) {
-        AsDevice on({q, k, pos, lse});
+        AsDevice on({q, k, pos, lse}, ring);
         std::vector<Launch> launches;
-        ASSERT_EQ(halyard::runtime::attention_cuda::lse_launches(q, k, pos, H, KV, D, bf16, lse, &launches), "");
+        ASSERT_EQ(halyard::runtime::attention_cuda::lse_launches(q, k, pos, H, KV, D, bf16, lse, &launches, idx), "");
         run(launches);
       },
       [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& o,
           Buffer<float>& dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
-        AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk});
+        AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk}, ring);
         std::vector<Launch> launches;
         ASSERT_EQ(halyard::runtime::attention_cuda::backward_launches(q, k, v, pos, o, dO, lse, dv, dq, H, KV, bf16, dk,
-                                                                      &launches),
+                                                                      &launches, idx),
                   "");
         run(launches);
-      });
+      },
+      ring);
 }
+
 
 // The kernels through the launcher's launches against the CPU library
 // (tests/attention_against_cpu.h): head_dims the kernels are built for and
@@ -124,6 +132,27 @@ TEST(AttentionCudaEmulated, Bf16KernelsOnTensorCoresMatchTheCpuLibrarysBf16) {
   EXPECT_LT(apart, 2e-2);
 }
 
+// Ring attention's key blocks (Args::kidx, qidx) against the CPU library's
+// _ring entry points, on 4 ranks of 70 tokens, the second row's second
+// document starting at token 100 (on rank 1): the rank's own block; a
+// block every query sees (from rank 0 on rank 2); one no query sees (rank
+// 2's on rank 0: output 0, log-sum-exp kNoKeysLse, no gradient); zigzag
+// blocks half seen; in f32 and bf16, with a head_dim run padded.
+TEST(AttentionCudaEmulated, RingBlocksMatchTheCpuLibrarysRingEntryPoints) {
+  static_assert(halyard::runtime::attention_cuda::kNoKeysLse == halyard::runtime::attention_cpu::kNoKeysLse);
+  struct Case {
+    int query_rank, key_rank;
+    bool zigzag;
+  };
+  for (const Case c : {Case{1, 1, false}, Case{2, 0, false}, Case{0, 2, false}, Case{1, 1, true}, Case{1, 2, true},
+                       Case{2, 1, true}, Case{3, 0, true}})
+    for (bool bf16 : {false, true}) {
+      halyard::testing::RingBlock ring = halyard::testing::ring_block(70, 4, c.query_rank, c.key_rank, c.zigzag);
+      std::printf("queries of rank %d, keys of rank %d%s\n", c.query_rank, c.key_rank, c.zigzag ? ", zigzag" : "");
+      check_emulated(bf16 ? 16 : 24, 4, 2, bf16 ? 1e-3 : 1e-5, bf16, &ring, 70, 100);
+    }
+}
+
 // What the launcher refuses, before anything runs.
 TEST(AttentionCudaEmulated, BadBuffersAreErrorsThatSayWhat) {
   std::vector<Launch> launches;
@@ -135,6 +164,10 @@ TEST(AttentionCudaEmulated, BadBuffersAreErrorsThatSayWhat) {
   Buffer<float> q3(32, 3, 8, 1), o3(32, 3, 8, 1), k3(32, 2, 8, 1), v3(32, 2, 8, 1);
   EXPECT_EQ(halyard::runtime::attention_cuda::forward_launches(q3, k3, v3, pos, nullptr, 3, 2, 32, false, o3, &launches),
             "kv_heads must divide heads");
+  Buffer<int32_t> short_index(4, 1);
+  EXPECT_EQ(halyard::runtime::attention_cuda::forward_launches(q3, k3, v3, pos, nullptr, 2, 2, 32, false, o3, &launches,
+                                                               {short_index, short_index}),
+            "a ring block's key and query indices must both be int32 [seq, batch] covering the rows");
 }
 
 }  // namespace
