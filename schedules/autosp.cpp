@@ -743,6 +743,9 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   for (int64_t sp : sps) {
     const std::vector<std::string> strategies = sp > 1 ? Schedule::strategies() : std::vector<std::string>{""};
     for (const std::string& st : strategies) {
+      if (sp > 1 && !opts.strategies.empty() &&
+          std::find(opts.strategies.begin(), opts.strategies.end(), st) == opts.strategies.end())
+        continue;
       // hybrid: every Ulysses degree u strictly between 1 and sp that divides it
       std::vector<int64_t> us = {0};
       if (st == "hybrid") {
@@ -750,18 +753,29 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
         for (int64_t u = 2; u < sp; ++u)
           if (sp % u == 0) us.push_back(u);
       }
-      for (int64_t u : us)
-        for (int zero : ranks > 1 ? opts.zero : std::vector<int>{0}) {
-          Config c{mesh_schedule("autosp", ranks, sp, st), ""};
-          c.base.mesh.zero = zero;
-          c.base.values = inline_cheap_rules();
-          if (u > 0) c.base.attention[0].ulysses_degree = u;
-          const std::string how = u > 0 ? "hybrid (ulysses " + std::to_string(u) + " x ring " + std::to_string(sp / u) + ")" : st;
-          c.what = (sp > 1 ? how + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
-                           : "no sequence split (dp=" + std::to_string(ranks) + ")") +
-                   (zero == 3 ? ", ZeRO-3" : "");
-          configs.push_back(c);
+      // ring in either layout: zigzag gives every rank the same causal work,
+      // where contiguous gives the last rank sp times the first's (hybrid's
+      // all-to-alls need the contiguous one)
+      const std::vector<std::string> layouts =
+          st == "ring" ? std::vector<std::string>{"contiguous", "zigzag"} : std::vector<std::string>{"contiguous"};
+      for (const std::string& layout : layouts) {
+        for (int64_t u : us) {
+          for (int zero : ranks > 1 ? opts.zero : std::vector<int>{0}) {
+            Config c{mesh_schedule("autosp", ranks, sp, st), ""};
+            c.base.mesh.zero = zero;
+            c.base.sequence_layout = layout;
+            c.base.values = inline_cheap_rules();
+            if (u > 0) c.base.attention[0].ulysses_degree = u;
+            std::string how = st;
+            if (u > 0) how = "hybrid (ulysses " + std::to_string(u) + " x ring " + std::to_string(sp / u) + ")";
+            if (layout == "zigzag") how += " (zigzag)";
+            c.what = (sp > 1 ? how + " at sp=" + std::to_string(sp) + " (dp=" + std::to_string(ranks / sp) + ")"
+                             : "no sequence split (dp=" + std::to_string(ranks) + ")") +
+                     (zero == 3 ? ", ZeRO-3" : "");
+            configs.push_back(c);
+          }
         }
+      }
     }
   }
   // The least-memory schedules of a configuration: every layer checkpointed
@@ -1012,6 +1026,12 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cl
   for (int z : opts.zero)
     if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
   if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
+  for (const std::string& st : opts.strategies)
+    if (std::find(Schedule::strategies().begin(), Schedule::strategies().end(), st) == Schedule::strategies().end()) {
+      std::string legal;
+      for (const std::string& x : Schedule::strategies()) legal += (legal.empty() ? "" : ", ") + x;
+      throw UserError("error: autosp strategy \"" + st + "\".\nlegal: one or more of " + legal + ".");
+    }
   for (const std::string& b : opts.bf16) parse_bf16_choices(b);
   if (!opts.bf16.empty() && req.precision != "f32")
     throw UserError("error: autosp with bf16 choices, and plan precision " + req.precision +

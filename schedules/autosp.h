@@ -132,6 +132,9 @@ struct SearchOptions {
   size_t keep = 5;              // how many runner-up plans to report
   int remat_plans = 60;         // plan() calls per recompute search before it settles for its bound
   std::vector<int> zero = {1, 3};  // ZeRO stages to consider on more than one rank (3 is planned only)
+  // The head redistributions to consider where the sequence is split (of
+  // Schedule::strategies(); ring in both layouts). Empty: every one.
+  std::vector<std::string> strategies;
   // What the search may hold or compute in bf16: the numerics are the
   // user's to allow, and f32 stays a candidate. "store": every saved value's
   // copy for the backward in bf16 (a rule {"match": "*", "store": "bf16"});

@@ -57,6 +57,8 @@ const char* const kUsage = R"(usage: halyard-plan (--model NAME | --config confi
                           precision is then f32, and f32 stays a candidate
   --zero LIST             ZeRO stages to consider, e.g. 1 (what llama_train runs) or 1,3 (default; 3 is
                           planned only)
+  --strategies LIST       head redistributions to consider where the sequence is split: ulysses, ring
+                          (contiguous and zigzag), hybrid (default: all)
   --families LIST         families for the comparison table (default
                           dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,ulysses_offload,autosp; also:
                           default, none)
@@ -160,6 +162,7 @@ std::string search_note(const RematResult& r) {
 std::string summary(const Schedule& s, const RematResult* r) {
   std::string out = "dp=" + std::to_string(s.mesh.dp) + " sp=" + std::to_string(s.mesh.sp);
   if (!s.attention.empty()) out += " " + s.attention.front().strategy;
+  if (s.sequence_layout != "contiguous") out += " " + s.sequence_layout;
   out += " zero-" + std::to_string(s.mesh.zero);
   out += " tiles " + (s.seq_tile ? std::to_string(s.seq_tile) : std::string("-")) + "/" +
          (s.loss_tile() ? std::to_string(s.loss_tile()) : std::string("-"));
@@ -216,7 +219,7 @@ int run(int argc, char** argv) {
   std::string model, config, cluster_name = "8xA100-80GB", seq_arg = "max", json_path, trace_path, plot_path, schedule_out;
   std::string family_list = "dp_zero3,ulysses,ulysses_checkpoint,ulysses_sac,ulysses_offload,autosp";
   int64_t ranks = 0, memory = 0, batch = 1, seq_step = 0;
-  std::string precision, zero_list = "1,3", bf16_list = "none";
+  std::string precision, zero_list = "1,3", bf16_list = "none", strategy_list;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
@@ -236,6 +239,7 @@ int run(int argc, char** argv) {
     else if (k == "--precision") precision = v;
     else if (k == "--zero") zero_list = v;
     else if (k == "--bf16") bf16_list = v;
+    else if (k == "--strategies") strategy_list = v;
     else if (k == "--seq-step") seq_step = count(k, v);
     else if (k == "--json") json_path = v;
     else if (k == "--trace") trace_path = v;
@@ -274,6 +278,8 @@ int run(int argc, char** argv) {
     if (("," + zero_list + ",").find("," + z + ",") != std::string::npos) opts.zero.push_back(std::stoi(z));
   if (opts.zero.empty() || zero_list.find_first_not_of("013,") != std::string::npos)
     usage_error("--zero \"" + zero_list + "\".\nlegal: a comma-separated list of 0, 1 and 3.");
+  std::istringstream strategies(strategy_list);
+  for (std::string st; std::getline(strategies, st, ',');) opts.strategies.push_back(st);
   try {
     opts.bf16 = parse_bf16_choices(bf16_list);
   } catch (const UserError& e) {

@@ -78,6 +78,7 @@ expect_error "is not a size" "$plan" --model tiny --memory-per-rank 80XB
 expect_error 'no family "zero9"' "$plan" --model tiny --families zero9
 expect_error 'give one of --model NAME and --config FILE' "$plan"
 expect_error 'bf16 choice "stor"' "$plan" --model tiny --cluster local-cpu --memory-per-rank 128MiB --bf16 stor
+expect_error 'autosp strategy "tree"' "$plan" --model tiny --cluster local-cpu --memory-per-rank 128MiB --seq 4096 --strategies ulysses,tree
 expect_error 'states no bf16 peak above its f32 one' "$plan" --model tiny --cluster local-cpu --memory-per-rank 128MiB \
   --seq 4096 --bf16 contract
 expect_error 'bf16 choice "fp8"' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" --seq 1024 \
