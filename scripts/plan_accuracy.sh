@@ -7,15 +7,16 @@
 #
 # 1. Builds the tiny Llama at 4,096 and 16,384 tokens for 1, 2 and 4 ranks
 #    under two schedule families (recompute: cheap values inlined, Ulysses on
-#    2 and 4 ranks; checkpoint_tiled: checkpointing and sequence tiles of 1,024),
-#    a trainer per family and length, and halyard-calibrate over a third family
-#    (default / ulysses: every value saved) at both lengths and a fourth
-#    (checkpoint, untiled, whose backward computes the attention's
-#    log-sum-exp alone) at 4,096 tokens (bench/CMakeLists.txt).
+#    2 and 4 ranks; checkpoint_tiled: checkpointing and sequence tiles of 1,024)
+#    and for 2 and 4 ranks under a third (ring_zigzag: zigzag ring attention,
+#    every value saved), a trainer per family and length, and halyard-calibrate
+#    over a fourth family (default / ulysses: every value saved) at both
+#    lengths and a fifth (checkpoint, untiled, whose backward computes the
+#    attention's log-sum-exp alone) at 4,096 tokens (bench/CMakeLists.txt).
 # 2. Calibrates on 1, 2 and 4 ranks (profiles in build/plan_accuracy/): the
 #    kernels' coefficients and the process baseline come from those, so no
 #    predicted row was fitted on its own libraries.
-# 3. For each of the 12 configurations: the plan (llama_aot --plan-only with
+# 3. For each of the 16 configurations: the plan (llama_aot --plan-only with
 #    the profile of that rank count), then STEPS training steps under mpirun;
 #    measured peak = the largest rank's peak RSS, measured step = the median of
 #    the steps after the first.
@@ -24,7 +25,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 steps=${STEPS:-4}
 bash "$root/scripts/configure.sh"
 source "$root/.venv/halyard.env"
-families=(recompute checkpoint_tiled)
+families=(recompute checkpoint_tiled ring_zigzag)
 seqs=(4096 16384)
 targets=(llama_aot acc_calibrate)
 for f in "${families[@]}"; do for s in "${seqs[@]}"; do targets+=("acc_train_${f}_s$s"); done; done
@@ -51,7 +52,10 @@ rows=$out/rows.jsonl
 for f in "${families[@]}"; do
   for s in "${seqs[@]}"; do
     for r in 1 2 4; do
-      if [ $r = 1 ]; then sched=$root/examples/llama/schedules/$f.json; else sched=$root/examples/llama/schedules/ulysses_$f.json; fi
+      if [ $f = ring_zigzag ]; then
+        [ $r = 1 ] && continue  # (a ring needs two ranks)
+        sched=ring_zigzag
+      elif [ $r = 1 ]; then sched=$root/examples/llama/schedules/$f.json; else sched=$root/examples/llama/schedules/ulysses_$f.json; fi
       tag=${f}_s${s}_r$r
       "$root/build/examples/llama/llama_aot" --name "acc_$tag" --config "$config" --schedule "$sched" --seq "$s" \
         --sp $r --cluster "$out/profile_r$r.json" --plan-only --plan-json "$out/$tag.plan.json" >"$out/$tag.plan.txt"
