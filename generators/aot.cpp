@@ -31,6 +31,7 @@ struct Options {
   int64_t batch = 1, seq = 0, sp = 0;  // sp 0: as the schedule's mesh says
   int64_t ranks = 0, memory_per_rank = 0;  // for --schedule autosp (0: the cluster's)
   std::vector<std::string> bf16;            // for --schedule autosp: what it may hold or compute in bf16
+  std::vector<std::string> strategies;      // for --schedule autosp: the head redistributions it considers (empty: all)
   bool runtime_only = false;
   bool plan_only = false;
   std::string plugin_dir;
@@ -45,6 +46,7 @@ Schedule choose(const Options& o, const ModelBuilder& build, const Cluster& clus
   so.memory_per_rank = o.memory_per_rank;
   so.zero = {1};  // what llama_train runs (ZeRO-3 is planned only)
   so.bf16 = o.bf16;
+  so.strategies = o.strategies;
   if (o.sp > 0) so.sp = {o.sp};
   const SearchResult r = autosp(build, {o.config, o.batch, o.seq}, cluster, so);
   const int64_t budget = so.memory_per_rank > 0 ? so.memory_per_rank : cluster.memory_per_rank_bytes;
@@ -104,14 +106,22 @@ Options parse(int argc, char** argv) {
     else if (k == "--ranks") o.ranks = parse_count(k, next());
     else if (k == "--memory-per-rank") o.memory_per_rank = parse_count(k, next());  // bytes
     else if (k == "--bf16") o.bf16 = parse_bf16_choices(next());
+    else if (k == "--strategies") {
+      std::istringstream list(next());
+      for (std::string st; std::getline(list, st, ',');) o.strategies.push_back(st);
+    }
     else if (k == "--runtime-only") o.runtime_only = true;
     else if (k == "--plan-only") o.plan_only = true;
-    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --schedule-out --ranks --memory-per-rank --bf16 --runtime-only --plan-only");
+    else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --schedule-out --ranks --memory-per-rank --bf16 --strategies --runtime-only --plan-only");
   }
   if (o.out.empty() && !o.plan_only) throw UserError("error: --out is required.");
   if (!o.runtime_only && (o.name.empty() || o.config.empty() || o.seq <= 0 || o.batch <= 0))
     throw UserError("error: --name, --config, a positive --seq and --batch are required.");
   if (o.sp < 0) throw UserError("error: --sp " + std::to_string(o.sp) + "\nlegal: the number of ranks the sequence is split over, >= 1.");
+  if (o.schedule != "autosp" && (o.ranks > 0 || o.memory_per_rank > 0 || !o.bf16.empty() || !o.strategies.empty()))
+    throw UserError("error: --ranks, --memory-per-rank, --bf16 and --strategies are what --schedule autosp searches "
+                    "with, and the schedule is \"" + o.schedule + "\".\nfix: --schedule autosp, or drop them (a "
+                    "schedule file states its own mesh and precision).");
   return o;
 }
 

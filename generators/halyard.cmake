@@ -1,7 +1,8 @@
 # halyard_add_model(NAME <name> GENERATOR <generator target> CONFIG <config.json>
 #                   SEQ <tokens> [BATCH <n>] [SCHEDULE <preset or .json>] [TARGET <halide target>]
 #                   [SP <ranks>] [CLUSTER <preset or .json>] [EXCLUDE_FROM_ALL]
-#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>] [BF16 store contract reduce])
+#                   [MEMORY_PER_RANK <bytes>] [RANKS <n>] [BF16 store contract reduce]
+#                   [STRATEGIES ulysses ring hybrid])
 #
 # SCHEDULE autosp lets the AutoSP search (schedules/autosp.h) choose the
 # schedule for RANKS ranks (default: SP, else the cluster's) with
@@ -13,7 +14,8 @@
 # BF16 lists what the search may hold or compute in bf16 (default: nothing):
 # store (saved values' copies for the backward), contract (contractions'
 # operands; clusters with a bf16 peak, i.e. GPUs), reduce (the gradients'
-# sum over the ranks). f32 stays a candidate.
+# sum over the ranks). f32 stays a candidate. STRATEGIES keeps the search to
+# the head redistributions named (default: every one; ring in both layouts).
 #
 # SP > 1 splits the sequence over that many ranks (the schedule must split it,
 # e.g. SCHEDULE ulysses; a schedule's own "mesh" may say it instead); SEQ is
@@ -33,7 +35,7 @@ set(HALYARD_CLUSTER local-cpu CACHE STRING "cluster preset or profile .json that
 
 function(halyard_add_model)
   cmake_parse_arguments(M "EXCLUDE_FROM_ALL" "NAME;GENERATOR;CONFIG;SCHEDULE;BATCH;SEQ;TARGET;SP;CLUSTER;MEMORY_PER_RANK;RANKS"
-                        "BF16" ${ARGN})
+                        "BF16;STRATEGIES" ${ARGN})
   foreach(req NAME GENERATOR CONFIG SEQ)
     if(NOT M_${req})
       message(FATAL_ERROR "halyard_add_model: ${req} is required")
@@ -67,8 +69,12 @@ function(halyard_add_model)
       string(REPLACE ";" "," bf16 "${M_BF16}")
       list(APPEND autosp_args --bf16 ${bf16})
     endif()
-  elseif(M_RANKS OR M_MEMORY_PER_RANK OR M_BF16)
-    message(FATAL_ERROR "halyard_add_model(${M_NAME}): RANKS, MEMORY_PER_RANK and BF16 are what SCHEDULE autosp searches "
+    if(M_STRATEGIES)
+      string(REPLACE ";" "," strategies "${M_STRATEGIES}")
+      list(APPEND autosp_args --strategies ${strategies})
+    endif()
+  elseif(M_RANKS OR M_MEMORY_PER_RANK OR M_BF16 OR M_STRATEGIES)
+    message(FATAL_ERROR "halyard_add_model(${M_NAME}): RANKS, MEMORY_PER_RANK, BF16 and STRATEGIES are what SCHEDULE autosp searches "
                         "with; SCHEDULE is ${M_SCHEDULE}. Use SCHEDULE autosp, or drop them (a schedule file states "
                         "its own precision).")
   endif()

@@ -83,6 +83,10 @@ expect_error 'states no bf16 peak above its f32 one' "$plan" --model tiny --clus
   --seq 4096 --bf16 contract
 expect_error 'bf16 choice "fp8"' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" --seq 1024 \
   --schedule autosp --bf16 store,fp8 --plan-only
+expect_error 'autosp strategy "tree"' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" --seq 1024 \
+  --schedule autosp --ranks 4 --memory-per-rank 268435456 --strategies ring,tree --plan-only
+expect_error 'are what --schedule autosp searches with' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" \
+  --seq 1024 --schedule ulysses --sp 4 --strategies ring --plan-only
 expect_error 'the least memory any plan needs is' "$aot" --name x --config "$src/examples/llama/configs/tiny.json" \
   --seq 65536 --schedule autosp --ranks 2 --memory-per-rank 268435456 --cluster local-cpu --plan-only
 grep -q "ranks would fit" "$dir/err.txt" || fail "the infeasible build does not name the ranks that would fit"
