@@ -32,16 +32,25 @@ struct RingBlock {
   Buffer<int32_t> kidx, qidx;
 };
 
-// The block of key_rank's tokens that query_rank's queries meet in a ring
-// of sp ranks of S tokens each (two rows, [S, 2]), placed as
+// Rank r's tokens' indices in a row of sp ranks of S tokens each, placed as
 // schedules/sharding.cpp places them: contiguous, or zigzag (chunks r and
 // 2 sp - 1 - r of S / 2).
+inline std::vector<int32_t> ring_token_indices(int64_t S, int64_t sp, int64_t r, bool zigzag) {
+  std::vector<int32_t> idx;
+  const int64_t half = S / 2;
+  for (int64_t i = 0; i < S; ++i)
+    idx.push_back(static_cast<int32_t>(!zigzag ? r * S + i : i < half ? r * half + i : (2 * sp - 1 - r) * half + i - half));
+  return idx;
+}
+
+// The block of key_rank's tokens that query_rank's queries meet in that
+// ring (two rows, [S, 2]).
 inline RingBlock ring_block(int S, int sp, int query_rank, int key_rank, bool zigzag) {
   auto tokens = [&](int r) {
+    const std::vector<int32_t> idx = ring_token_indices(S, sp, r, zigzag);
     Buffer<int32_t> x(S, 2);
     for (int b = 0; b < 2; ++b)
-      for (int i = 0; i < S; ++i)
-        x(i, b) = !zigzag ? r * S + i : i < S / 2 ? r * (S / 2) + i : (2 * sp - 1 - r) * (S / 2) + i - S / 2;
+      for (int i = 0; i < S; ++i) x(i, b) = idx[static_cast<size_t>(i)];
     return x;
   };
   return {tokens(key_rank), tokens(query_rank)};

@@ -41,6 +41,7 @@
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
 #include "schedules/plan.h"
+#include "tests/attention_against_cpu.h"
 #include "schedules/precision.h"
 
 namespace halyard {
@@ -240,13 +241,7 @@ constexpr int64_t kRingDegree = 4;
 
 // Rank r's tokens' indices in the whole row (AttentionCase::ring_rank).
 std::vector<int32_t> ring_indices(const AttentionCase& c, int64_t r) {
-  std::vector<int32_t> idx;
-  const int64_t half = c.seq / 2;
-  for (int64_t i = 0; i < c.seq; ++i)
-    idx.push_back(static_cast<int32_t>(!c.zigzag ? r * c.seq + i
-                                       : i < half ? r * half + i
-                                                  : (2 * kRingDegree - 1 - r) * half + (i - half)));
-  return idx;
+  return testing::ring_token_indices(c.seq, kRingDegree, r, c.zigzag);
 }
 
 std::string ring_name(const AttentionCase& c) {
@@ -443,7 +438,7 @@ struct Allocated {
 std::string lowered_stmt(LoweredStage& ls, const Halide::Target& t) {
   static int calls = 0;
   const std::string path =
-      testing::TempDir() + "/stage." + std::to_string(getpid()) + "." + std::to_string(calls++) + ".stmt";
+      ::testing::TempDir() + "/stage." + std::to_string(getpid()) + "." + std::to_string(calls++) + ".stmt";
   ls.pipeline.compile_to_lowered_stmt(path, ls.args, Halide::StmtOutputFormat::Text, t);
   std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
