@@ -124,4 +124,9 @@ int ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, h
 // widest it runs, or the one HALYARD_CPU_ISA names if it runs that one).
 const char* isa();
 
+// The queries per block the kernels take on this CPU where the schedule
+// leaves it to them (kernel_tiles.attention_queries 0): 256 where the L2
+// holds 1 MiB or more, else 128. The plan counts 256, the most.
+int default_query_block();
+
 }  // namespace halyard::runtime::attention_cpu

@@ -233,18 +233,13 @@ int64_t l2_bytes() {
   return l2;
 }
 
-// 256 queries where a block's scores and their gradients (2 x 256 x 128
-// floats) fit in a quarter of the L2 (an L2 of 1 MiB or more), else 128
-// (attention_cpu_impl.h).
-int default_query_block() { return 2 * 256 * 128 * 4 <= l2_bytes() / 4 ? 256 : 128; }
-
 // The kv head g of row b, as every task reads it.
 KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halide_buffer_t* pos, RingIndices idx, int g,
                  int b, int S, int D, int query_block, int key_block, int bf16) {
   KeyRows a;
   a.S = S;
   a.D = D;
-  a.query_block = query_block > 0 ? query_block : default_query_block();
+  a.query_block = query_block > 0 ? query_block : attention_cpu::default_query_block();
   a.key_block = key_block;
   a.bf16 = bf16 != 0;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -260,6 +255,11 @@ KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halid
 }  // namespace
 
 const char* attention_cpu::isa() { return kernels().name; }
+
+// 256 queries where a block's scores and their gradients (2 x 256 x 128
+// floats) fit in a quarter of the L2 (an L2 of 1 MiB or more), else 128
+// (attention_cpu_impl.h).
+int attention_cpu::default_query_block() { return 2 * 256 * 128 * 4 <= l2_bytes() / 4 ? 256 : 128; }
 
 // One task per thread (a fork and join per block cost 10-15% of a 4096-token
 // weight gradient on 2 cores), each a block of rows or of columns that packs
