@@ -1,29 +1,36 @@
 // Runs CUDA C++ kernels on the CPU, for tests of kernel code on machines
-// without a GPU: each thread of a block is a std::thread; __syncthreads is a
-// barrier of the block, and so is a warp shuffle, which is therefore only
-// right for kernels whose every thread reaches each shuffle together (as
-// runtime/attention_cuda.cu's do), and returns only at their end. Blocks run
-// one after another, so a __shared__ variable (a static here) belongs to the
-// block that runs.
+// without a GPU: each thread of a block is a fiber (ucontext) of the
+// launching thread; __syncthreads switches to the next fiber, and a barrier
+// is passed once every fiber of the block has reached it. A warp shuffle is
+// such a barrier too, which is therefore only right for kernels whose every
+// thread reaches each shuffle together (as runtime/attention_cuda.cu's do);
+// a thread that ends while others wait at a barrier aborts the test, where
+// CUDA would hang. Blocks run one after another, so a __shared__ variable
+// (a static here) belongs to the block that runs.
 // mma.sync (runtime/attention_cuda.cu's mma_bf16) is a collective of the
 // block too: each lane leaves its fragments, and computes its own output
 // elements from its warp's, PTX's m16n8k16 layouts read back.
+// (Each thread was a std::thread, and a barrier of 128 of them on 2 cores
+// cost more than the kernels: the ring blocks' test took 23 s alone, 32 s of
+// it in the kernel, and 108 s beside a parallel ctest.)
 // Include it before the .cu file, which is then compiled as C++.
 #pragma once
 
 #define HALYARD_CUDA_EMULATION 1
 
 #include <math.h>
+#include <ucontext.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <barrier>
 #include <bit>
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <thread>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <vector>
 
 namespace cuda_emulation {
@@ -31,36 +38,74 @@ namespace cuda_emulation {
 struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local Dim3 thread_idx, block_idx;
-inline Dim3 block_dim;
-inline std::barrier<>* block_barrier = nullptr;
-inline std::vector<float> lanes;  // a shuffle's values, one per thread
-inline std::vector<std::array<uint32_t, 6>> fragments;  // an mma's A and B registers, one per thread
+// The launching thread's block: its fibers all run on that thread.
+inline thread_local Dim3 thread_idx, block_idx, block_dim;
+inline thread_local std::vector<float> lanes;  // a shuffle's values, one per thread
+inline thread_local std::vector<std::array<uint32_t, 6>> fragments;  // an mma's A and B registers, one per thread
+
+struct Fiber {
+  ucontext_t context;
+  std::vector<char> stack;
+  bool done = false;
+};
+inline thread_local ucontext_t scheduler;
+inline thread_local Fiber* running = nullptr;
+inline thread_local const std::function<void()>* fiber_body = nullptr;
+
+inline void fiber_entry() {
+  (*fiber_body)();
+  running->done = true;  // (then to the scheduler: uc_link)
+}
+
+inline void barrier() { swapcontext(&running->context, &scheduler); }
+
+// body() on `threads` fibers, each given its threadIdx, round by round: a
+// round runs every fiber up to its next barrier (or its end).
+inline void run_fibers(unsigned threads, const std::function<void()>& body) {
+  constexpr size_t kStack = 256 << 10;  // a kernel's locals are registers' worth
+  std::vector<Fiber> fibers(threads);
+  fiber_body = &body;
+  for (Fiber& f : fibers) {
+    f.stack.resize(kStack);
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.data();
+    f.context.uc_stack.ss_size = f.stack.size();
+    f.context.uc_link = &scheduler;
+    makecontext(&f.context, fiber_entry, 0);
+  }
+  for (unsigned ended = 0; ended < threads;) {
+    ended = 0;
+    for (unsigned t = 0; t < threads; ++t) {
+      thread_idx = {t, 0, 0};
+      running = &fibers[t];
+      swapcontext(&scheduler, &fibers[t].context);
+      ended += fibers[t].done ? 1 : 0;
+    }
+    if (ended > 0 && ended < threads) {
+      std::fprintf(stderr, "cuda_emulation: %u of %u threads ended while the others wait at a barrier\n", ended,
+                   threads);
+      std::abort();
+    }
+  }
+  running = nullptr;
+}
 
 // kernel(args...) over grid (gx, gy, gz), `threads` threads per block.
 template <class Kernel, class... Args>
 void launch(Kernel kernel, unsigned gx, unsigned gy, unsigned gz, unsigned threads, Args... args) {
   block_dim = {threads, 1, 1};
-  std::barrier<> barrier(threads);
-  block_barrier = &barrier;
   lanes.assign(threads, 0.f);
   fragments.assign(threads, {});
-  // One std::thread per thread of a block, which runs every block in turn,
-  // all meeting between blocks.
-  std::vector<std::thread> block;
-  for (unsigned t = 0; t < threads; ++t)
-    block.emplace_back([&, t] {
-      thread_idx = {t, 0, 0};
-      for (unsigned z = 0; z < gz; ++z)
-        for (unsigned y = 0; y < gy; ++y)
-          for (unsigned x = 0; x < gx; ++x) {
-            block_idx = {x, y, z};
-            kernel(args...);
-            barrier.arrive_and_wait();
-          }
-    });
-  for (std::thread& th : block) th.join();
-  block_barrier = nullptr;
+  // Each fiber runs every block in turn, all meeting between blocks.
+  run_fibers(threads, [&] {
+    for (unsigned z = 0; z < gz; ++z)
+      for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) {
+          block_idx = {x, y, z};
+          kernel(args...);
+          barrier();
+        }
+  });
 }
 
 }  // namespace cuda_emulation
@@ -79,7 +124,7 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 
-inline void __syncthreads() { cuda_emulation::block_barrier->arrive_and_wait(); }
+inline void __syncthreads() { cuda_emulation::barrier(); }
 
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
   const unsigned t = threadIdx.x;

@@ -2,7 +2,7 @@
 // mapping of Halide buffers onto launches (attention_cuda.h), run on the CPU
 // through an emulator (cuda_emulation.h) against the CPU library kernels:
 // what can be checked of them without a GPU (test_cuda runs them on one).
-// Shapes are small: every thread of a block is a std::thread.
+// Shapes are small: every thread of a block runs in turn on one core.
 #include "tests/runtime/cuda_emulation.h"
 // (after the emulator, which it needs)
 #include "runtime/attention_cuda.cu"
