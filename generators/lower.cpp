@@ -863,16 +863,23 @@ void Ctx::device_gemm(int id, Func out) {
   ls.funcs.library = true;
 }
 
+// The runtime's buffers start at 0 and have their tensor's shape
+// (runtime/model.cpp), so the kernel is told both: Halide folds its bounds
+// checks and loop tails into constants (the generators compile about a fifth
+// faster; a call with any other shape fails the kernel's constraint check).
+// Not for Adams2019: with the extents known it schedules unrolled loops whose
+// extents are not constant, and Halide rejects its schedule.
 // A one-element axis outside 2^31 or more elements (a batch of one outside
 // a sequence of logits) has a dense stride beyond a Halide buffer's 32 bits;
 // the runtime gives it INT32_MAX (runtime/model.cpp). Said to Halide, its
 // bounds query no longer multiplies the inner extents in 32 bits: where they
 // are constants (the loss's total over 32,768 x 128,256 logits) Halide
 // refused to compile that product.
-void pin_unit_strides(OutputImageParam b, const TensorType& t) {
+void pin_layout(OutputImageParam b, const TensorType& t, bool shape) {
   int64_t dense = 1;
   for (int d = 0; d < t.rank(); ++d) {  // innermost first
     const int64_t extent = t.axes[static_cast<size_t>(t.rank() - 1 - d)].size;
+    if (shape) b.dim(d).set_bounds(0, static_cast<int>(extent));
     if (extent == 1 && dense > kMax32Bit) b.dim(d).set_stride(static_cast<int>(kMax32Bit));
     dense *= extent;
   }
@@ -903,10 +910,13 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   // allocated on the heap for every tile) and the output's column % panel and
   // column / panel simplify.
   if (!ls.funcs.contract_panel_vars.empty()) ls.funcs.out.output_buffer().dim(0).set_min(0);
-  for (size_t k = 0; k < st.inputs.size(); ++k) pin_unit_strides(ls.inputs[k], g.node(st.inputs[k]).type);
-  for (OutputImageParam b : ls.funcs.out.output_buffers()) pin_unit_strides(b, g.node(st.root).type);
+  const bool shape = !for_autoscheduler;
+  for (size_t k = 0; k < st.inputs.size(); ++k) pin_layout(ls.inputs[k], g.node(st.inputs[k]).type, shape);
+  // (a Tuple's other buffers share the first one's bounds: Halide refuses them)
+  for (const OutputImageParam& b : ls.funcs.out.output_buffers())
+    pin_layout(b, g.node(st.root).type, shape && b.name() == ls.funcs.out.output_buffers()[0].name());
   for (size_t k = 0; k < ls.funcs.extra_outs.size(); ++k)
-    pin_unit_strides(ls.funcs.extra_outs[k].output_buffer(), g.node(st.extra_outputs.at(k)).type);
+    pin_layout(ls.funcs.extra_outs[k].output_buffer(), g.node(st.extra_outputs.at(k)).type, shape);
   std::vector<Func> outs = {ls.funcs.out};
   outs.insert(outs.end(), ls.funcs.extra_outs.begin(), ls.funcs.extra_outs.end());
   ls.pipeline = Pipeline(outs);
