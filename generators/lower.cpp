@@ -864,11 +864,14 @@ void Ctx::device_gemm(int id, Func out) {
 }
 
 // The runtime's buffers start at 0 and have their tensor's shape
-// (runtime/model.cpp), so the kernel is told both: Halide folds its bounds
-// checks and loop tails into constants (the generators compile about a fifth
-// faster; a call with any other shape fails the kernel's constraint check).
-// Not for Adams2019: with the extents known it schedules unrolled loops whose
-// extents are not constant, and Halide rejects its schedule.
+// (runtime/model.cpp), so the kernel is told both, and checks both on every
+// call. Halide folds its bounds checks and loop tails into constants (the
+// generators compile about a fifth faster), and where a contraction's columns
+// run over B's panels, every column tile starts on a panel: the tile's
+// accumulators have a fixed size (else a third panel's, allocated on the heap
+// for every tile) and the output's column % panel and column / panel simplify.
+// Not for Adams2019 (it has no panels): with the extents known it schedules
+// unrolled loops whose extents are not constant, and Halide rejects them.
 // A one-element axis outside 2^31 or more elements (a batch of one outside
 // a sequence of logits) has a dense stride beyond a Halide buffer's 32 bits;
 // the runtime gives it INT32_MAX (runtime/model.cpp). Said to Halide, its
@@ -904,12 +907,6 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
     ls.funcs.out_vars.clear();
     for (const auto& a : ls.funcs.out.args()) ls.funcs.out_vars.push_back(a);
   }
-  // The runtime's buffers start at 0 (runtime/model.cpp). Said for a
-  // contraction's columns over B's panels, every column tile starts on a
-  // panel: the tile's accumulators have a fixed size (else a third panel's,
-  // allocated on the heap for every tile) and the output's column % panel and
-  // column / panel simplify.
-  if (!ls.funcs.contract_panel_vars.empty()) ls.funcs.out.output_buffer().dim(0).set_min(0);
   const bool shape = !for_autoscheduler;
   for (size_t k = 0; k < st.inputs.size(); ++k) pin_layout(ls.inputs[k], g.node(st.inputs[k]).type, shape);
   // (a Tuple's other buffers share the first one's bounds: Halide refuses them)
