@@ -865,11 +865,11 @@ void Ctx::device_gemm(int id, Func out) {
 
 // The runtime's buffers start at 0 and have their tensor's shape
 // (runtime/model.cpp), so the kernel is told both, and checks both on every
-// call. Halide folds its bounds checks and loop tails into constants (the
-// generators compile about a fifth faster), and where a contraction's columns
-// run over B's panels, every column tile starts on a panel: the tile's
-// accumulators have a fixed size (else a third panel's, allocated on the heap
-// for every tile) and the output's column % panel and column / panel simplify.
+// call. Halide folds its bounds checks and loop tails into constants (less
+// code for LLVM to compile), and where a contraction's columns run over B's
+// panels, every column tile starts on a panel: the tile's accumulators have a
+// fixed size (else a third panel's, allocated on the heap for every tile) and
+// the output's column % panel and column / panel simplify.
 // Not for Adams2019 (it has no panels): with the extents known it schedules
 // unrolled loops whose extents are not constant, and Halide rejects them.
 // A one-element axis outside 2^31 or more elements (a batch of one outside
