@@ -9,7 +9,6 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <spawn.h>
 #include <unistd.h>
 #include <sys/wait.h>
@@ -106,10 +105,7 @@ Options parse(int argc, char** argv) {
     else if (k == "--ranks") o.ranks = parse_count(k, next());
     else if (k == "--memory-per-rank") o.memory_per_rank = parse_count(k, next());  // bytes
     else if (k == "--bf16") o.bf16 = parse_bf16_choices(next());
-    else if (k == "--strategies") {
-      std::istringstream list(next());
-      for (std::string st; std::getline(list, st, ',');) o.strategies.push_back(st);
-    }
+    else if (k == "--strategies") o.strategies = parse_strategies(next());
     else if (k == "--runtime-only") o.runtime_only = true;
     else if (k == "--plan-only") o.plan_only = true;
     else throw UserError("error: unknown option \"" + k + "\".\nlegal: --name --config --schedule --batch --seq --sp --target --out --plugin-dir --cluster --plan-json --schedule-out --ranks --memory-per-rank --bf16 --strategies --runtime-only --plan-only");

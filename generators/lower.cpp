@@ -910,8 +910,8 @@ LoweredStage lower_stage(const Graph& g, const Stage& st, bool for_autoscheduler
   const bool shape = !for_autoscheduler;
   for (size_t k = 0; k < st.inputs.size(); ++k) pin_layout(ls.inputs[k], g.node(st.inputs[k]).type, shape);
   // (a Tuple's other buffers share the first one's bounds: Halide refuses them)
-  for (const OutputImageParam& b : ls.funcs.out.output_buffers())
-    pin_layout(b, g.node(st.root).type, shape && b.name() == ls.funcs.out.output_buffers()[0].name());
+  const std::vector<OutputImageParam> tuple = ls.funcs.out.output_buffers();
+  for (size_t i = 0; i < tuple.size(); ++i) pin_layout(tuple[i], g.node(st.root).type, shape && i == 0);
   for (size_t k = 0; k < ls.funcs.extra_outs.size(); ++k)
     pin_layout(ls.funcs.extra_outs[k].output_buffer(), g.node(st.extra_outputs.at(k)).type, shape);
   std::vector<Func> outs = {ls.funcs.out};

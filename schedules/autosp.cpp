@@ -998,20 +998,44 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
 
 }  // namespace
 
-std::vector<std::string> parse_bf16_choices(const std::string& list) {
+namespace {
+
+// "a,b,a" -> {a, b}: the choices in their first order, once each.
+std::vector<std::string> split_choices(const std::string& list) {
   std::vector<std::string> out;
-  if (list == "none") return out;
   size_t at = 0;
   while (at <= list.size()) {
     const size_t comma = std::min(list.find(',', at), list.size());
     const std::string b = list.substr(at, comma - at);
+    if (std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
+    at = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> parse_bf16_choices(const std::string& list) {
+  if (list == "none") return {};
+  std::vector<std::string> out = split_choices(list);
+  for (const std::string& b : out)
     if (b != "store" && b != "contract" && b != "reduce")
       throw UserError("error: bf16 choice \"" + b + "\" (in \"" + list + "\").\nlegal: a comma-separated list of "
                       "store (saved values' copies for the backward), contract (contractions' operands) and reduce "
                       "(the gradients' sum over the ranks), or none.");
-    if (std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
-    at = comma + 1;
-  }
+  return out;
+}
+
+std::vector<std::string> parse_strategies(const std::string& list) {
+  if (list.empty()) return {};
+  std::vector<std::string> out = split_choices(list);
+  const std::vector<std::string>& legal = Schedule::strategies();
+  for (const std::string& st : out)
+    if (std::find(legal.begin(), legal.end(), st) == legal.end()) {
+      std::string names;
+      for (const std::string& x : legal) names += (names.empty() ? "" : ", ") + x;
+      throw UserError("error: autosp strategy \"" + st + "\".\nlegal: one or more of " + names + ".");
+    }
   return out;
 }
 
@@ -1026,12 +1050,7 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cl
   for (int z : opts.zero)
     if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
   if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
-  for (const std::string& st : opts.strategies)
-    if (std::find(Schedule::strategies().begin(), Schedule::strategies().end(), st) == Schedule::strategies().end()) {
-      std::string legal;
-      for (const std::string& x : Schedule::strategies()) legal += (legal.empty() ? "" : ", ") + x;
-      throw UserError("error: autosp strategy \"" + st + "\".\nlegal: one or more of " + legal + ".");
-    }
+  for (const std::string& st : opts.strategies) parse_strategies(st);
   for (const std::string& b : opts.bf16) parse_bf16_choices(b);
   if (!opts.bf16.empty() && req.precision != "f32")
     throw UserError("error: autosp with bf16 choices, and plan precision " + req.precision +

@@ -153,6 +153,11 @@ struct SearchOptions {
 // --bf16 of halyard-plan and llama_aot); throws UserError naming the choices.
 std::vector<std::string> parse_bf16_choices(const std::string& list);
 
+// "ulysses,ring" as SearchOptions::strategies (the flag --strategies of
+// halyard-plan and llama_aot; empty: every one); throws UserError naming
+// Schedule::strategies().
+std::vector<std::string> parse_strategies(const std::string& list);
+
 struct SearchResult {
   bool feasible = false;
   int64_t seq = 0;                    // the sequence planned (the longest found with max_seq)

@@ -278,8 +278,11 @@ int run(int argc, char** argv) {
     if (("," + zero_list + ",").find("," + z + ",") != std::string::npos) opts.zero.push_back(std::stoi(z));
   if (opts.zero.empty() || zero_list.find_first_not_of("013,") != std::string::npos)
     usage_error("--zero \"" + zero_list + "\".\nlegal: a comma-separated list of 0, 1 and 3.");
-  std::istringstream strategies(strategy_list);
-  for (std::string st; std::getline(strategies, st, ',');) opts.strategies.push_back(st);
+  try {
+    opts.strategies = parse_strategies(strategy_list);
+  } catch (const UserError& e) {
+    usage_error("--strategies: " + std::string(e.what()).substr(7));
+  }
   try {
     opts.bf16 = parse_bf16_choices(bf16_list);
   } catch (const UserError& e) {

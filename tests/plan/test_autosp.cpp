@@ -279,6 +279,15 @@ TEST(Autosp, ZigzagRingIsChosenWhereItIsFaster) {
   }
 }
 
+TEST(Autosp, StrategyListsNameTheLegalOnes) {
+  EXPECT_EQ(parse_strategies(""), std::vector<std::string>{});  // every one
+  EXPECT_EQ(parse_strategies("ring,ulysses,ring"), (std::vector<std::string>{"ring", "ulysses"}));
+  for (const char* bad : {"tree", "ring,", "Ring", ",ulysses"})
+    EXPECT_THAT([&] { parse_strategies(bad); },
+                ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("legal: one or more of ulysses, ring, hybrid.")))
+        << bad;
+}
+
 TEST(Autosp, SearchRejectsWhatCannotApplyWithItsReason) {
   SearchOptions o;
   o.ranks = 16;
