@@ -28,6 +28,7 @@
 #include "generators/lowering.h"
 #include "runtime/gemm.h"
 #include "schedules/plan.h"
+#include "tests/temp_dir.h"
 
 namespace halyard {
 namespace {
@@ -261,7 +262,8 @@ std::string cuda_stmt(Graph& g, const Value& out, const std::string& file) {
   const Halide::Target cuda("host-cuda-cuda_capability_80");
   LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::CUDA, true);
   schedule_gpu(ls, g, st, cuda);
-  const std::string stmt = testing::TempDir() + "/" + file;
+  const halyard::testing::TempDir dir;
+  const std::string stmt = dir / file;
   std::vector<Halide::Argument> args = ls.args;
   ls.pipeline.compile_to_lowered_stmt(stmt, args, Halide::StmtOutputFormat::Text, cuda);
   std::ifstream in(stmt);

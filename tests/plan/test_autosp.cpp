@@ -10,13 +10,13 @@
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
-#include <unistd.h>
 #include <cstdio>
 
 #include "dsl/error.h"
 #include "dsl/op_table.h"
 #include "examples/llama/llama_builder.h"
 #include "schedules/autosp.h"
+#include "tests/temp_dir.h"
 
 namespace halyard {
 namespace {
@@ -359,12 +359,12 @@ TEST(Autosp, LongestSequenceFits) {
 // offloading what full checkpointing keeps (each layer's input) to host
 // memory: longer than the same cluster without the link reaches, with a plan
 // that fits and says so in its rules. A CPU cluster never offloads.
-// The tiny Llama 16 layers deep (a config file of this process's own:
+// The tiny Llama 16 layers deep (a config file in the test's own directory:
 // ctest runs this binary's tests in parallel processes, and one shared file
 // let a test read another's half-written copy): checkpoints add up, as in
 // real models.
-std::string deep_tiny() {
-  const std::string deep = ::testing::TempDir() + "tiny_16_layers." + std::to_string(getpid()) + ".json";
+std::string deep_tiny(const halyard::testing::TempDir& dir) {
+  const std::string deep = dir / "tiny_16_layers.json";
   std::ifstream in(kTiny);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::string key = "\"num_hidden_layers\": 2";
@@ -375,7 +375,8 @@ std::string deep_tiny() {
 }
 
 TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
-  const std::string deep = deep_tiny();
+  const halyard::testing::TempDir dir;
+  const std::string deep = deep_tiny(dir);
   SearchOptions o;
   o.ranks = 8;
   o.memory_per_rank = int64_t{1536} << 20;  // the preset's 1 GiB of context and NCCL, and 512 MiB
@@ -422,7 +423,8 @@ TEST(Autosp, OffloadingBeatsRecomputingAttentionOnGpus) {
   o.sp = {8};
   o.zero = {1};
   o.strategies = {"ulysses"};
-  const ModelRequest req{deep_tiny(), 1, 131072};
+  const halyard::testing::TempDir dir;
+  const ModelRequest req{deep_tiny(dir), 1, 131072};
   const Cluster gpus = Cluster::named("8xH200");
   Cluster no_link = gpus;
   no_link.host_link = {};
