@@ -996,10 +996,6 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   return out;
 }
 
-}  // namespace
-
-namespace {
-
 // "a,b,a" -> {a, b}: the choices in their first order, once each.
 std::vector<std::string> split_choices(const std::string& list) {
   std::vector<std::string> out;
@@ -1013,29 +1009,34 @@ std::vector<std::string> split_choices(const std::string& list) {
   return out;
 }
 
+void check_bf16_choice(const std::string& b, const std::string& list) {
+  if (b != "store" && b != "contract" && b != "reduce")
+    throw UserError("error: bf16 choice \"" + b + "\" (in \"" + list + "\").\nlegal: a comma-separated list of "
+                    "store (saved values' copies for the backward), contract (contractions' operands) and reduce "
+                    "(the gradients' sum over the ranks), or none.");
+}
+
+void check_strategy(const std::string& st) {
+  const std::vector<std::string>& legal = Schedule::strategies();
+  if (std::find(legal.begin(), legal.end(), st) != legal.end()) return;
+  std::string names;
+  for (const std::string& x : legal) names += (names.empty() ? "" : ", ") + x;
+  throw UserError("error: autosp strategy \"" + st + "\".\nlegal: one or more of " + names + ".");
+}
+
 }  // namespace
 
 std::vector<std::string> parse_bf16_choices(const std::string& list) {
   if (list == "none") return {};
   std::vector<std::string> out = split_choices(list);
-  for (const std::string& b : out)
-    if (b != "store" && b != "contract" && b != "reduce")
-      throw UserError("error: bf16 choice \"" + b + "\" (in \"" + list + "\").\nlegal: a comma-separated list of "
-                      "store (saved values' copies for the backward), contract (contractions' operands) and reduce "
-                      "(the gradients' sum over the ranks), or none.");
+  for (const std::string& b : out) check_bf16_choice(b, list);
   return out;
 }
 
 std::vector<std::string> parse_strategies(const std::string& list) {
   if (list.empty()) return {};
   std::vector<std::string> out = split_choices(list);
-  const std::vector<std::string>& legal = Schedule::strategies();
-  for (const std::string& st : out)
-    if (std::find(legal.begin(), legal.end(), st) == legal.end()) {
-      std::string names;
-      for (const std::string& x : legal) names += (names.empty() ? "" : ", ") + x;
-      throw UserError("error: autosp strategy \"" + st + "\".\nlegal: one or more of " + names + ".");
-    }
+  for (const std::string& st : out) check_strategy(st);
   return out;
 }
 
@@ -1050,8 +1051,9 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cl
   for (int z : opts.zero)
     if (z != 0 && z != 1 && z != 3) throw UserError("error: autosp ZeRO stage " + std::to_string(z) + ".\nlegal: 0, 1, 3.");
   if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
-  for (const std::string& st : opts.strategies) parse_strategies(st);
-  for (const std::string& b : opts.bf16) parse_bf16_choices(b);
+  // (one name each: "ring,ulysses" or "none" here would match no choice)
+  for (const std::string& st : opts.strategies) check_strategy(st);
+  for (const std::string& b : opts.bf16) check_bf16_choice(b, b);
   if (!opts.bf16.empty() && req.precision != "f32")
     throw UserError("error: autosp with bf16 choices, and plan precision " + req.precision +
                     ", which counts every value in bf16 already.\nfix: plan precision f32 with the bf16 choices (what "

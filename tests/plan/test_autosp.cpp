@@ -286,6 +286,20 @@ TEST(Autosp, StrategyListsNameTheLegalOnes) {
     EXPECT_THAT([&] { parse_strategies(bad); },
                 ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("legal: one or more of ulysses, ring, hybrid.")))
         << bad;
+  // SearchOptions holds one name per entry: a list there would match none.
+  SearchOptions o;
+  o.ranks = 4;
+  o.memory_per_rank = int64_t{1} << 30;
+  for (const char* bad : {"ulysses,ring", ""}) {
+    o.strategies = {bad};
+    EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024}, local(), o); },
+                ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("legal: one or more of ulysses, ring, hybrid.")))
+        << bad;
+  }
+  o.strategies = {};
+  o.bf16 = {"store,reduce"};
+  EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024}, local(), o); },
+              ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("legal: a comma-separated list of store")));
 }
 
 TEST(Autosp, SearchRejectsWhatCannotApplyWithItsReason) {
