@@ -34,8 +34,6 @@ using nlohmann::json;
 
 constexpr const char* kChecksums = "checksums.json";
 
-std::string quote(const std::string& s) { return "\"" + s + "\""; }
-
 std::vector<int64_t> hf_shape(const ParamSpec& p) { return {p.hf_shape, p.hf_shape + p.hf_rank}; }
 
 std::string shape_string(Dtype t, const std::vector<int64_t>& shape) {

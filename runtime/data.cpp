@@ -21,7 +21,6 @@ namespace halyard::runtime {
 
 namespace {
 
-std::string quote(const std::string& s) { return "\"" + s + "\""; }
 std::string num(int64_t v) { return std::to_string(v); }
 
 std::string kind(int width) {

@@ -18,8 +18,6 @@
 namespace halyard::runtime {
 namespace {
 
-std::string quote(const std::string& s) { return "\"" + s + "\""; }
-
 // ---- XXH64 (the reference's constants and steps, seed 0) --------------------
 
 constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull, kP2 = 0xC2B2AE3D27D4EB4Full, kP3 = 0x165667B19E3779F9ull,

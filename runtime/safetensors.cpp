@@ -45,16 +45,6 @@ using Json = nlohmann::json;
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 constexpr const char* kMetadataKey = "__metadata__";
 
-std::string quote(std::string_view s) {
-  // Built by appends: GCC 12 at -O3 gives a false -Wrestrict on "\"" + string.
-  std::string out;
-  out.reserve(s.size() + 2);
-  out += '"';
-  out += s;
-  out += '"';
-  return out;
-}
-
 [[noreturn]] void fail_file(const std::string& what, const std::string& detail) {
   throw Error("error: safetensors file " + quote(what) + "\n" + detail);
 }

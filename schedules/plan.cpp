@@ -17,8 +17,6 @@
 namespace halyard {
 namespace {
 
-constexpr int64_t kAlign = 128;  // the runtime's allocation alignment
-int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 
@@ -642,7 +640,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   MemoryBreakdown& mem = p.memory;
   int64_t layer = 0;  // one layer's parameters
   for (const Value& v : p.model.params) {
-    const int64_t b = round_up(stored(value_bytes(v.type())));
+    const int64_t b = arena_aligned(stored(value_bytes(v.type())));
     mem.parameters += b;
     if (g.node(v.id).name.rfind("model.layers.0.", 0) == 0) layer += b;
   }
@@ -662,7 +660,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   mem.kernel_scratch = stored(gpu ? heap_scratch + mapped_scratch : caller_scratch + (threads - 1) * task_scratch);
   mem.collective_buffers = staging_bytes(p.train_program, staging_of, all_to_all, gpu);
   const int64_t tokens = req.batch * p.local_seq;
-  mem.data = 3 * round_up(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
+  mem.data = 3 * arena_aligned(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
   mem.runtime_baseline = cluster.process_baseline_bytes;
   return p;
 }

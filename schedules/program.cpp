@@ -20,10 +20,6 @@ int64_t element_bytes(DType t) {
   }
 }
 
-constexpr int64_t kAlign = 128;  // Halide's allocation alignment; kernels may rely on it
-
-int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
 // Greedy placement: largest first, each at the lowest offset that overlaps
 // no buffer placed before it whose live ranges (ranges[i] of buffer i) meet
 // its own. Sets each one's `offset` member and returns the arena's size.
@@ -58,7 +54,7 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
   std::vector<std::pair<int64_t, int64_t>> busy;
   for (int i : order) {
     PlannedBuffer& b = buffers[static_cast<size_t>(i)];
-    const int64_t size = aligned(b.bytes);
+    const int64_t size = arena_aligned(b.bytes);
     const auto [first, last] = span[static_cast<size_t>(i)];
     // its windows (none where it is never used)
     const int w0 = first <= last ? (first - t0) / kWindow : 0, w1 = first <= last ? (last - t0) / kWindow : -1;
@@ -70,7 +66,7 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
         if (span[static_cast<size_t>(j)].first > last || span[static_cast<size_t>(j)].second < first) continue;
         if (meet(ranges[static_cast<size_t>(i)], ranges[static_cast<size_t>(j)])) {
           const PlannedBuffer& o = buffers[static_cast<size_t>(j)];
-          busy.push_back({o.*offset, o.*offset + aligned(o.bytes)});
+          busy.push_back({o.*offset, o.*offset + arena_aligned(o.bytes)});
         }
       }
     std::sort(busy.begin(), busy.end());

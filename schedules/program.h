@@ -25,6 +25,11 @@
 
 namespace halyard {
 
+// Every arena offset is a multiple of this: Halide's allocation alignment,
+// which kernels may rely on. The planner's memory model rounds the same way.
+constexpr int64_t kArenaAlignment = 128;
+inline int64_t arena_aligned(int64_t bytes) { return (bytes + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment; }
+
 enum class BufferKind { Input, Param, Grad, Arena, View };
 
 struct PlannedBuffer {

@@ -868,10 +868,11 @@ TEST(Kernels, RingBlocksAreTheLibrarysOnCpusAndOnCuda) {
         }
       }
       EXPECT_GE(ring, 3) << cluster;
-      if (cuda && library)
+      if (cuda && library) {
         EXPECT_EQ(called, (std::set<std::string>{"halyard_attention_forward_lse_ring_cuda",
                                                  "halyard_attention_backward_ring_cuda"}))
             << ::testing::PrintToString(called);
+      }
     }
 }
 
