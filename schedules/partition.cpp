@@ -225,9 +225,15 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     else if (node.op == Op::SliceSeq) root = true;
     // A constant; an index remap; a bf16 copy decoded by each reader (schedules/precision.h).
     else if (node.op == Op::Fill || node.op == Op::PadSeq || node.op == Op::LoadBf16) root = false;
-    // A weight gradient summed over sequence tiles: keep the running sum, so
-    // that the tiles' partial gradients do not all live until the last one.
-    else if (node.backward && node.op == Op::Add && !node.type.has("seq")) root = true;
+    // A gradient summed from parts (a weight's over sequence tiles; a tile's
+    // input over its gate and up projections; dQ over a ring's blocks):
+    // keep the running sum, so that each part dies once added instead of
+    // all living until the last one. A sequence-long sum whose parts are
+    // computed inside it costs nothing to keep inline.
+    else if (node.backward && node.op == Op::Add &&
+             (!node.type.has("seq") || (p.materialized[static_cast<size_t>(node.inputs[0])] &&
+                                        p.materialized[static_cast<size_t>(node.inputs[1])])))
+      root = true;
     else if (consumers[static_cast<size_t>(id)] <= 1) root = false;
     else root = s.compute(node) == Compute::Root;
     p.materialized[static_cast<size_t>(id)] = root;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -555,6 +556,43 @@ TEST(Plan, TileSizesPerTiledRegion) {
   EXPECT_EQ(ffn, std::set<int64_t>{256});
   EXPECT_EQ(vocab, std::set<int64_t>{128});
   EXPECT_THAT(s.str(), ::testing::HasSubstr("tile_sequence(256), loss tile 128"));
+}
+
+// The most buffers alive at once, over the train program's calls, among those whose node `is`.
+int most_alive(const Plan& p, const std::function<bool(const Node&)>& is) {
+  int most = 0;
+  for (size_t c = 0; c < p.train_program.calls.size(); ++c) {
+    int alive = 0;
+    for (const PlannedBuffer& b : p.train_program.buffers)
+      if (b.kind == BufferKind::Arena && is(p.model.graph->node(b.node)))
+        for (auto [first, last] : b.device_ranges()) alive += first <= static_cast<int>(c) && static_cast<int>(c) <= last;
+    most = std::max(most, alive);
+  }
+  return most;
+}
+
+// A gradient summed from parts that kernels write is summed as they come,
+// so each part dies once added. The MLP tiles' input gradients from the
+// gate and up projections (two parts a tile) all lived until the tiles
+// were joined, as inputs of one kernel: 32 of them with 16 tiles, two
+// values as long as the sequence, at the peak of autosp's plans on 4 CPU
+// ranks. A ring's blocks of dQ likewise (4 on 4 ranks, each as long as
+// the rank's sequence).
+TEST(Plan, GradientPartsDieOnceSummed) {
+  for (int64_t tiles : {4, 16}) {
+    Schedule s = Schedule::named("tiled");
+    s.seq_tile = 2048 / tiles;
+    const Plan p = plan(llama::llama_builder(), {kMicro, 1, 2048}, s, Cluster::named("local-cpu"));
+    const int parts = most_alive(p, [&](const Node& n) {
+      return n.backward && n.op == Op::Contract && n.type.has("seq") && n.type.size("seq") == s.seq_tile &&
+             !n.type.has("ffn") && (n.name.find("gate_proj") != std::string::npos || n.name.find("up_proj") != std::string::npos);
+    });
+    EXPECT_LE(parts, 2) << tiles << " tiles";
+  }
+  Schedule s = Schedule::named("ring_zigzag");
+  s.mesh.sp = 4;
+  const Plan p = plan(llama::llama_builder(), {kMicro, 1, 2048}, s, Cluster::named("local-cpu"));
+  EXPECT_LE(most_alive(p, [](const Node& n) { return n.op == Op::AttentionGradQ; }), 2);
 }
 
 // "seq_tiles" matches the tiles, not every wide value: with only the loss

@@ -4,8 +4,12 @@
 // committed in tests/fixtures/presets_golden.txt (written by this program
 // with --write from the libraries as they were before the rewrite, and
 // rewritten when a kernel's arithmetic changes on purpose: last, when a
-// backward that recomputes attention's log-sum-exp alone began computing it
-// with the library's forward instead of a Halide kernel, so that
+// gradient summed from parts that kernels write became a running sum in
+// a kernel of its own (schedules/partition.cpp), where its reader's kernel
+// had computed it and rounded otherwise (66 hashes changed; the reference
+// tests agree as before, and the losses kept their bits); before that,
+// when a backward that recomputes attention's log-sum-exp alone began
+// computing it with the library's forward instead of a Halide kernel, so that
 // checkpoint's gradients became recompute's bits, all 23 values; before
 // that, when the per-token reductions (a norm's sums, the loss's) began
 // summing a vector of tokens side by side, where LLVM fuses the
