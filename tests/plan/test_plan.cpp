@@ -561,11 +561,11 @@ TEST(Plan, TileSizesPerTiledRegion) {
 // The most buffers alive at once, over the train program's calls, among those whose node `is`.
 int most_alive(const Plan& p, const std::function<bool(const Node&)>& is) {
   int most = 0;
-  for (size_t c = 0; c < p.train_program.calls.size(); ++c) {
+  for (int c = 0; c < static_cast<int>(p.train_program.calls.size()); ++c) {
     int alive = 0;
     for (const PlannedBuffer& b : p.train_program.buffers)
       if (b.kind == BufferKind::Arena && is(p.model.graph->node(b.node)))
-        for (auto [first, last] : b.device_ranges()) alive += first <= static_cast<int>(c) && static_cast<int>(c) <= last;
+        for (auto [first, last] : b.device_ranges()) alive += first <= c && c <= last;
     most = std::max(most, alive);
   }
   return most;
