@@ -37,6 +37,26 @@ int64_t comm_type_size(CommType t) {
   return 0;
 }
 
+namespace {
+template <typename T>
+void sum_into(void* acc, const void* x, int64_t n) {
+  T* a = static_cast<T*>(acc);
+  const T* b = static_cast<const T*>(x);
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+}  // namespace
+
+void comm_sum_into(CommType t, void* acc, const void* x, int64_t n) {
+  switch (t) {
+    case CommType::F32: return sum_into<float>(acc, x, n);
+    case CommType::I32: return sum_into<int32_t>(acc, x, n);
+    case CommType::F64: return sum_into<double>(acc, x, n);
+    case CommType::I64: return sum_into<int64_t>(acc, x, n);
+    case CommType::BF16: break;
+  }
+  throw Error("error: a sum of bf16 values; bf16 only moves (the Communicator::*_bf16 sums add in f32).");
+}
+
 const char* comm_op_name(CommOp op) {
   switch (op) {
     case CommOp::AllToAllV: return "all_to_all_v";

@@ -38,6 +38,8 @@ namespace halyard::runtime {
 enum class CommType { F32, I32, F64, I64, BF16 };
 const char* comm_type_name(CommType t);  // "f32", "i32", "f64", "i64", "bf16"
 int64_t comm_type_size(CommType t);      // bytes per element
+// acc[i] += x[i] for i < n, in type t; throws for BF16 (no backend sums it).
+void comm_sum_into(CommType t, void* acc, const void* x, int64_t n);
 
 // The operations, as named in error messages.
 enum class CommOp { AllToAllV, AllReduceSum, AllGather, ReduceScatterSum, Send, Recv, Barrier };

@@ -84,26 +84,10 @@ struct InProcessGroup {
   std::string mismatch;
 };
 
-template <typename T>
-void sum_into(T* acc, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
-}
-
 // acc[0..n) = sum over ranks, in rank order, of src(p)[0..n).
-template <typename T>
-void sum_over_ranks(T* acc, int64_t n, int size, const std::function<const void*(int)>& src) {
-  std::memcpy(acc, src(0), static_cast<size_t>(n) * sizeof(T));
-  for (int p = 1; p < size; ++p) sum_into(acc, static_cast<const T*>(src(p)), n);
-}
-
 void sum_over_ranks(CommType type, void* acc, int64_t n, int size, const std::function<const void*(int)>& src) {
-  switch (type) {
-    case CommType::F32: sum_over_ranks(static_cast<float*>(acc), n, size, src); break;
-    case CommType::I32: sum_over_ranks(static_cast<int32_t*>(acc), n, size, src); break;
-    case CommType::F64: sum_over_ranks(static_cast<double*>(acc), n, size, src); break;
-    case CommType::I64: sum_over_ranks(static_cast<int64_t*>(acc), n, size, src); break;
-    case CommType::BF16: throw Error("error: in-process sum of bf16 values; bf16 only moves (Communicator::*_bf16 sum in f32).");
-  }
+  std::memcpy(acc, src(0), static_cast<size_t>(n * comm_type_size(type)));
+  for (int p = 1; p < size; ++p) comm_sum_into(type, acc, src(p), n);
 }
 
 const uint8_t* bytes_at(const void* p, int64_t elements, CommType type) {

@@ -1,11 +1,12 @@
 // The MPI communicator: one rank of MPI_COMM_WORLD (launched by mpirun).
 //
 // Every operation is a nonblocking MPI call (MPI_Ialltoallv, MPI_Iallreduce,
-// MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibarrier, MPI_Isend,
-// MPI_Irecv) polled with MPI_Test until it completes or the deadline passes,
-// so a dead or stuck peer costs its partners a timeout, never a hang. The
-// communicator is a duplicate of the world with MPI_ERRORS_RETURN, so an error
-// MPI does detect (a broken connection) becomes an Error rather than an abort.
+// MPI_Iallgather, MPI_Ibarrier, MPI_Isend, MPI_Irecv; the reduce-scatter and
+// large sums are rings of MPI_Isend and MPI_Irecv) polled with MPI_Test
+// until it completes or the deadline passes, so a dead or stuck peer costs
+// its partners a timeout, never a hang. The communicator is a duplicate of
+// the world with MPI_ERRORS_RETURN, so an error MPI does detect (a broken
+// connection) becomes an Error rather than an abort.
 //
 // MPI cannot tell which rank is missing from a collective, so the ranks talk
 // on a second duplicate, the control communicator. A rank that times out asks
@@ -20,8 +21,8 @@
 // as arrived. Collectives are numbered from 1 on each rank, in call order.
 //
 // Counts are ints in MPI 3: a call over more than 2^31-1 elements per rank is
-// split into pieces where the operation allows it (all_reduce_sum, send/recv)
-// and rejected with an Error otherwise.
+// split into pieces where the operation allows it (all_reduce_sum,
+// reduce_scatter_sum, send/recv) and rejected with an Error otherwise.
 #include <mpi.h>
 
 #include <algorithm>
@@ -32,6 +33,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <list>
 #include <string>
 #include <thread>
@@ -63,9 +65,13 @@ MPI_Datatype mpi_type(CommType t) {
 
 // Pieces of split calls; a power of two keeps them aligned.
 constexpr int64_t kMaxPiece = int64_t{1} << 30;
+// all_reduce_sum goes round a ring from this many bytes (libnbc's own limit
+// for its small-message tree).
+constexpr int64_t kRingMinBytes = 64 << 10;
 
-// Control messages.
+// Control messages; the ring collectives' messages go on the same communicator.
 constexpr int kControlTag = 1;
+constexpr int kRingTag = 2;
 enum : int64_t { kQuery = 1, kReply = 2, kGaveUp = 3 };
 using Control = std::array<int64_t, 5>;
 
@@ -152,14 +158,34 @@ class MpiCommunicator final : public Communicator {
     finish();
   }
 
+  // Large sums go round a ring (a reduce-scatter, then an all-gather, in
+  // place), staging one block; libnbc's in-place MPI_Iallreduce sums on a
+  // binomial tree into a whole-size buffer on rank 0 (and rank 2 of 4).
+  // Small ones (a loss, a norm) take libnbc's log(ranks) rounds.
   void do_all_reduce_sum(void* data, int64_t n, CommType type) override {
     start(CommOp::AllReduceSum);
+    const int64_t elem = comm_type_size(type);
+    if (size() > 1 && n * elem >= kRingMinBytes) {
+      const int P = size(), r = rank();
+      auto lo = [&](int b) { return static_cast<int64_t>(b) * n / P; };  // block b is [lo(b), lo(b + 1))
+      auto count = [&](int b) { return lo((b + P) % P + 1) - lo((b + P) % P); };
+      auto at = [&](int b) { return static_cast<char*>(data) + lo((b + P) % P) * elem; };
+      ring_staging_.resize(static_cast<size_t>(count(P - 1) * elem));  // the last block is the largest, ceil(n / P)
+      for (int s = 0; s < P - 1; ++s) {  // block b summed from rank b + 1 round to rank b
+        const int out = r - 1 - s, in = r - 2 - s;
+        ring_step(at(out), count(out), ring_staging_.data(), count(in), type);
+        comm_sum_into(type, at(in), ring_staging_.data(), count(in));
+      }
+      for (int s = 0; s < P - 1; ++s) ring_step(at(r - s), count(r - s), at(r - 1 - s), count(r - 1 - s), type);
+      finish();
+      return;
+    }
     int64_t at = 0;
     do {  // once even when n is 0, like every rank
       int piece = static_cast<int>(std::min(n - at, kMaxPiece));
       MPI_Request request;
-      check(MPI_Iallreduce(MPI_IN_PLACE, data ? static_cast<char*>(data) + at * comm_type_size(type) : g_empty,
-                           piece, mpi_type(type), MPI_SUM, comm_, &request),
+      check(MPI_Iallreduce(MPI_IN_PLACE, data ? static_cast<char*>(data) + at * elem : g_empty, piece, mpi_type(type),
+                           MPI_SUM, comm_, &request),
             CommOp::AllReduceSum, "MPI_Iallreduce");
       wait(&request, CommOp::AllReduceSum);
       at += piece;
@@ -179,15 +205,28 @@ class MpiCommunicator final : public Communicator {
     finish();
   }
 
+  // A ring, as NCCL's: in each of size() - 1 steps every rank sends the
+  // partial sum of one block to the next rank and adds its own share to the
+  // block that comes from the previous one; the last to come is its own.
+  // Block b is summed from rank b + 1 round to rank b. A rank stages one
+  // block (recv is the other). libnbc's MPI_Ireduce_scatter_block instead
+  // sums the whole vector to rank 0 on a binomial tree: rank 0 of 4 does the
+  // sums in two whole-vector buffers (rank 2 in one), 12.5 MiB above its
+  // peers for the tiny Llama's 6.25 MiB of gradients.
   void do_reduce_scatter_sum(const void* send, void* recv, int64_t n_per_rank, CommType type) override {
-    int count = to_int(CommOp::ReduceScatterSum, "n_per_rank", n_per_rank);
-    to_int(CommOp::ReduceScatterSum, "size() * n_per_rank", n_per_rank * size());
     start(CommOp::ReduceScatterSum);
-    MPI_Request request;
-    check(MPI_Ireduce_scatter_block(send ? send : g_empty, recv ? recv : g_empty, count, mpi_type(type), MPI_SUM,
-                                    comm_, &request),
-          CommOp::ReduceScatterSum, "MPI_Ireduce_scatter_block");
-    wait(&request, CommOp::ReduceScatterSum);
+    const int P = size(), r = rank();
+    const int64_t bytes = n_per_rank * comm_type_size(type);
+    auto own = [&](int b) { return bytes ? static_cast<const char*>(send) + (b + P) % P * bytes : nullptr; };
+    if (P == 1 && bytes > 0) std::memcpy(recv, send, static_cast<size_t>(bytes));
+    if (P > 1) ring_staging_.resize(static_cast<size_t>(bytes));
+    const void* out = own(r - 1);
+    for (int s = 0; s < P - 1; ++s) {
+      void* in = (P - 2 - s) % 2 == 0 ? recv : static_cast<void*>(ring_staging_.data());
+      ring_step(out, n_per_rank, in, n_per_rank, type);
+      comm_sum_into(type, in, own(r - 2 - s), n_per_rank);
+      out = in;
+    }
     finish();
   }
 
@@ -313,6 +352,29 @@ class MpiCommunicator final : public Communicator {
     if (failure_.empty()) return;
     throw Error("error: " + where(op) + ": the communicator is broken by an earlier failure:\n  " + failure_ +
                 "\na failed call cannot be undone; report it and exit (then restart from the last checkpoint).");
+  }
+
+  // One step of a ring collective: `n_out` elements from `out` to the next
+  // rank and `n_in` from the previous into `in`, in flight together. On the
+  // control communicator under their own tag, so users' tags on comm_ never
+  // match them.
+  void ring_step(const void* out, int64_t n_out, void* in, int64_t n_in, CommType type) {
+    const int next = (rank() + 1) % size(), prev = (rank() + size() - 1) % size();
+    const int64_t elem = comm_type_size(type);
+    int64_t sent = 0, got = 0;
+    do {  // pieces of at most kMaxPiece each way, once even when both are empty
+      const int piece_out = static_cast<int>(std::min(n_out - sent, kMaxPiece));
+      const int piece_in = static_cast<int>(std::min(n_in - got, kMaxPiece));
+      MPI_Request requests[2];
+      check(MPI_Irecv(in && piece_in ? static_cast<char*>(in) + got * elem : g_empty, piece_in, mpi_type(type), prev,
+                      kRingTag, ctl_, &requests[0]),
+            last_op_, "MPI_Irecv");
+      check(MPI_Isend(out && piece_out ? static_cast<const char*>(out) + sent * elem : g_empty, piece_out,
+                      mpi_type(type), next, kRingTag, ctl_, &requests[1]),
+            last_op_, "MPI_Isend");
+      for (MPI_Request& q : requests) wait(&q, last_op_);
+      sent += piece_out, got += piece_in;
+    } while (sent < n_out || got < n_in);
   }
 
   // Before a collective: counts it and remembers what it is, for peers' queries.
@@ -471,6 +533,7 @@ class MpiCommunicator final : public Communicator {
   std::vector<int64_t> gave_up_;  // per peer: the collective number it gave up on
   std::list<Pending> pending_;    // control sends in flight
   std::vector<int> send_counts_, send_offsets_, recv_counts_, recv_offsets_;
+  std::vector<char> ring_staging_;  // one block of a ring collective, kept for the next
 };
 
 }  // namespace

@@ -86,6 +86,17 @@ int64_t staging_bytes(const Program& program, const std::vector<int64_t>& stagin
   return std::accumulate(slots.begin(), slots.end(), int64_t{0});
 }
 
+// Host memory a sum of `bytes` of f32 gradients over `ranks` stages while
+// the whole arena is resident (runtime/comm_mpi.cpp, runtime/comm.cpp): a
+// ring (the reduce-scatter, a large all-reduce) stages one rank's block, kept
+// for the next step. Summed from bf16, the rounded copy goes out and comes
+// in (2 + 2 bytes an element) and, without ZeRO, the f32 sum is padded and
+// gathered (4 + 4 / ranks more).
+int64_t grad_sum_staging(const Schedule& schedule, int64_t bytes, int64_t ranks) {
+  if (schedule.grad_reduce_precision != "bf16") return (bytes / 4 + ranks - 1) / ranks * 4;
+  return bytes + (schedule.mesh.zero ? 0 : bytes + bytes / ranks);
+}
+
 // The step on two tracks, as runtime::Model runs it: the kernels one after
 // another; the collectives one after another on the communication thread
 // (host) or stream (GPU). A collective the program finishes at a later Wait
@@ -96,8 +107,9 @@ int64_t staging_bytes(const Program& program, const std::vector<int64_t>& stagin
 // backward. What follows it (ZeRO's all-gathers), the update and the
 // offload copies come after, one after the other. Sets each stage's and
 // collective's start, communication_s (every collective's time),
-// exposed_communication_s (what the kernels wait for) and step_s.
-void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
+// exposed_communication_s (what the kernels wait for) and step_s. Returns
+// the largest bucket's bytes (f32 gradients), 0 without buckets.
+int64_t lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   const Program& prog = p.train_program;
   const size_t n = p.train.stages.size();
   // The gradients' sum (its halves, summed from bf16) goes in buckets; the
@@ -127,6 +139,7 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   std::vector<bool> final_grad(params, false);
   size_t lo = params, hi = params;  // gradients [lo, hi) final and not yet sent
   int64_t pending = 0;              // their bytes
+  int64_t largest = 0;              // of the buckets sent
 
   double t = 0, comm = 0;  // when the kernels' track and the communication's are next free
   std::vector<double> lands(n, 0);
@@ -136,6 +149,7 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
     return comm;
   };
   auto send_bucket = [&] {
+    largest = std::max(largest, pending);
     for (CollectiveCost c : sums) {
       c.bytes_per_rank = static_cast<int64_t>(static_cast<double>(c.bytes_per_rank) * static_cast<double>(pending) / all_grads);
       c.time_s = cluster.collective_time(c.kind, static_cast<double>(c.bytes_per_rank), c.degree);
@@ -174,6 +188,7 @@ void lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   for (const CollectiveCost& c : p.collectives) p.communication_s += c.time_s;
   p.exposed_communication_s = std::max(0.0, t - p.compute_s);
   p.step_s = t + p.optimizer_s + p.offload_s;
+  return largest;
 }
 
 // The temporaries the CPU lowering (generators/lower.cpp) allocates while a
@@ -634,7 +649,8 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   // Under ZeRO the update reduce-scatters the gradients after the backward
   // (examples/llama/train.cpp); summed from bf16 on a GPU, they are summed
   // whole after it too (runtime::Model: grads_on_device).
-  lay_out_step(p, cluster, schedule.mesh.zero == 0 && !(gpu && schedule.grad_reduce_precision == "bf16"));
+  const int64_t largest_bucket =
+      lay_out_step(p, cluster, schedule.mesh.zero == 0 && !(gpu && schedule.grad_reduce_precision == "bf16"));
 
   // Memory of one rank, as runtime::Model and the training loop allocate it.
   MemoryBreakdown& mem = p.memory;
@@ -659,6 +675,7 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   mem.offloaded = stored(std::max(p.train_program.offload_bytes, p.forward_program.offload_bytes));
   mem.kernel_scratch = stored(gpu ? heap_scratch + mapped_scratch : caller_scratch + (threads - 1) * task_scratch);
   mem.collective_buffers = staging_bytes(p.train_program, staging_of, all_to_all, gpu);
+  if (!gpu && ranks > 1) mem.collective_buffers += grad_sum_staging(schedule, largest_bucket ? largest_bucket : 4 * p.num_params, ranks);
   const int64_t tokens = req.batch * p.local_seq;
   mem.data = 3 * arena_aligned(4 * tokens) + 3 * 4 * tokens;  // the model's aligned copies and the loader's arrays
   mem.runtime_baseline = cluster.process_baseline_bytes;

@@ -290,11 +290,14 @@ TEST(Plan, AllToAllBytesEqualUlyssesFormula) {
 // (runtime::Model), so the three add up, and the gather of the positions
 // (done where it stands, while they are in flight) takes a fourth. Tiny
 // Llama, 4 ranks: k and v have 2 heads, so each rank receives one head,
-// replicated: twice what it sends.
+// replicated: twice what it sends. The host also stages one block of
+// ZeRO-1's reduce-scatter (Plan.HostGradientSumsStageOneBlockOfARing); the
+// device's sums stage nothing of the host's.
 TEST(Plan, OnAGpuAllToAllsInFlightTogetherEachHaveTheirStaging) {
   const auto cfg = llama::LlamaConfig::load(kTiny);
   Schedule s = Schedule::named("ulysses");
   s.mesh.sp = 4;
+  s.mesh.zero = 1;
   const int64_t seq = 256, local = seq / 4;
   const int64_t q = 2 * local * cfg.num_attention_heads * cfg.head_dim * 4;  // sent and received alike
   const int64_t kv = 2 * seq * 1 * cfg.head_dim * 4;                         // one head of every token received
@@ -304,8 +307,37 @@ TEST(Plan, OnAGpuAllToAllsInFlightTogetherEachHaveTheirStaging) {
   std::printf("  staging: host %lld bytes, GPU %lld (q %lld, k and v %lld each)\n",
               static_cast<long long>(cpu.memory.collective_buffers), static_cast<long long>(gpu.memory.collective_buffers),
               static_cast<long long>(q), static_cast<long long>(kv));
-  EXPECT_EQ(cpu.memory.collective_buffers, q);
+  EXPECT_EQ(cpu.memory.collective_buffers, q + 4 * ((cpu.num_params + 3) / 4));
   EXPECT_EQ(gpu.memory.collective_buffers, q + 2 * kv + positions);
+}
+
+// The gradients' sum over 4 host ranks (runtime/comm_mpi.cpp) goes round a
+// ring that stages one rank's block: with ZeRO-1 a quarter of the f32
+// gradients, without it a quarter of the largest bucket (4 MiB or more of
+// them); summed from bf16, ZeRO-1's rounded gradients go out and come in
+// whole (2 + 2 bytes each). One rank sums nothing.
+TEST(Plan, HostGradientSumsStageOneBlockOfARing) {
+  const int64_t seq = 256;
+  auto staging = [&](int sp, int zero, const char* precision) {
+    Schedule s = Schedule::named("ulysses");
+    s.mesh.sp = sp;
+    s.mesh.zero = zero;
+    s.grad_reduce_precision = precision;
+    const Plan p = plan(llama::llama_builder(), {kTiny, 1, seq}, s, Cluster::named("local-cpu"));
+    return std::pair{p.memory.collective_buffers, p.num_params};
+  };
+  const auto [no_sum, params] = staging(1, 0, "f32");
+  const int64_t zero1 = staging(4, 1, "f32").first, zero0 = staging(4, 0, "f32").first;
+  const int64_t bf16 = staging(4, 1, "bf16").first;
+  std::printf("  host staging: 1 rank %lld, 4 ranks ZeRO-1 %lld, without ZeRO %lld, ZeRO-1 from bf16 %lld bytes (%lld parameters)\n",
+              static_cast<long long>(no_sum), static_cast<long long>(zero1), static_cast<long long>(zero0),
+              static_cast<long long>(bf16), static_cast<long long>(params));
+  EXPECT_EQ(no_sum, 0);  // no all-to-all and no sum
+  const int64_t q = zero1 - 4 * ((params + 3) / 4);  // the all-to-alls' staging, the same in every 4-rank plan
+  EXPECT_GT(q, 0);
+  EXPECT_EQ(bf16, q + 4 * params);
+  EXPECT_GE(zero0 - q, (int64_t{4} << 20) / 4);  // a quarter of a bucket of at least 4 MiB
+  EXPECT_LT(zero0 - q, zero1 - q);               // and less than a quarter of all of them
 }
 
 // The backward sends q, k and v again when their heads layout is

@@ -78,13 +78,15 @@ TEST(CommMpi, AllToAllVPermutesUnevenBlocksAndCountsBytes) {
 TEST(CommMpi, AllReduceSumIsExactAndIdenticalOnEveryRank) {
   Communicator& c = *g_comm;
   const int n = c.size(), r = c.rank();
-  for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{100000}}) {
+  // 100000 and 100003 floats go round the ring (blocks of 25000, and of
+  // 25000 and 25001 on 4 ranks); the rest through MPI_Iallreduce.
+  for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{100000}, int64_t{100003}}) {
     std::vector<float> data(static_cast<size_t>(len));
     for (int64_t i = 0; i < len; ++i) data[i] = static_cast<float>(r + 1) + 0.5f * (i % 1000);
     c.all_reduce_sum(data.data(), len);
     for (int64_t i = 0; i < len; ++i) ASSERT_EQ(data[i], static_cast<float>(n * (n + 1) / 2) + 0.5f * (i % 1000) * n);
   }
-  std::vector<float> noisy(257);
+  std::vector<float> noisy(40009);  // a ring's sum, in a different order on each block
   for (size_t i = 0; i < noisy.size(); ++i) noisy[i] = std::sin(1.0f + r * 7.0f + i) * 1e-3f + 1.0f / (r + 3);
   c.all_reduce_sum(noisy.data(), static_cast<int64_t>(noisy.size()));
   std::vector<float> everyone(noisy.size() * n);
@@ -106,11 +108,13 @@ TEST(CommMpi, AllGatherAndReduceScatter) {
   for (int p = 0; p < n; ++p)
     for (int64_t k = 0; k < per; ++k) EXPECT_EQ(all_ids[p * per + k], p * 10 + k);
 
-  std::vector<float> send(per * n), recv(per);
-  for (int64_t i = 0; i < per * n; ++i) send[i] = static_cast<float>(i) + 1000.0f * r;
-  c.reduce_scatter_sum(send.data(), recv.data(), per);
-  for (int64_t k = 0; k < per; ++k)
-    EXPECT_EQ(recv[k], static_cast<float>(n * (r * per + k)) + 1000.0f * n * (n - 1) / 2);
+  for (int64_t block : {int64_t{0}, per, int64_t{50001}}) {
+    std::vector<float> send(block * n), recv(block);
+    for (int64_t i = 0; i < block * n; ++i) send[i] = static_cast<float>(i % 4096) + 1000.0f * r;
+    c.reduce_scatter_sum(send.data(), recv.data(), block);
+    for (int64_t k = 0; k < block; ++k)
+      ASSERT_EQ(recv[k], static_cast<float>(n * ((r * block + k) % 4096)) + 1000.0f * n * (n - 1) / 2) << "k " << k;
+  }
 }
 
 TEST(CommMpi, SumsFromBf16OverMpi) {
@@ -204,7 +208,7 @@ int run_fault(const std::string& mode) {
     return 0;
   }
   const auto start = std::chrono::steady_clock::now();
-  std::vector<float> grads(1024, 1.0f);
+  std::vector<float> grads(1 << 16, 1.0f);  // 256 KiB: the ring, as the gradients' sums go
   try {
     comm->all_reduce_sum(grads.data(), static_cast<int64_t>(grads.size()));
   } catch (const Error& e) {
