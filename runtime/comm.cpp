@@ -229,31 +229,52 @@ void Communicator::reduce_scatter_sum(const float* send, float* recv, int64_t n_
   do_reduce_scatter_sum(send, recv, n_per_rank, CommType::F32);
 }
 
+// The bf16 sums go kBf16SumChunk elements (of all ranks) per all-to-all, so
+// their staging stays within 4 MiB however many gradients they sum (the
+// plan counts it: grad_sum_staging in schedules/plan.cpp). Each element is
+// summed as whole, in rank order, so the chunks change no bit.
+constexpr int64_t kBf16SumChunk = int64_t{1} << 20;
+
 void Communicator::reduce_scatter_sum_bf16(const float* send, float* recv, int64_t n_per_rank) {
   check_count(CommOp::ReduceScatterSum, "n_per_rank", n_per_rank);
   check_buffer(CommOp::ReduceScatterSum, "send", send, n_per_rank * size_);
   check_buffer(CommOp::ReduceScatterSum, "recv", recv, n_per_rank);
-  const size_t all = static_cast<size_t>(n_per_rank * size_);
-  std::vector<uint16_t> out(all), in(all);
-  for (size_t i = 0; i < all; ++i) out[i] = bf16_bits(send[i]);
-  const std::vector<int64_t> counts(static_cast<size_t>(size_), n_per_rank);
-  all_to_all_v_any(out.data(), counts.data(), in.data(), counts.data(), CommType::BF16);
-  for (int64_t i = 0; i < n_per_rank; ++i) {
-    float sum = 0;
-    for (int p = 0; p < size_; ++p) sum += bf16_value(in[static_cast<size_t>(p * n_per_rank + i)]);
-    recv[i] = sum;
-  }
+  const int64_t chunk = std::min(n_per_rank, std::max<int64_t>(1, kBf16SumChunk / size_));  // of each rank's block
+  std::vector<uint16_t> out(static_cast<size_t>(chunk * size_)), in(out.size());
+  int64_t at = 0;
+  do {  // once even when n_per_rank is 0, like every rank
+    const int64_t c = std::min(chunk, n_per_rank - at);
+    for (int p = 0; p < size_; ++p)
+      for (int64_t i = 0; i < c; ++i) out[static_cast<size_t>(p * c + i)] = bf16_bits(send[p * n_per_rank + at + i]);
+    const std::vector<int64_t> counts(static_cast<size_t>(size_), c);
+    all_to_all_v_any(out.data(), counts.data(), in.data(), counts.data(), CommType::BF16);
+    for (int64_t i = 0; i < c; ++i) {
+      float sum = 0;
+      for (int p = 0; p < size_; ++p) sum += bf16_value(in[static_cast<size_t>(p * c + i)]);
+      recv[at + i] = sum;
+    }
+    at += c;
+  } while (at < n_per_rank);
 }
 
+// Segments of kBf16SumChunk elements (a multiple of the ranks), the last
+// padded to one: the same blocks, bytes and bits as one call over all n.
 void Communicator::all_reduce_sum_bf16(float* data, int64_t n) {
   check_count(CommOp::AllReduceSum, "n", n);
   check_buffer(CommOp::AllReduceSum, "data", data, n);
-  const int64_t block = (n + size_ - 1) / size_;
-  std::vector<float> padded(static_cast<size_t>(block * size_), 0.f), mine(static_cast<size_t>(block));
-  std::copy(data, data + n, padded.begin());
-  reduce_scatter_sum_bf16(padded.data(), mine.data(), block);
-  all_gather(mine.data(), block, padded.data());
-  std::copy(padded.begin(), padded.begin() + n, data);
+  const int64_t segment = std::max<int64_t>(1, kBf16SumChunk / size_) * size_;
+  const int64_t first = std::min(segment, (n + size_ - 1) / size_ * size_);
+  std::vector<float> padded(static_cast<size_t>(first)), mine(static_cast<size_t>(first / size_));
+  int64_t at = 0;
+  do {  // once even when n is 0, like every rank
+    const int64_t len = std::min(segment, n - at), block = (len + size_ - 1) / size_;
+    std::fill(padded.begin(), padded.begin() + block * size_, 0.f);
+    std::copy(data + at, data + at + len, padded.begin());
+    reduce_scatter_sum_bf16(padded.data(), mine.data(), block);
+    all_gather(mine.data(), block, padded.data());
+    std::copy(padded.begin(), padded.begin() + len, data + at);
+    at += len;
+  } while (at < n);
 }
 
 void Communicator::send_any(const void* data, int64_t n, int peer, int tag, CommType type) {

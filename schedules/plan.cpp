@@ -89,12 +89,18 @@ int64_t staging_bytes(const Program& program, const std::vector<int64_t>& stagin
 // Host memory a sum of `bytes` of f32 gradients over `ranks` stages while
 // the whole arena is resident (runtime/comm_mpi.cpp, runtime/comm.cpp): a
 // ring (the reduce-scatter, a large all-reduce) stages one rank's block, kept
-// for the next step. Summed from bf16, the rounded copy goes out and comes
-// in (2 + 2 bytes an element) and, without ZeRO, the f32 sum is padded and
-// gathered (4 + 4 / ranks more).
+// for the next step. Summed from bf16, it goes in chunks of 2^20 elements
+// (of all ranks; runtime/comm.cpp: kBf16SumChunk) whose rounded copies go
+// out and come in (2 + 2 bytes an element) and, without ZeRO, whose f32
+// sums are padded and gathered (4 + 4 / ranks more).
 int64_t grad_sum_staging(const Schedule& schedule, int64_t bytes, int64_t ranks) {
-  if (schedule.grad_reduce_precision != "bf16") return (bytes / 4 + ranks - 1) / ranks * 4;
-  return bytes + (schedule.mesh.zero ? 0 : bytes + bytes / ranks);
+  const int64_t n = bytes / 4;
+  if (schedule.grad_reduce_precision != "bf16") return (n + ranks - 1) / ranks * 4;
+  constexpr int64_t kBf16SumChunk = int64_t{1} << 20;
+  const int64_t per_rank = std::max<int64_t>(1, kBf16SumChunk / ranks);
+  if (schedule.mesh.zero) return 4 * ranks * std::min(n / ranks, per_rank);
+  const int64_t segment = std::min(per_rank * ranks, (n + ranks - 1) / ranks * ranks);
+  return 8 * segment + 4 * (segment / ranks);
 }
 
 // The step on two tracks, as runtime::Model runs it: the kernels one after

@@ -315,7 +315,8 @@ TEST(Plan, OnAGpuAllToAllsInFlightTogetherEachHaveTheirStaging) {
 // ring that stages one rank's block: with ZeRO-1 a quarter of the f32
 // gradients, without it a quarter of the largest bucket (4 MiB or more of
 // them); summed from bf16, ZeRO-1's rounded gradients go out and come in
-// whole (2 + 2 bytes each). One rank sums nothing.
+// 2^20 at a time (2 + 2 bytes each: 4 MiB, here less than the whole 6.25
+// MiB). One rank sums nothing.
 TEST(Plan, HostGradientSumsStageOneBlockOfARing) {
   const int64_t seq = 256;
   auto staging = [&](int sp, int zero, const char* precision) {
@@ -335,7 +336,8 @@ TEST(Plan, HostGradientSumsStageOneBlockOfARing) {
   EXPECT_EQ(no_sum, 0);  // no all-to-all and no sum
   const int64_t q = zero1 - 4 * ((params + 3) / 4);  // the all-to-alls' staging, the same in every 4-rank plan
   EXPECT_GT(q, 0);
-  EXPECT_EQ(bf16, q + 4 * params);
+  EXPECT_EQ(bf16, q + (int64_t{4} << 20));
+  EXPECT_LT(4 << 20, 4 * params);
   EXPECT_GE(zero0 - q, (int64_t{4} << 20) / 4);  // a quarter of a bucket of at least 4 MiB
   EXPECT_LT(zero0 - q, zero1 - q);               // and less than a quarter of all of them
 }

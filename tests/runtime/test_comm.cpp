@@ -172,7 +172,9 @@ TEST_P(Comm, ReduceScatterSumGivesEachRankItsBlock) {
 // Summed from bf16: each rank's values rounded to bf16 (nearest even), added
 // in f32 in rank order, the same bits on every rank; half the bytes of f32
 // on the wire, counted by the all-to-all counter. A length that the ranks do
-// not divide is padded inside all_reduce_sum_bf16.
+// not divide is padded inside all_reduce_sum_bf16. Past 2^20 elements of
+// all ranks the sums go in chunks (runtime/comm.cpp: kBf16SumChunk), which
+// change neither a bit nor a byte on the wire.
 TEST_P(Comm, SumsFromBf16AreTheRoundedValuesAddedInF32) {
   const int n = GetParam();
   auto value = [](int r, int64_t i) { return std::sin(1.0f + 7.0f * r + 0.37f * i) / (r + 3) + 1e-3f * i; };
@@ -191,11 +193,24 @@ TEST_P(Comm, SumsFromBf16AreTheRoundedValuesAddedInF32) {
     c.reduce_scatter_sum_bf16(send.data(), recv.data(), per);
     EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * per * (n - 1));
     for (int64_t k = 0; k < per; ++k) EXPECT_EQ(recv[static_cast<size_t>(k)], want(r * per + k)) << "k " << k;
-    for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{257}}) {
+    const int64_t long_per = (int64_t{1} << 20) / n + 7;  // two chunks
+    std::vector<float> long_send(static_cast<size_t>(long_per * n)), long_recv(static_cast<size_t>(long_per));
+    for (int64_t i = 0; i < long_per * n; ++i) long_send[static_cast<size_t>(i)] = value(r, i);
+    c.reset_all_to_all_bytes_sent();
+    c.reduce_scatter_sum_bf16(long_send.data(), long_recv.data(), long_per);
+    EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * long_per * (n - 1));
+    int64_t wrong = 0;
+    for (int64_t k = 0; k < long_per; ++k) wrong += long_recv[static_cast<size_t>(k)] != want(r * long_per + k);
+    EXPECT_EQ(wrong, 0) << "of " << long_per << " sums in two chunks";
+    for (int64_t len : {int64_t{0}, int64_t{1}, int64_t{257}, (int64_t{1} << 20) + 3}) {
       std::vector<float> data(static_cast<size_t>(len));
       for (int64_t i = 0; i < len; ++i) data[static_cast<size_t>(i)] = value(r, i);
+      c.reset_all_to_all_bytes_sent();
       c.all_reduce_sum_bf16(data.data(), len);
-      for (int64_t i = 0; i < len; ++i) EXPECT_EQ(data[static_cast<size_t>(i)], want(i)) << "len " << len << ", i " << i;
+      EXPECT_EQ(c.all_to_all_bytes_sent(), 2 * ((len + n - 1) / n) * (n - 1)) << "len " << len;
+      wrong = 0;
+      for (int64_t i = 0; i < len; ++i) wrong += data[static_cast<size_t>(i)] != want(i);
+      EXPECT_EQ(wrong, 0) << "of " << len << " sums";
       if (len == 257) everyone[static_cast<size_t>(r)] = data;
     }
   }));
