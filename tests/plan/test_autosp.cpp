@@ -597,6 +597,9 @@ TEST(Autosp, Bf16ChoicesThatCannotApplyAreErrorsNamingTheFix) {
   EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024}, local(), o); },
               ::testing::ThrowsMessage<UserError>(::testing::AllOf(::testing::HasSubstr("no bf16 peak above its f32 one"),
                                                                    ::testing::HasSubstr("fix: allow bf16 store alone"))));
+  o.bf16 = {"store", "fp8"};  // given as a list, not parsed: named with the others
+  EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024}, local(), o); },
+              ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("bf16 choice \"fp8\" (in \"store,fp8\")")));
   o.bf16 = {"store"};
   EXPECT_THAT([&] { autosp(llama::llama_builder(), {kTiny, 1, 1024, "bf16-mixed"}, Cluster::named("8xH200"), o); },
               ::testing::ThrowsMessage<UserError>(::testing::HasSubstr("fix: plan precision f32 with the bf16 choices")));
