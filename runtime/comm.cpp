@@ -230,9 +230,10 @@ void Communicator::reduce_scatter_sum(const float* send, float* recv, int64_t n_
 }
 
 // The bf16 sums go kBf16SumChunk elements (of all ranks) per all-to-all, so
-// their staging stays within 4 MiB however many gradients they sum (the
-// plan counts it: grad_sum_staging in schedules/plan.cpp). Each element is
-// summed as whole, in rank order, so the chunks change no bit.
+// their staging is bounded however many gradients they sum: 4 MiB for the
+// reduce-scatter, about 9 MiB for the all-reduce (the plan counts it:
+// grad_sum_staging in schedules/plan.cpp). Each element is summed whole, in
+// rank order, so the chunks change no bit.
 constexpr int64_t kBf16SumChunk = int64_t{1} << 20;
 
 void Communicator::reduce_scatter_sum_bf16(const float* send, float* recv, int64_t n_per_rank) {
@@ -258,7 +259,7 @@ void Communicator::reduce_scatter_sum_bf16(const float* send, float* recv, int64
 }
 
 // Segments of kBf16SumChunk elements (a multiple of the ranks), the last
-// padded to one: the same blocks, bytes and bits as one call over all n.
+// padded to one: the same bits and bytes on the wire as one call over all n.
 void Communicator::all_reduce_sum_bf16(float* data, int64_t n) {
   check_count(CommOp::AllReduceSum, "n", n);
   check_buffer(CommOp::AllReduceSum, "data", data, n);
