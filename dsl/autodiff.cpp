@@ -35,11 +35,17 @@ Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& opt
   g.set_name_prefix("");
   // Forward values as the backward reads them: clones for rematerialized ones.
   std::map<int, Value> clones;
+  // Each forward value's decision, asked once: a schedule's answer matches
+  // every rule against the value's labels, and the backward reads most
+  // values several times (the search builds thousands of backwards).
+  std::vector<signed char> remat_of(g.nodes().size(), -1);
   ForwardValue fwd = [&](int id) -> Value {
     const Node& x = g.node(id);
-    const bool remat = options.rematerialize && !x.backward && x.op != Op::Input && x.op != Op::Param &&
-                       options.rematerialize(x);
-    if (!remat) return g.value(id);
+    signed char& decided = remat_of[static_cast<size_t>(id)];
+    if (decided < 0)
+      decided = options.rematerialize && !x.backward && x.op != Op::Input && x.op != Op::Param &&
+                options.rematerialize(x);
+    if (!decided) return g.value(id);
     if (auto it = clones.find(id); it != clones.end()) return it->second;
     const Node copy = x;
     Value c;

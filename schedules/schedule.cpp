@@ -221,7 +221,8 @@ void Schedule::check(const Graph& g) const {
     for (const Node& n : g.nodes()) {
       if (n.backward || !matches(r.match, n)) continue;
       any = true;
-      if (r.compute == "inline" && op_info(n.op).cls != OpClass::Cheap && !is_name_term(r.match))
+      if (r.compute != "inline") break;  // (every plan checks every rule; only an inline rule has more to check)
+      if (op_info(n.op).cls != OpClass::Cheap && !is_name_term(r.match))
         throw UserError("error: schedule \"" + name + "\": value " + describe(g, n.id) + " (op " + op_name(n.op) +
                         ", class " + op_class_name(op_info(n.op).cls) + ")\n  rule: {match: \"" + r.match +
                         "\", compute: inline}\nonly cheap values can be computed inside their consumers.\nlegal: "
