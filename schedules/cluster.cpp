@@ -82,6 +82,10 @@ std::string kernel_kind_stand_in(const std::string& kind) {
 
 double Cluster::kernel_time(const std::string& kind, double flops, double bytes) const {
   auto it = kernels.find(kind);
+  // A cluster file that lists some kinds: a missing one is priced as the
+  // kind doing its work (halyard-calibrate's stand-in), not as a pointwise
+  // kernel (which made a log-sum-exp alone cost its bytes alone).
+  if (it == kernels.end()) it = kernels.find(kernel_kind_stand_in(kind));
   if (it == kernels.end()) it = kernels.find("pointwise");
   if (it == kernels.end()) return 0;
   const KernelCoefficients& k = it->second;

@@ -53,6 +53,23 @@ TEST(Calibration, FitRecoversTheCoefficients) {
   }
 }
 
+// A cluster file that lists only some kinds prices a missing one as the
+// kind doing its work, as halyard-calibrate fills it in; only a kind with
+// no stand-in falls back to the pointwise kernels' coefficients.
+TEST(Calibration, AKindAClusterFileLacksIsPricedAsItsStandIn) {
+  const Cluster c = Cluster::parse(R"({"name": "partial", "kernels": {
+      "attention": {"s_per_flop": 3e-11}, "attention_grad_kv": {"s_per_flop": 5e-11},
+      "contract": {"s_per_flop": 2e-11, "s_per_byte": 1e-10}, "pointwise": {"s_per_byte": 4e-10}}})",
+                                   "partial");
+  for (const auto& [kind, like] : std::vector<std::pair<std::string, std::string>>{
+           {"attention_lse", "attention"}, {"attention_grad_q", "attention_grad_kv"}, {"contract_seq", "contract"},
+           {"norm", "pointwise"}, {"copy", "pointwise"}}) {
+    EXPECT_EQ(c.kernel_time(kind, 1e9, 1e6), c.kernel_time(like, 1e9, 1e6)) << kind;
+  }
+  EXPECT_GT(c.kernel_time("attention_lse", 1e9, 1e6), 10 * c.kernel_time("pointwise", 1e9, 1e6))
+      << "a log-sum-exp costs its FLOPs, not only its bytes";
+}
+
 void train_step(runtime::Model& m, int64_t seq) {
   const int64_t n = m.tokens();
   std::vector<int32_t> ids(static_cast<size_t>(n)), labels(ids.size()), pos(ids.size());
