@@ -1053,9 +1053,7 @@ SearchResult autosp(const ModelBuilder& build, const ModelRequest& req, const Cl
   if (opts.zero.empty()) throw UserError("error: autosp with no ZeRO stage to consider.\nlegal: one or more of 0, 1, 3.");
   // (one name each: "ring,ulysses" or "none" here would match no choice)
   for (const std::string& st : opts.strategies) check_strategy(st);
-  std::string given;  // as a --bf16 list, for the message
-  for (const std::string& b : opts.bf16) given += (given.empty() ? "" : ",") + b;
-  for (const std::string& b : opts.bf16) check_bf16_choice(b, given);
+  for (const std::string& b : opts.bf16) check_bf16_choice(b, join(opts.bf16, ","));  // (named as a --bf16 list)
   if (!opts.bf16.empty() && req.precision != "f32")
     throw UserError("error: autosp with bf16 choices, and plan precision " + req.precision +
                     ", which counts every value in bf16 already.\nfix: plan precision f32 with the bf16 choices (what "
