@@ -72,7 +72,7 @@ bool deep(const ModelBuilder& build, const ModelRequest& req) {
 // same, so for a deep model they are those of a 3-layer build plus (L - 3)
 // times what a fourth layer adds: two small plans instead of one of L
 // layers. (autosp() plans its choice at full depth before it answers.)
-Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule& s, const Cluster& c, int* plans) {
+Scored plan_score(const ModelBuilder& build, const ModelRequest& req, const Schedule& s, const Cluster& c, int* plans) {
   if (!deep(build, req)) {
     const Plan p = plan(build, req, s, c);
     if (plans) ++*plans;
@@ -86,6 +86,18 @@ Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule&
   const int64_t more = layers_of(build, req.config) - kProbeLayers;
   return {pa.memory.total() + more * (pb.memory.total() - pa.memory.total()),
           pa.step_s + static_cast<double>(more) * (pb.step_s - pa.step_s)};
+}
+
+// A schedule's score, from `memo` when this search planned it before.
+Scored score(const ModelBuilder& build, const ModelRequest& req, const Schedule& s, const Cluster& c, int* plans,
+             ScoreMemo* memo = nullptr) {
+  if (!memo) return plan_score(build, req, s, c, plans);
+  const std::string key = req.config + "\n" + std::to_string(req.batch) + "\n" + std::to_string(req.seq) + "\n" +
+                          std::to_string(req.layers) + "\n" + req.precision + "\n" + c.to_json() + "\n" + s.to_json();
+  if (auto it = memo->seen.find(key); it != memo->seen.end()) return {it->second.first, it->second.second};
+  const Scored x = plan_score(build, req, s, c, plans);
+  memo->seen[key] = {x.peak, x.step};
+  return x;
 }
 
 // The request a search builds groups from: few layers when the model is deep.
@@ -316,7 +328,7 @@ Schedule with_recompute(const Schedule& base, const std::vector<RematGroup>& gro
 }
 
 RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
-                        int64_t budget, std::vector<RematGroup> groups, int max_plans) {
+                        int64_t budget, std::vector<RematGroup> groups, int max_plans, ScoreMemo* memo) {
   RematResult r;
   if (groups.empty()) {
     const Plan p = plan(build, probe(build, req), base, cluster);
@@ -328,7 +340,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
   std::map<std::vector<bool>, Scored> seen;
   auto eval = [&](const std::vector<bool>& d) {
     if (auto it = seen.find(d); it != seen.end()) return it->second;
-    return seen[d] = score(build, req, with_recompute(base, groups, d), cluster, &r.plans);
+    return seen[d] = score(build, req, with_recompute(base, groups, d), cluster, &r.plans, memo);
   };
   // The decisions. A layer's output is kept: recomputing it would recompute
   // every layer before it. A cheap value fused into its only forward
@@ -521,7 +533,7 @@ RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, cons
     std::vector<bool> off(n, false);
     for (const auto& [gain, j] : costly) {
       off[j] = true;
-      const Scored x = score(build, req, with_recompute(base, groups, r.recompute, off), cluster, &r.plans);
+      const Scored x = score(build, req, with_recompute(base, groups, r.recompute, off), cluster, &r.plans, memo);
       if (x.peak <= budget && x.step < r.step_s) {
         r.peak_bytes = x.peak, r.step_s = x.step;
         r.offload = off;
@@ -729,6 +741,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                     const SearchOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
   SearchResult out;
+  ScoreMemo memo;
   const int64_t ranks = opts.ranks, budget = opts.memory_per_rank;
   const std::vector<int64_t> sps = opts.sp.empty() ? divisors(ranks) : opts.sp;
 
@@ -817,16 +830,29 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     int64_t top_sp = 0, longest = 0;
     for (size_t i = 0; i < configs.size(); ++i)
       if (applies[i]) top_sp = std::max(top_sp, configs[i].base.mesh.sp);
+    const int64_t st = step_for(step, top_sp);
     for (size_t i = 0; i < configs.size(); ++i) {
       if (!applies[i] || configs[i].base.mesh.sp != top_sp || (zero >= 0 && configs[i].base.mesh.zero != zero)) continue;
-      for (bool tiled : {false, true})
-        longest = std::max(longest, longest_fitting_seq(
-                                        [&](int64_t seq) {
-                                          ModelRequest r = req;
-                                          r.seq = seq;
-                                          return score(build, r, frugal(configs[i], seq, tiled), cluster, nullptr).peak;
-                                        },
-                                        budget, step_for(step, top_sp), limit, &out.plans));
+      for (bool tiled : {true, false}) {
+        auto peak_at = [&](int64_t seq) {
+          ModelRequest r = req;
+          r.seq = seq;
+          return score(build, r, frugal(configs[i], seq, tiled), cluster, &out.plans, &memo).peak;
+        };
+        // Only a longer sequence than the longest so far counts: where one
+        // step more does not fit, this schedule fits no longer (memory grows
+        // with the sequence, as longest_fitting_seq assumes). This skips
+        // most of the searches at a 70B's --seq max.
+        if (longest > 0) {
+          if (longest + st > limit / st * st) continue;
+          try {
+            if (peak_at(longest + st) > budget) continue;
+          } catch (const UserError&) {
+            continue;
+          }
+        }
+        longest = std::max(longest, longest_fitting_seq(peak_at, budget, st, limit));
+      }
     }
     return longest;
   };
@@ -871,7 +897,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
       // configuration that cannot fit that way is out.
       std::map<std::pair<int64_t, int64_t>, Scored> leans;
       for (int64_t tile : {int64_t{0}, t.back()})
-        leans[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision), cluster, &out.plans);
+        leans[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision), cluster, &out.plans, &memo);
       for (const auto& [k, x] : leans) least[i] = std::min(least[i], x.peak);
       if (least[i] > budget) continue;
       // Loss tiles: whole or the smallest (a [seq, vocab] tile rarely pays
@@ -883,9 +909,9 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
             // (The bound saves every value, the tiles too.)
             Schedule fastest = base;
             std::erase_if(fastest.values, is_tile_rule);
-            const Scored f = score(build, req, fastest, cluster, &out.plans);
+            const Scored f = score(build, req, fastest, cluster, &out.plans, &memo);
             auto it = pr == least_precision ? leans.find({mlp, loss}) : leans.end();
-            const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans);
+            const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans, &memo);
             options.push_back({i, base, lean_of(mlp, loss, pr), f, l});
           }
     } catch (const UserError& e) {
@@ -909,7 +935,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     // Keep looking while this option could beat the best, or its
     // configuration has no plan yet (for the runner-up table).
     if (o.fast.step >= best_step && config_found[o.config]) continue;
-    RematResult r = solve_remat(build, req, o.base, cluster, budget, {}, opts.remat_plans);
+    RematResult r = solve_remat(build, req, o.base, cluster, budget, {}, opts.remat_plans, &memo);
     out.plans += r.plans;
     if (!r.feasible && can_offload && o.lean.peak <= budget) {
       // Saving or recomputing cannot fit; offloading the checkpoints does.
@@ -933,7 +959,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     Candidate c = found.front().first;
     c.schedule.mesh.zero = 0;
     try {
-      const Scored z = score(build, req, c.schedule, cluster, &out.plans);
+      const Scored z = score(build, req, c.schedule, cluster, &out.plans, &memo);
       if (z.peak <= budget && z.step < c.step_s) {
         c.peak_bytes = z.peak, c.step_s = z.step;
         c.tokens_per_s = static_cast<double>(tokens_per_step(req, c.schedule)) / c.step_s;
@@ -983,7 +1009,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
         s = in_precision(with_tiles(s, t.back(), t.back()), least_precision);
         Cluster bigger = cluster;
         bigger.ranks = more;
-        const Scored x = score(build, req, s, bigger, &out.plans);
+        const Scored x = score(build, req, s, bigger, &out.plans, &memo);
         if (x.peak <= budget) {
           out.infeasible += "; " + std::to_string(more) + " ranks would fit (" + s.str() + ": " + gib(x.peak) + ")";
           break;

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -85,8 +86,18 @@ struct RematResult {
 // heavy values, the costliest to recompute first, is offloaded instead when
 // plan() says that is faster and fits (the bound is then that of the
 // save-or-recompute problem, which offloading only improves on).
+// The scores one search has planned, by everything plan() reads but the
+// builder (one builder per memo): a search meets the same schedule from
+// several sides (the frugal schedules at each length, one option's decisions
+// and another's), and a 70B probe takes tens of milliseconds to plan. With
+// one, solve_remat answers a schedule planned before without planning it
+// again (or counting it in `plans`).
+struct ScoreMemo {
+  std::map<std::string, std::pair<int64_t, double>> seen;  // peak bytes, step seconds
+};
 RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
-                        int64_t budget, std::vector<RematGroup> groups = {}, int max_plans = 400);
+                        int64_t budget, std::vector<RematGroup> groups = {}, int max_plans = 400,
+                        ScoreMemo* memo = nullptr);
 
 // Full checkpointing: cheap values inside their consumers, every layer's
 // values recomputed but its output (the residual stream) kept.

@@ -377,7 +377,7 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     done[s2] = true;
     for (int in : p.stages[s2].inputs)
       if (auto it = stage_of.find(in); it != stage_of.end()) emit(it->second);
-    ordered.push_back(p.stages[s2]);
+    ordered.push_back(std::move(p.stages[s2]));  // (done: never read again)
   };
   for (size_t s2 = 0; s2 < p.stages.size(); ++s2) emit(s2);
   p.stages = std::move(ordered);

@@ -203,6 +203,38 @@ TEST(Autosp, MoreBudgetIsNeverSlowerAndTheChoiceFits) {
   }
 }
 
+// A search's memo of scores changes no answer, and a schedule it holds is
+// not planned again: the same search run twice over one memo plans only
+// what it plans outside scores.
+TEST(Autosp, AMemoOfScoresChangesNoAnswerAndPlansNothingTwice) {
+  const ModelBuilder build = llama::llama_builder();
+  const Case c = cases()[1];  // few enough groups for a search to prove its optimum
+  const ModelRequest req{c.config, 1, c.seq};
+  const auto groups = some(groups_of(req, c.base), c.words);
+  std::vector<bool> every(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) every[i] = !groups[i].layer_output;
+  const int64_t lo = plan(build, req, with_recompute(c.base, groups, every), local()).memory.total();
+  const int64_t hi = plan(build, req, c.base, local()).memory.total();
+  ASSERT_LT(lo, hi);
+  const int64_t budget = lo + (hi - lo) / 2;
+  const RematResult plain = solve_remat(build, req, c.base, local(), budget, groups);
+  ScoreMemo memo;
+  const RematResult first = solve_remat(build, req, c.base, local(), budget, groups, 400, &memo);
+  const RematResult again = solve_remat(build, req, c.base, local(), budget, groups, 400, &memo);
+  ASSERT_TRUE(plain.feasible);
+  ASSERT_TRUE(plain.exhaustive_bound);  // (a memo's answers do not count against a cap)
+  for (const RematResult* r : {&first, &again}) {
+    EXPECT_EQ(r->schedule.to_json(), plain.schedule.to_json());
+    EXPECT_EQ(r->peak_bytes, plain.peak_bytes);
+    EXPECT_EQ(r->step_s, plain.step_s);
+    EXPECT_EQ(r->lower_bound_s, plain.lower_bound_s);
+  }
+  EXPECT_GT(plain.plans, 5);
+  EXPECT_EQ(first.plans, plain.plans);
+  EXPECT_LE(again.plans, 1);  // the all-saved plan, whose held bytes bound each group
+  EXPECT_EQ(memo.seen.size(), static_cast<size_t>(first.plans - again.plans));
+}
+
 // A search stopped at its cap proves a lower bound: no decision that fits
 // is faster. With all the groups of the tiny Llama (too many to enumerate),
 // what a search with more plans finds is a decision that fits: the bound
