@@ -79,13 +79,6 @@ struct RematResult {
   bool offloaded = false;
 };
 
-// The fastest decision whose predicted peak fits `budget` (bytes per rank).
-// Groups default to remat_groups() of base's graph. After `max_plans` plan()
-// calls it returns the best found so far with the proven lower bound. On a
-// cluster with a host link an offload pass follows: each recomputed group of
-// heavy values, the costliest to recompute first, is offloaded instead when
-// plan() says that is faster and fits (the bound is then that of the
-// save-or-recompute problem, which offloading only improves on).
 // The scores one search has planned, by everything plan() reads but the
 // builder (one builder per memo): a search meets the same schedule from
 // several sides (the frugal schedules at each length, one option's decisions
@@ -95,6 +88,14 @@ struct RematResult {
 struct ScoreMemo {
   std::map<std::string, std::pair<int64_t, double>> seen;  // peak bytes, step seconds
 };
+
+// The fastest decision whose predicted peak fits `budget` (bytes per rank).
+// Groups default to remat_groups() of base's graph. After `max_plans` plan()
+// calls it returns the best found so far with the proven lower bound. On a
+// cluster with a host link an offload pass follows: each recomputed group of
+// heavy values, the costliest to recompute first, is offloaded instead when
+// plan() says that is faster and fits (the bound is then that of the
+// save-or-recompute problem, which offloading only improves on).
 RematResult solve_remat(const ModelBuilder& build, const ModelRequest& req, const Schedule& base, const Cluster& cluster,
                         int64_t budget, std::vector<RematGroup> groups = {}, int max_plans = 400,
                         ScoreMemo* memo = nullptr);
