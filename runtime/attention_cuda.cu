@@ -120,8 +120,11 @@ __device__ __forceinline__ int block_min(int* slot, bool valid, int value) {
 }
 
 // The greatest value over the block's valid rows; INT_MIN + 1 when none.
-// (slot: another than block_min's, which a thread may still be reading.)
-__device__ __forceinline__ int block_max(int* slot, bool valid, int value) { return -block_min(slot, valid, -value); }
+// (slot: another than block_min's, which a thread may still be reading. An
+// invalid row's value, INT_MIN say, is not negated: that overflows.)
+__device__ __forceinline__ int block_max(int* slot, bool valid, int value) {
+  return -block_min(slot, valid, valid ? -value : 0);
+}
 
 // Token i's index in the whole row: a ring block's query or key index
 // (Args::qidx, kidx; s and bs its strides), else i itself.
@@ -133,16 +136,25 @@ __device__ __forceinline__ int token_index(const int32_t* idx, int64_t s, int64_
 // qi - pos_i <= kj <= qi (dsl/ops.h).
 __device__ __forceinline__ bool visible(int qi, int kj, int pos_i) { return kj <= qi && qi - kj <= pos_i; }
 
+// A tile of queries as the dK/dV kernels see it: whether any of its
+// queries can see a key of the block, and the window of key indices that
+// every one of them sees, [start_max, qi_min] (empty when start_max >
+// qi_min).
+struct QueryTile {
+  bool sees;
+  int start_max, qi_min;
+};
+
 // For the dK/dV kernels, with the whole block: the positions and indices of
 // query tile [i0, i0 + n) of batch row b into poss and qis [0, B) (-1 past
 // n), and whether any of those queries can see a key of index in [kmin,
 // kmax], the block's keys': one whose document starts (qi - pos) by kmax,
-// at index kmin or later. slots: two.
+// at index kmin or later. slots: four.
 template <int B>
-__device__ __forceinline__ bool query_tile_sees(const Args& a, int b, int i0, int n, int kmin, int kmax, int* poss,
-                                                int* qis, int* slots) {
+__device__ __forceinline__ QueryTile query_tile_sees(const Args& a, int b, int i0, int n, int kmin, int kmax, int* poss,
+                                                     int* qis, int* slots) {
   __syncthreads();
-  if (threadIdx.x == 0) slots[0] = slots[1] = INT_MAX;
+  if (threadIdx.x == 0) slots[0] = slots[1] = slots[2] = slots[3] = INT_MAX;
   __syncthreads();
   for (int x = threadIdx.x; x < B; x += blockDim.x) {
     const int i = i0 + x;
@@ -152,10 +164,12 @@ __device__ __forceinline__ bool query_tile_sees(const Args& a, int b, int i0, in
     if (x < n) {
       atomicMin(&slots[0], qi - p);
       atomicMin(&slots[1], -qi);
+      atomicMin(&slots[2], p - qi);
+      atomicMin(&slots[3], qi);
     }
   }
   __syncthreads();
-  return slots[0] <= kmax && -slots[1] >= kmin;
+  return {slots[0] <= kmax && -slots[1] >= kmin, -slots[2], slots[3]};
 }
 
 // For the dK/dV kernels, with the whole block: D_i = dO_i . O_i of query
@@ -232,27 +246,35 @@ __device__ __forceinline__ KeyRange key_range(const Args& a, int* slots, const Q
                    a.k + r.kvh * a.k_st.h + r.b * a.k_st.b, a.v + r.kvh * a.v_st.h + r.b * a.v_st.b);
 }
 
+// A tile of keys [j0, j0 + n): n (0: none of them in the rows' window, not
+// staged) and the least and greatest of their indices.
+struct KeyTile {
+  int n, kmin, kmax;
+};
+
 // For the whole block: the indices of keys [j0, j0 + n) of the range (n =
-// B, or fewer at its end) into kis; returns n, or 0 where none of them is
-// in the rows' window (key_range's slots; nothing else staged then).
+// B, or fewer at its end) into kis; n is 0 where none of them is in the
+// rows' window (key_range's slots; nothing else staged then). slots: five.
 template <int B>
-__device__ __forceinline__ int key_indices(const Args& a, const KeyRange& kr, int j0, int* kis, int* slots) {
+__device__ __forceinline__ KeyTile key_indices(const Args& a, const KeyRange& kr, int j0, int* kis, int* slots) {
   const int n = min(B, kr.hi - j0);
   __syncthreads();
   if (!a.kidx) {
     for (int x = threadIdx.x; x < n; x += blockDim.x) kis[x] = j0 + x;
-    return n;
+    return {n, j0, j0 + n - 1};
   }
-  if (threadIdx.x == 0) slots[2] = 1;
+  if (threadIdx.x == 0) slots[2] = 1, slots[3] = slots[4] = INT_MAX;
   __syncthreads();
   const int seen_lo = slots[0], seen_hi = -slots[1], b = blockIdx.z;
   for (int x = threadIdx.x; x < n; x += blockDim.x) {
     const int kj = a.kidx[(j0 + x) * a.kidx_s + b * a.kidx_b];
     kis[x] = kj;
     if (kj >= seen_lo && kj <= seen_hi) atomicMin(&slots[2], 0);
+    atomicMin(&slots[3], kj);
+    atomicMin(&slots[4], -kj);
   }
   __syncthreads();
-  return slots[2] ? 0 : n;
+  return {slots[2] ? 0 : n, slots[3], -slots[4]};
 }
 
 // Keys [j0, j0 + n) and their values into ks and vs (null: no values), and
@@ -261,7 +283,7 @@ __device__ __forceinline__ int key_indices(const Args& a, const KeyRange& kr, in
 template <int D>
 __device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int j0, float* ks, float* vs, int* kis,
                                           int* slots) {
-  const int n = key_indices<Shape<D>::B>(a, kr, j0, kis, slots);
+  const int n = key_indices<Shape<D>::B>(a, kr, j0, kis, slots).n;
   if (n == 0) return 0;
   stage<D>(ks, kr.k, a.k_st.s, j0, n, a.D);
   if (vs) stage<D>(vs, kr.v, a.v_st.s, j0, n, a.D);
@@ -277,7 +299,7 @@ __device__ void forward(const Args& a) {
   constexpr int T = S_::T, B = S_::B, KC = 8;
   __shared__ __align__(16) float ks[B * D];
   __shared__ __align__(16) float vs[B * D];
-  __shared__ int kis[B], slots[3];
+  __shared__ int kis[B], slots[5];
   const QueryRow row = query_row<D>(a);
   const auto [t, i, h, b, kvh, pi, qi, valid] = row;
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
@@ -331,7 +353,7 @@ __device__ void grad_q(const Args& a) {
   constexpr int T = S_::T, B = S_::B;
   __shared__ __align__(16) float ks[B * D];
   __shared__ __align__(16) float vs[B * D];
-  __shared__ int kis[B], slots[3];
+  __shared__ int kis[B], slots[5];
   const QueryRow row = query_row<D>(a);
   const auto [t, i, h, b, kvh, pi, qi, valid] = row;
   const float c = a.scale * kLog2e;
@@ -378,7 +400,7 @@ __device__ void grad_kv(const Args& a) {
   __shared__ __align__(16) float qs[B * D];
   __shared__ __align__(16) float ds_[B * D];  // dO rows
   __shared__ float lse2s[B], dis[B];
-  __shared__ int poss[B], qis[B], slots[2], k_slots[2];
+  __shared__ int poss[B], qis[B], slots[4], k_slots[2];
   const int t = threadIdx.x % T, j = blockIdx.x * R + threadIdx.x / T;
   const int g = a.h0 + blockIdx.y, b = blockIdx.z, grp = a.H / a.KV;
   const bool valid = j < a.S;
@@ -399,7 +421,7 @@ __device__ void grad_kv(const Args& a) {
     const int h = g * grp + w;
     for (int i0 = a.qidx ? 0 : static_cast<int>(blockIdx.x) * R; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
-      if (!query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots)) continue;
+      if (!query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots).sees) continue;
       stage<D>(qs, a.q + h * a.q_st.h + b * a.q_st.b, a.q_st.s, i0, n, a.D);
       stage<D>(ds_, a.dO + h * a.dO_st.h + b * a.dO_st.b, a.dO_st.s, i0, n, a.D);
       __syncthreads();
@@ -444,12 +466,35 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, const uint
 }
 #endif
 
-// x rounded to bf16 (nearest, ties to even; x finite): its 16 bits.
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
+// lo and hi rounded to bf16 (nearest, ties to even; finite) as a pair, lo
+// in the low half: one cvt on the device (sm_80 and later; a converted a
+// goes to the upper half of d); its integer twin in the emulator.
+#ifndef HALYARD_CUDA_EMULATION
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t pair;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+#else
+inline uint32_t bf16_bits(float x) {
   const uint32_t u = __float_as_uint(x);
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return bf16_bits(lo) | bf16_bits(hi) << 16; }
+inline uint32_t pack_bf16(float lo, float hi) { return bf16_bits(lo) | bf16_bits(hi) << 16; }
+#endif
+
+// 2^x for the probabilities (x <= 0): the special function unit's ex2 alone.
+// It flushes results below 2^-126 to 0, where exp2f adds a range test and
+// two multiplies per call to keep them (a 1e-38 share of a row's sum).
+#ifndef HALYARD_CUDA_EMULATION
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#else
+inline float exp2_ftz(float x) { return exp2f(x); }
+#endif
 __device__ __forceinline__ float bf16_lo(uint32_t p) { return __uint_as_float(p << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t p) { return __uint_as_float(p & 0xffff0000u); }
 
@@ -460,11 +505,31 @@ struct Tc {
   static constexpr int KS = DP / 16;             // k-steps over head_dim
   static constexpr int NT = B / 8;               // score tiles of 8 per staged tile
   static constexpr int DT = DP / 8;              // output tiles of 8 along head_dim
-  // Strides of the staged tiles (bf16 elements): rows 4 banks apart, so a
-  // fragment's 8 rows x 4 pairs fall on 32 banks.
-  static constexpr int LR = DP + 8, LC = B + 8;
+  // Row strides of the staged tiles (bf16 elements), row-major and
+  // transposed: a half-warp's 64-bit B-fragment loads (load_b) span 4 rows
+  // x 8 words, which fall on 32 distinct banks when a row is 8 or 24 words
+  // mod 32 (16 or 48 elements mod 64).
+  static constexpr int stride(int n) {
+    while (n % 64 != 16 && n % 64 != 48) n += 16;
+    return n;
+  }
+  static constexpr int LR = stride(DP), LC = stride(B);
   static_assert(DP % 16 == 0 && DP <= 128, "tensor-core head_dims are 16, 32, 64 or 128");
 };
+
+// Where element k of a staged row sits: each run of 16 along a product's k
+// dimension keeps its pairs in the order 0 4 1 5 2 6 3 7, so that the two
+// pairs a lane's B fragment holds (2t and 2t + 8 of the run) are adjacent,
+// one 64-bit load.
+__device__ __forceinline__ int kslot(int k) {
+  const int p = (k & 15) >> 1;
+  return (k & ~15) | (p & 3) << 2 | (p >> 2) << 1 | (k & 1);
+}
+// The element that kslot puts at `slot`.
+__device__ __forceinline__ int kdim(int slot) {
+  const int sp = (slot & 15) >> 1;
+  return (slot & ~15) | ((sp >> 1) | (sp & 1) << 2) << 1 | (slot & 1);
+}
 
 // The lane's coordinates in its warp's fragments: group g (row) and t (pair).
 struct Lane {
@@ -495,12 +560,13 @@ __device__ __forceinline__ void load_a(uint32_t (*frag)[4], const float* src, in
 }
 
 // The B fragment (16 x 8) whose column n is row n0 + n of a staged tile
-// (row stride ld), over elements [k0, k0 + 16) of those rows.
+// (row stride ld), over elements [k0, k0 + 16) of those rows (in kslot's
+// order: the lane's two pairs are adjacent).
 __device__ __forceinline__ void load_b(uint32_t* b, const uint16_t* tile, int ld, int n0, int k0) {
   const Lane l = lane();
-  const uint16_t* p = tile + (n0 + l.g) * ld + k0 + 2 * l.t;
-  b[0] = *reinterpret_cast<const uint32_t*>(p);
-  b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
+  const uint2 pairs = *reinterpret_cast<const uint2*>(tile + (n0 + l.g) * ld + k0 + 4 * l.t);
+  b[0] = pairs.x;
+  b[1] = pairs.y;
 }
 
 // The A fragment of a product over 16 staged rows from two score tiles'
@@ -553,17 +619,33 @@ __device__ __forceinline__ void accumulate_over_rows(float (*acc)[4], const floa
 // made into probabilities P (in s) and dP into dS = P (dP - D_i) scale (in
 // dp): at(w, u, &lse2, &di) says whether score (row w of the lane's two, 0
 // or 1; staged row u) is visible, and gives its query's log-sum-exp (log2
-// units) and D_i.
+// units) and D_i. Where the lane's rows see the whole tile (whole), no
+// score is masked, and at() is asked for the statistics only (the test of
+// visibility, unused, is compiled away: most tiles of a long causal row).
 template <int DP, class At>
-__device__ __forceinline__ void probabilities_and_ds(float (*s)[4], float (*dp)[4], float c, float scale, At at) {
+__device__ __forceinline__ void probabilities_and_ds(float (*s)[4], float (*dp)[4], float c, float scale, bool whole,
+                                                     At at) {
   const Lane l = lane();
+  if (whole) {
+#pragma unroll
+    for (int nt = 0; nt < Tc<DP>::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float lse2, di;
+        at(e >> 1, 8 * nt + 2 * l.t + (e & 1), &lse2, &di);
+        const float p = exp2_ftz(s[nt][e] * c - lse2);
+        dp[nt][e] = p * (dp[nt][e] - di) * scale;
+        s[nt][e] = p;
+      }
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < Tc<DP>::NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float lse2, di;
       const bool vis = at(e >> 1, 8 * nt + 2 * l.t + (e & 1), &lse2, &di);
-      const float p = vis ? exp2f(s[nt][e] * c - lse2) : 0.f;
+      const float p = vis ? exp2_ftz(s[nt][e] * c - lse2) : 0.f;
       dp[nt][e] = p * (dp[nt][e] - di) * scale;
       s[nt][e] = p;
     }
@@ -578,13 +660,46 @@ __device__ __forceinline__ void zero(float (*x)[4]) {
 }
 
 // Rows [r0, r0 + n) of a [seq, hd] f32 slab into a tile of B rows as bf16,
-// where given: row-major (rows[r * LR + d]) and transposed (cols[d * LC +
-// r]); zeros past n rows and past hd.
+// where given: row-major (rows[r * LR + kslot(d)]) and transposed (cols[d *
+// LC + kslot(r)]); zeros past n rows and past hd.
+// Where the slab's rows are whole runs of 16-byte-aligned floats (hd = DP,
+// the row stride and the start multiples of 4), each thread reads float4s:
+// for the row-major tile, half a run of 16 (its pairs 0 1 4 5 or 2 3 6 7,
+// slots 0-3 or 4-7 of kslot's order: one 128-bit store; a quarter-warp's
+// stores are one row's 128 contiguous bytes); for the transposed one, two
+// rows (a pair along its k dimension) x 8 elements (8 32-bit stores, the
+// warp's 32 on distinct banks). Else (a padded head_dim) a pair at a time.
 template <int DP>
 __device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const float* src, int64_t ld, int r0, int n,
                                            int hd) {
   using T = Tc<DP>;
-  for (int x = threadIdx.x; x < T::B * DP / 2; x += blockDim.x) {
+  constexpr int B = T::B;
+  if (hd == DP && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    auto load4 = [&](int r, int d) {
+      return r < n ? *reinterpret_cast<const float4*>(src + static_cast<int64_t>(r0 + r) * ld + d)
+                   : float4{0, 0, 0, 0};
+    };
+    if (rows)
+      for (int x = threadIdx.x; x < B * DP / 8; x += blockDim.x) {
+        const int r = x / (DP / 8), run = 16 * ((x % (DP / 8)) / 2), h = x % 2;
+        // pairs 2h, 2h + 1 of the run (f) and 2h + 4, 2h + 5 (g)
+        const float4 f = load4(r, run + 4 * h), g = load4(r, run + 4 * h + 8);
+        *reinterpret_cast<uint4*>(rows + r * T::LR + run + 8 * h) =
+            uint4{pack_bf16(f.x, f.y), pack_bf16(g.x, g.y), pack_bf16(f.z, f.w), pack_bf16(g.z, g.w)};
+      }
+    if (cols)
+      for (int x = threadIdx.x; x < B / 2 * DP / 8; x += blockDim.x) {
+        const int r = 2 * (x % (B / 2)), d0 = 8 * (x / (B / 2));
+        const float4 f[2][2] = {{load4(r, d0), load4(r, d0 + 4)}, {load4(r + 1, d0), load4(r + 1, d0 + 4)}};
+        const float e[2][8] = {{f[0][0].x, f[0][0].y, f[0][0].z, f[0][0].w, f[0][1].x, f[0][1].y, f[0][1].z, f[0][1].w},
+                               {f[1][0].x, f[1][0].y, f[1][0].z, f[1][0].w, f[1][1].x, f[1][1].y, f[1][1].z, f[1][1].w}};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<uint32_t*>(cols + (d0 + j) * T::LC + kslot(r)) = pack_bf16(e[0][j], e[1][j]);
+      }
+    return;
+  }
+  for (int x = threadIdx.x; x < B * DP / 2; x += blockDim.x) {
     const int r = x / (DP / 2), d = 2 * (x % (DP / 2));
     float lo = 0, hi = 0;
     if (r < n) {
@@ -593,10 +708,10 @@ __device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const
       if (d + 1 < hd) hi = p[1];
     }
     const uint32_t pair = pack_bf16(lo, hi);
-    if (rows) *reinterpret_cast<uint32_t*>(rows + r * T::LR + d) = pair;
+    if (rows) *reinterpret_cast<uint32_t*>(rows + r * T::LR + kslot(d)) = pair;
     if (cols) {
-      cols[d * T::LC + r] = static_cast<uint16_t>(pair & 0xffffu);
-      cols[(d + 1) * T::LC + r] = static_cast<uint16_t>(pair >> 16);
+      cols[d * T::LC + kslot(r)] = static_cast<uint16_t>(pair & 0xffffu);
+      cols[(d + 1) * T::LC + kslot(r)] = static_cast<uint16_t>(pair >> 16);
     }
   }
 }
@@ -608,6 +723,15 @@ struct TcRows {
   int h, b, kvh, r0, pos[2], qi[2];
   bool valid[2];
   __device__ __forceinline__ int row(int w) const { return r0 + lane().g + 8 * w; }
+  // Whether both the lane's rows see every key of a full tile of B (whose
+  // indices lie in each row's window [qi - pos, qi]).
+  template <int B>
+  __device__ __forceinline__ bool see_whole(const KeyTile& t) const {
+    bool all = t.n == B;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) all = all && valid[w] && qi[w] - pos[w] <= t.kmin && t.kmax <= qi[w];
+    return all;
+  }
 };
 __device__ __forceinline__ TcRows tc_rows(const Args& a, int rows_per_block) {
   const Lane l = lane();
@@ -634,19 +758,20 @@ __device__ __forceinline__ KeyRange tc_keys(const Args& a, int* slots, const TcR
                    a.v + r.kvh * a.v_st.h + r.b * a.v_st.b);
 }
 
-// Keys [j0, j0 + B) (n of them, returned; 0: a tile the rows do not see,
-// not staged) and their values as bf16 into the tiles given (row-major,
-// transposed; null for none), their indices into kis, for the whole block.
+// Keys [j0, j0 + B) (returned: n of them, 0 for a tile the rows do not
+// see, not staged) and their values as bf16 into the tiles given
+// (row-major, transposed; null for none), their indices into kis, for the
+// whole block.
 template <int DP>
-__device__ __forceinline__ int stage_keys_bf16(const Args& a, const KeyRange& keys, int j0, uint16_t* k_rows,
-                                               uint16_t* k_cols, uint16_t* v_rows, uint16_t* v_cols, int* kis,
-                                               int* slots) {
-  const int n = key_indices<Tc<DP>::B>(a, keys, j0, kis, slots);
-  if (n == 0) return 0;
-  stage_bf16<DP>(k_rows, k_cols, keys.k, a.k_st.s, j0, n, a.D);
-  if (v_rows || v_cols) stage_bf16<DP>(v_rows, v_cols, keys.v, a.v_st.s, j0, n, a.D);
+__device__ __forceinline__ KeyTile stage_keys_bf16(const Args& a, const KeyRange& keys, int j0, uint16_t* k_rows,
+                                                   uint16_t* k_cols, uint16_t* v_rows, uint16_t* v_cols, int* kis,
+                                                   int* slots) {
+  const KeyTile t = key_indices<Tc<DP>::B>(a, keys, j0, kis, slots);
+  if (t.n == 0) return t;
+  stage_bf16<DP>(k_rows, k_cols, keys.k, a.k_st.s, j0, t.n, a.D);
+  if (v_rows || v_cols) stage_bf16<DP>(v_rows, v_cols, keys.v, a.v_st.s, j0, t.n, a.D);
   __syncthreads();
-  return n;
+  return t;
 }
 
 template <int DP>
@@ -655,7 +780,7 @@ __device__ void forward_bf16(const Args& a) {
   constexpr int B = T::B;
   __shared__ __align__(16) uint16_t ks[B * T::LR];
   __shared__ __align__(16) uint16_t vt[DP * T::LC];
-  __shared__ int kis[B], slots[3];
+  __shared__ int kis[B], slots[5];
   const Lane l = lane();
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4];
@@ -666,27 +791,40 @@ __device__ void forward_bf16(const Args& a) {
   zero<T::DT>(acc);
   for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
     // (no v for the log-sum-exp alone)
-    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, a.out ? vt : nullptr, kis, slots);
-    if (n == 0) continue;
+    const KeyTile t = stage_keys_bf16<DP>(a, keys, j0, ks, nullptr, nullptr, a.out ? vt : nullptr, kis, slots);
+    if (t.n == 0) continue;
     float s[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
+    // Where the lane's rows see the whole tile (most tiles of a long causal
+    // row), nothing is masked, and every score is finite.
+    const bool whole = r.see_whole<B>(t);
     float mx[2] = {m[0], m[1]};
+    if (whole) {
 #pragma unroll
-    for (int nt = 0; nt < T::NT; ++nt)
+      for (int nt = 0; nt < T::NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
-        const bool vis = r.valid[w] && u < n && visible(r.qi[w], kis[u], r.pos[w]);
-        s[nt][e] = vis ? s[nt][e] * c : -INFINITY;
-        mx[w] = fmaxf(mx[w], s[nt][e]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] *= c;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < T::NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int w = e >> 1, u = 8 * nt + 2 * l.t + (e & 1);
+          const bool vis = r.valid[w] && u < t.n && visible(r.qi[w], kis[u], r.pos[w]);
+          s[nt][e] = vis ? s[nt][e] * c : -INFINITY;
+          mx[w] = fmaxf(mx[w], s[nt][e]);
+        }
+    }
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       mx[w] = fmaxf(mx[w], __shfl_xor_sync(0xffffffffu, mx[w], 1));
       mx[w] = fmaxf(mx[w], __shfl_xor_sync(0xffffffffu, mx[w], 2));
       // exp2(-inf - finite) = 0 drops an empty past; with nothing seen yet
       // (mx = -inf) nothing changes.
-      const float alpha = mx[w] == -INFINITY ? 1.f : exp2f(m[w] - mx[w]);
+      const float alpha = mx[w] == -INFINITY ? 1.f : exp2_ftz(m[w] - mx[w]);
       sum[w] *= alpha;
       m[w] = mx[w];
 #pragma unroll
@@ -695,11 +833,13 @@ __device__ void forward_bf16(const Args& a) {
         acc[dt][2 * w + 1] *= alpha;
       }
     }
+    // (m is finite after a whole tile; a masked score is 0, also where m
+    // is still -inf)
 #pragma unroll
     for (int nt = 0; nt < T::NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = s[nt][e] == -INFINITY ? 0.f : exp2f(s[nt][e] - m[e >> 1]);
+        const float p = !whole && s[nt][e] == -INFINITY ? 0.f : exp2_ftz(s[nt][e] - m[e >> 1]);
         sum[e >> 1] += p;
         s[nt][e] = p;
       }
@@ -763,7 +903,7 @@ __device__ void grad_q_bf16(const Args& a) {
   __shared__ __align__(16) uint16_t ks[B * T::LR];
   __shared__ __align__(16) uint16_t vs[B * T::LR];
   __shared__ __align__(16) uint16_t kt[DP * T::LC];
-  __shared__ int kis[B], slots[3];
+  __shared__ int kis[B], slots[5];
   const Lane l = lane();
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4], da[T::KS][4];
@@ -779,14 +919,14 @@ __device__ void grad_q_bf16(const Args& a) {
   float dq[T::DT][4];
   zero<T::DT>(dq);
   for (int j0 = keys.lo; j0 < keys.hi; j0 += B) {
-    const int n = stage_keys_bf16<DP>(a, keys, j0, ks, kt, vs, nullptr, kis, slots);
-    if (n == 0) continue;
+    const KeyTile t = stage_keys_bf16<DP>(a, keys, j0, ks, kt, vs, nullptr, kis, slots);
+    if (t.n == 0) continue;
     float s[T::NT][4], dp[T::NT][4];
     products_over_head_dim<DP>(s, qa, ks);
     products_over_head_dim<DP>(dp, da, vs);
-    probabilities_and_ds<DP>(s, dp, c, a.scale, [&](int w, int u, float* lse2_wu, float* di_wu) {
+    probabilities_and_ds<DP>(s, dp, c, a.scale, r.see_whole<B>(t), [&](int w, int u, float* lse2_wu, float* di_wu) {
       *lse2_wu = lse2[w], *di_wu = di[w];
-      return r.valid[w] && u < n && visible(r.qi[w], kis[u], r.pos[w]);
+      return r.valid[w] && u < t.n && visible(r.qi[w], kis[u], r.pos[w]);
     });
     accumulate_over_rows<DP>(dq, dp, kt);
   }
@@ -804,6 +944,44 @@ __device__ void grad_q_bf16(const Args& a) {
   }
 }
 
+// For the bf16 dK/dV kernel, with the whole block: D_i = dO_i . O_i of
+// query tile [i0, i0 + n) of head h (dO_i as staged, rounded to bf16) into
+// dis, and the queries' log-sum-exps (log2 units) into lse2s; zeros past n.
+// The 128 threads split the B rows, P a row, each summing DP / P of its
+// elements (the staged ones 8 at a time), so that a row costs log2(P)
+// shuffles (tile_dsum, a warp a row, costs 5 each, and did the dK/dV
+// kernel's tile as much work again as its products).
+template <int DP>
+__device__ __forceinline__ void tile_dsum_bf16(const Args& a, int h, int b, int i0, int n, const uint16_t* dos,
+                                               float* dis, float* lse2s) {
+  using T = Tc<DP>;
+  constexpr int P = 128 / T::B, E = DP / P;
+  static_assert(P * T::B == 128 && E % 8 == 0, "a row's elements are whole runs of 8 for each of its threads");
+  const int x = threadIdx.x / P, first = static_cast<int>(threadIdx.x % P) * E;
+  float di = 0;
+  if (x < n) {
+    const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b;
+    const uint16_t* row = dos + x * T::LR + first;
+#pragma unroll
+    for (int j8 = 0; j8 < E; j8 += 8) {
+      const uint4 pairs = *reinterpret_cast<const uint4*>(row + j8);
+      const uint32_t w[4] = {pairs.x, pairs.y, pairs.z, pairs.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int d = kdim(first + j8 + j);
+        if (d < a.D) di = fmaf(j & 1 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]), o[d], di);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = P / 2; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
+  if (first == 0) {
+    dis[x] = di;
+    lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
+  }
+  __syncthreads();
+}
+
 // dK (into out) and dV: grid (key row blocks, kv heads from h0, batch
 // rows); each warp owns 16 key rows, walking every query head of the kv
 // head and every query tile that can see the block's keys. The transposed
@@ -817,7 +995,7 @@ __device__ void grad_kv_bf16(const Args& a) {
   __shared__ __align__(16) uint16_t qt[DP * T::LC];
   __shared__ __align__(16) uint16_t dot[DP * T::LC];
   __shared__ float lse2s[B], dis[B];
-  __shared__ int poss[B], qis[B], slots[2], k_slots[2];
+  __shared__ int poss[B], qis[B], slots[4], k_slots[2];
   const Lane l = lane();
   const int kvh = a.h0 + blockIdx.y, b = blockIdx.z, grp = a.H / a.KV;
   const int r0 = blockIdx.x * T::R + (threadIdx.x >> 5) * 16;
@@ -843,17 +1021,19 @@ __device__ void grad_kv_bf16(const Args& a) {
     const float* dOh = a.dO + h * a.dO_st.h + b * a.dO_st.b;
     for (int i0 = a.qidx ? 0 : static_cast<int>(blockIdx.x) * T::R; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
-      if (!query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots)) continue;
+      const QueryTile tile = query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots);
+      if (!tile.sees) continue;
+      // Whether every query of a full tile sees both the lane's keys.
+      const bool whole = n == B && valid[0] && valid[1] && tile.start_max <= min(kj[0], kj[1]) &&
+                         max(kj[0], kj[1]) <= tile.qi_min;
       stage_bf16<DP>(qs, qt, qh, a.q_st.s, i0, n, a.D);
       stage_bf16<DP>(dos, dot, dOh, a.dO_st.s, i0, n, a.D);
       __syncthreads();
-      tile_dsum(a, h, b, i0, n, B,
-                [&](int x, int d) { return __uint_as_float(static_cast<uint32_t>(dos[x * T::LR + d]) << 16); }, dis,
-                lse2s);
+      tile_dsum_bf16<DP>(a, h, b, i0, n, dos, dis, lse2s);
       float s[T::NT][4], dp[T::NT][4];
       products_over_head_dim<DP>(s, ka, qs);
       products_over_head_dim<DP>(dp, va, dos);
-      probabilities_and_ds<DP>(s, dp, c, a.scale, [&](int w, int u, float* lse2_wu, float* di_wu) {
+      probabilities_and_ds<DP>(s, dp, c, a.scale, whole, [&](int w, int u, float* lse2_wu, float* di_wu) {
         *lse2_wu = lse2s[u], *di_wu = dis[u];
         return valid[w] && u < n && visible(qis[u], kj[w], poss[u]);
       });

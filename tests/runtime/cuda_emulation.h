@@ -124,6 +124,12 @@ void launch(Kernel kernel, unsigned gx, unsigned gy, unsigned gz, unsigned threa
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(8) uint2 {
+  uint32_t x, y;
+};
+struct alignas(16) uint4 {
+  uint32_t x, y, z, w;
+};
 
 inline void __syncthreads() { cuda_emulation::barrier(); }
 

@@ -108,13 +108,24 @@ TEST(AttentionCudaEmulated, KernelsMatchTheCpuLibrary) {
 // of a bf16 rounding, mostly in the forward, whose unnormalized
 // probabilities are rounded against a running max that moves with the key
 // blocks (32 or 64 keys here, 128 on the CPU). Measured (rms, Zen 4, 15
-// runs): outputs 3.9e-4 at most, gradients 8e-5; the CPU's bf16 against
-// its f32, 2.5e-3 to 4.7e-3.
+// runs): outputs 3.9e-4 at most, gradients 8e-5; with the long documents
+// below (Zen 4, 5 runs each, these kernels and the ones before whole tiles
+// went unmasked alike) outputs 3.5e-4 to 5.9e-4, gradients 5e-5; the
+// CPU's bf16 against its f32, 2.5e-3 to 4.7e-3.
 TEST(AttentionCudaEmulated, Bf16KernelsOnTensorCoresMatchTheCpuLibrarysBf16) {
   for (int D : {8, 24, 64, 128}) {
     const bool wide = D > 32;
     check_emulated(D, wide ? 2 : 4, wide ? 1 : 2, 1e-3, true);
   }
+  // Documents longer than a tile: there a warp's rows see whole tiles of
+  // the other side, which the kernels take without a mask (the second block
+  // of 64 queries against the first 64 keys, say), beside the diagonal's
+  // masked ones; one document, and two of 130 tokens.
+  struct Long {
+    int D, S, doc;
+  };
+  for (const Long c : {Long{16, 200, 200}, Long{64, 260, 130}, Long{128, 160, 160}})
+    check_emulated(c.D, 2, 1, 1e-3, true, nullptr, c.S, c.doc);
   // The CPU library's bf16 against its f32: apart by bf16's rounding, far
   // more than the kernels are from it.
   const double apart = halyard::testing::check_attention_against_cpu(
@@ -151,6 +162,46 @@ TEST(AttentionCudaEmulated, RingBlocksMatchTheCpuLibrarysRingEntryPoints) {
       std::printf("queries of rank %d, keys of rank %d%s\n", c.query_rank, c.key_rank, c.zigzag ? ", zigzag" : "");
       check_emulated(bf16 ? 16 : 24, 4, 2, bf16 ? 1e-3 : 1e-5, bf16, &ring, 70, 100);
     }
+}
+
+// A bf16 kernel's staging of a slab's rows into its tiles (row-major and
+// transposed, in kslot's order), as float4s where the slab allows them, is
+// the pair-at-a-time staging's, bit for bit: the same rows, from a copy of
+// the slab one float off 16-byte alignment (which takes the pairs' path),
+// with a tail of rows past n that both fill with zeros.
+template <int DP>
+void expect_float4_staging_as_pairs() {
+  using T = Tc<DP>;
+  const int ld = 3 * DP, r0 = 3, n = T::B - 5, rows_needed = r0 + T::B;
+  std::vector<float> slab(static_cast<size_t>(rows_needed) * ld + 8);
+  uint32_t seed = 12345;
+  for (float& x : slab) x = static_cast<float>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 9) % 2001 - 1000) / 317.f;
+  float* aligned = slab.data();
+  while (reinterpret_cast<uintptr_t>(aligned) % 16 != 0) ++aligned;
+  std::vector<float> off(slab.size() + 8);
+  float* misaligned = off.data();
+  while (reinterpret_cast<uintptr_t>(misaligned) % 16 != 4) ++misaligned;
+  std::copy(aligned, aligned + static_cast<size_t>(rows_needed) * ld, misaligned);
+  std::vector<uint16_t> rows[2], cols[2];
+  for (int path = 0; path < 2; ++path) {
+    rows[path].assign(T::B * T::LR, 0xdead);
+    cols[path].assign(DP * T::LC, 0xdead);
+    cuda_emulation::launch(
+        [&](const float* src) { stage_bf16<DP>(rows[path].data(), cols[path].data(), src, ld, r0, n, DP); }, 1, 1, 1,
+        128, path == 0 ? static_cast<const float*>(aligned) : static_cast<const float*>(misaligned));
+  }
+  EXPECT_EQ(rows[0], rows[1]) << "head_dim " << DP;
+  EXPECT_EQ(cols[0], cols[1]) << "head_dim " << DP;
+  // (and the tiles hold the slab: row 1, element 2 of the run, in kslot's place)
+  EXPECT_EQ(rows[0][1 * T::LR + kslot(2)], pack_bf16(aligned[(r0 + 1) * ld + 2], 0) & 0xffffu);
+  EXPECT_EQ(cols[0][2 * T::LC + kslot(1)], pack_bf16(aligned[(r0 + 1) * ld + 2], 0) & 0xffffu);
+}
+
+TEST(AttentionCudaEmulated, StagingAsFloat4sIsThePairwiseStaging) {
+  expect_float4_staging_as_pairs<16>();
+  expect_float4_staging_as_pairs<32>();
+  expect_float4_staging_as_pairs<64>();
+  expect_float4_staging_as_pairs<128>();
 }
 
 // What the launcher refuses, before anything runs.
