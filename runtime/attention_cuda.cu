@@ -100,9 +100,19 @@ __device__ __forceinline__ void add_shared(const float* row, float a, float* acc
 }
 
 // Rows [r0, r0 + n) of a [seq, hd] slab (row stride ld) into tile[B][D];
-// zeros past n rows and past hd elements.
-template <int D>
+// zeros past n rows and past hd elements. As float4s where the rows are
+// whole and 16-byte aligned (hd = D, the stride and the start multiples of
+// 4) and the kernel asks (kFloat4s); else an element at a time.
+template <int D, bool kFloat4s = true>
 __device__ __forceinline__ void stage(float* tile, const float* src, int64_t ld, int r0, int n, int hd) {
+  if (kFloat4s && hd == D && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    for (int x = threadIdx.x; x < Shape<D>::B * D / 4; x += blockDim.x) {
+      const int r = x / (D / 4), d = 4 * (x % (D / 4));
+      reinterpret_cast<float4*>(tile)[x] =
+          r < n ? *reinterpret_cast<const float4*>(src + static_cast<int64_t>(r0 + r) * ld + d) : float4{0, 0, 0, 0};
+    }
+    return;
+  }
   for (int x = threadIdx.x; x < Shape<D>::B * D; x += blockDim.x) {
     const int r = x / D, d = x % D;
     tile[x] = r < n && d < hd ? src[static_cast<int64_t>(r0 + r) * ld + d] : 0.f;
@@ -172,28 +182,37 @@ __device__ __forceinline__ QueryTile query_tile_sees(const Args& a, int b, int i
   return {slots[0] <= kmax && -slots[1] >= kmin, -slots[2], slots[3]};
 }
 
-// For the dK/dV kernels, with the whole block: D_i = dO_i . O_i of query
-// tile [i0, i0 + n) of head h, batch row b (dO_i from the staged tile,
-// dO_at(x, d)) into dis[0, rows), and the queries' log-sum-exps (log2
-// units) into lse2s; zeros past n. A warp a row: its lanes read the row of
-// O side by side (coalesced) and sum over their 32. (rows is a multiple of
-// the block's warps, so that every lane meets every shuffle.)
-template <class DoAt>
-__device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, int n, int rows, DoAt dO_at, float* dis,
+// For the f32 dK/dV kernel, with the whole block: D_i = dO_i . O_i of
+// query tile [i0, i0 + n) of head h, batch row b (dO_i from the staged
+// tile ds, [B][D]) into dis, and the queries' log-sum-exps (log2 units)
+// into lse2s; zeros past n. The block's R T threads split the B rows, P a
+// row, each summing D / P of its elements (log2(P) shuffles a row; a warp
+// a row cost five, and a tile about a fifth of the kernel's time).
+template <int D>
+__device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, int n, const float* ds, float* dis,
                                           float* lse2s) {
-  const int lane32 = threadIdx.x & 31, warps = blockDim.x / 32;
-  for (int x = threadIdx.x >> 5; x < rows; x += warps) {
-    float di = 0;
-    if (x < n) {
-      const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b;
-      for (int d = lane32; d < a.D; d += 32) di = fmaf(dO_at(x, d), o[d], di);
-    }
+  using S_ = Shape<D>;
+  constexpr int P = S_::R * S_::T / S_::B, E = D / P;
+  static_assert(P * S_::B == S_::R * S_::T && E % 4 == 0, "whole float4s of a row for each of its threads");
+  const int x = threadIdx.x / P, first = static_cast<int>(threadIdx.x % P) * E;
+  float di = 0;
+  if (x < n) {
+    const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b + first;
+    const float* row = ds + x * D + first;
 #pragma unroll
-    for (int m = 16; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
-    if (lane32 == 0) {
-      dis[x] = di;
-      lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
+    for (int e4 = 0; e4 < E; e4 += 4) {
+      const float4 g = *reinterpret_cast<const float4*>(row + e4);
+      const float gs[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (first + e4 + e < a.D) di = fmaf(gs[e], o[e4 + e], di);
     }
+  }
+#pragma unroll
+  for (int m = P / 2; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
+  if (first == 0) {
+    dis[x] = di;
+    lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
   }
   __syncthreads();
 }
@@ -279,14 +298,14 @@ __device__ __forceinline__ KeyTile key_indices(const Args& a, const KeyRange& kr
 
 // Keys [j0, j0 + n) and their values into ks and vs (null: no values), and
 // their indices into kis, for the whole block; returns n (0: a tile the
-// rows do not see, not staged).
-template <int D>
+// rows do not see, not staged). kFloat4s: as stage's.
+template <int D, bool kFloat4s>
 __device__ __forceinline__ int stage_keys(const Args& a, const KeyRange& kr, int j0, float* ks, float* vs, int* kis,
                                           int* slots) {
   const int n = key_indices<Shape<D>::B>(a, kr, j0, kis, slots).n;
   if (n == 0) return 0;
-  stage<D>(ks, kr.k, a.k_st.s, j0, n, a.D);
-  if (vs) stage<D>(vs, kr.v, a.v_st.s, j0, n, a.D);
+  stage<D, kFloat4s>(ks, kr.k, a.k_st.s, j0, n, a.D);
+  if (vs) stage<D, kFloat4s>(vs, kr.v, a.v_st.s, j0, n, a.D);
   __syncthreads();
   return n;
 }
@@ -313,7 +332,10 @@ __device__ void forward(const Args& a) {
   const KeyRange kr = key_range<D>(a, slots, row);
   float m = -INFINITY, l = 0;
   for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
-    const int n = stage_keys<D>(a, kr, j0, ks, a.out ? vs : nullptr, kis, slots);
+    // (an element at a time: the float4 path costs this kernel, whose q and
+    // output stay in registers meanwhile, 28 registers and a spill at
+    // head_dims 64 and 128; ptxas, sm_90)
+    const int n = stage_keys<D, false>(a, kr, j0, ks, a.out ? vs : nullptr, kis, slots);
     for (int u0 = 0; u0 < n; u0 += KC) {
       float s[KC];
       float mx = m;
@@ -376,7 +398,7 @@ __device__ void grad_q(const Args& a) {
   for (int x = 0; x < 4 * S_::C; ++x) dq[x] = 0;
   const KeyRange kr = key_range<D>(a, slots, row);
   for (int j0 = kr.lo; j0 < kr.hi; j0 += B) {
-    const int n = stage_keys<D>(a, kr, j0, ks, vs, kis, slots);
+    const int n = stage_keys<D, true>(a, kr, j0, ks, vs, kis, slots);
     for (int u = 0; u < n; ++u) {
       const float s = lanes_sum<T>(dot_shared<D>(ks + u * D, q, t));
       const float dp = lanes_sum<T>(dot_shared<D>(vs + u * D, dO, t));
@@ -425,7 +447,7 @@ __device__ void grad_kv(const Args& a) {
       stage<D>(qs, a.q + h * a.q_st.h + b * a.q_st.b, a.q_st.s, i0, n, a.D);
       stage<D>(ds_, a.dO + h * a.dO_st.h + b * a.dO_st.b, a.dO_st.s, i0, n, a.D);
       __syncthreads();
-      tile_dsum(a, h, b, i0, n, B, [&](int x, int d) { return ds_[x * D + d]; }, dis, lse2s);
+      tile_dsum<D>(a, h, b, i0, n, ds_, dis, lse2s);
       for (int u = 0; u < n; ++u) {
         const float s = lanes_sum<T>(dot_shared<D>(qs + u * D, k, t));
         const float dp = lanes_sum<T>(dot_shared<D>(ds_ + u * D, v, t));
