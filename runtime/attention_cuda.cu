@@ -182,6 +182,21 @@ __device__ __forceinline__ QueryTile query_tile_sees(const Args& a, int b, int i
   return {slots[0] <= kmax && -slots[1] >= kmin, -slots[2], slots[3]};
 }
 
+// The end of a query tile's D_i sums (tile_dsum, tile_dsum_bf16): row x's
+// P partial sums, on adjacent lanes, added, and with the row's log-sum-exp
+// (log2 units) into dis and lse2s by its first lane; zeros past n.
+template <int P>
+__device__ __forceinline__ void finish_dsum(const Args& a, int h, int b, int i0, int n, int x, bool first, float di,
+                                            float* dis, float* lse2s) {
+#pragma unroll
+  for (int m = P / 2; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
+  if (first) {
+    dis[x] = di;
+    lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
+  }
+  __syncthreads();
+}
+
 // For the f32 dK/dV kernel, with the whole block: D_i = dO_i . O_i of
 // query tile [i0, i0 + n) of head h, batch row b (dO_i from the staged
 // tile ds, [B][D]) into dis, and the queries' log-sum-exps (log2 units)
@@ -208,13 +223,7 @@ __device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, i
         if (first + e4 + e < a.D) di = fmaf(gs[e], o[e4 + e], di);
     }
   }
-#pragma unroll
-  for (int m = P / 2; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
-  if (first == 0) {
-    dis[x] = di;
-    lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
-  }
-  __syncthreads();
+  finish_dsum<P>(a, h, b, i0, n, x, first == 0, di, dis, lse2s);
 }
 
 // A query row's thread in a grid of (row blocks, heads from h0, batch rows):
@@ -995,13 +1004,7 @@ __device__ __forceinline__ void tile_dsum_bf16(const Args& a, int h, int b, int 
       }
     }
   }
-#pragma unroll
-  for (int m = P / 2; m > 0; m /= 2) di += __shfl_xor_sync(0xffffffffu, di, m);
-  if (first == 0) {
-    dis[x] = di;
-    lse2s[x] = x < n ? a.lse[h * a.lse_st.h + (i0 + x) * a.lse_st.s + b * a.lse_st.b] * kLog2e : 0.f;
-  }
-  __syncthreads();
+  finish_dsum<P>(a, h, b, i0, n, x, first == 0, di, dis, lse2s);
 }
 
 // dK (into out) and dV: grid (key row blocks, kv heads from h0, batch
