@@ -117,7 +117,7 @@ void launch(Kernel kernel, unsigned gx, unsigned gy, unsigned gz, unsigned threa
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
