@@ -175,7 +175,10 @@ void expect_float4_staging_as_pairs() {
   const int ld = 3 * DP, r0 = 3, n = T::B - 5, rows_needed = r0 + T::B;
   std::vector<float> slab(static_cast<size_t>(rows_needed) * ld + 8);
   uint32_t seed = 12345;
-  for (float& x : slab) x = static_cast<float>(static_cast<int>((seed = seed * 1664525u + 1013904223u) >> 9) % 2001 - 1000) / 317.f;
+  for (float& x : slab) {
+    seed = seed * 1664525u + 1013904223u;
+    x = static_cast<float>(static_cast<int>(seed >> 9) % 2001 - 1000) / 317.f;
+  }
   float* aligned = slab.data();
   while (reinterpret_cast<uintptr_t>(aligned) % 16 != 0) ++aligned;
   std::vector<float> off(slab.size() + 8);
