@@ -99,13 +99,20 @@ __device__ __forceinline__ void add_shared(const float* row, float a, float* acc
   }
 }
 
+// Whether every row of a [seq, hd] slab (row stride ld) is whole float4s
+// a kernel padded to D can stage as such: hd = D, and the start and the
+// stride 16-byte aligned.
+__device__ __forceinline__ bool float4_rows(const float* src, int64_t ld, int hd, int D) {
+  return hd == D && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+}
+
 // Rows [r0, r0 + n) of a [seq, hd] slab (row stride ld) into tile[B][D];
 // zeros past n rows and past hd elements. As float4s where the rows are
 // whole and 16-byte aligned (hd = D, the stride and the start multiples of
 // 4) and the kernel asks (kFloat4s); else an element at a time.
 template <int D, bool kFloat4s = true>
 __device__ __forceinline__ void stage(float* tile, const float* src, int64_t ld, int r0, int n, int hd) {
-  if (kFloat4s && hd == D && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+  if (kFloat4s && float4_rows(src, ld, hd, D)) {
     for (int x = threadIdx.x; x < Shape<D>::B * D / 4; x += blockDim.x) {
       const int r = x / (D / 4), d = 4 * (x % (D / 4));
       reinterpret_cast<float4*>(tile)[x] =
@@ -705,7 +712,7 @@ __device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const
                                            int hd) {
   using T = Tc<DP>;
   constexpr int B = T::B;
-  if (hd == DP && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+  if (float4_rows(src, ld, hd, DP)) {
     auto load4 = [&](int r, int d) {
       return r < n ? *reinterpret_cast<const float4*>(src + static_cast<int64_t>(r0 + r) * ld + d)
                    : float4{0, 0, 0, 0};

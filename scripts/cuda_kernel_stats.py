@@ -95,7 +95,7 @@ def kinds(body):
     for _, ins in body:
         op = opcode(ins)
         for kind, prefixes in (("mma", ("HMMA",)), ("lds", ("LDS", "LDSM")), ("sts", ("STS",)),
-                               ("ld", ("LDG", "LD.", "LDC")), ("st", ("STG", "ST.")), ("shfl", ("SHFL",)),
+                               ("ld", ("LDG", "LD.")), ("st", ("STG", "ST.")), ("shfl", ("SHFL",)),
                                ("bar", ("BAR",)), ("mufu", ("MUFU",)), ("atom", ("ATOM", "RED")),
                                ("local", ("LDL", "STL")), ("branch", ("BRA",))):
             if op.startswith(prefixes):
