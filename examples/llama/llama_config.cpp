@@ -223,7 +223,8 @@ LlamaConfig parse_hf_config(const std::string& text, const std::string& what, co
   c.vocab_size = r.positive_int("vocab_size");
   c.rms_norm_eps = r.positive_number("rms_norm_eps", 1e-6);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-  if (c.hidden_size % c.num_attention_heads != 0 && !j.contains("head_dim"))
+  // (head_dim null is absent, as HF reads it: head_dim is then hidden_size / heads)
+  if (c.hidden_size % c.num_attention_heads != 0 && (!j.contains("head_dim") || j["head_dim"].is_null()))
     r.fail("hidden_size (" + std::to_string(c.hidden_size) + ") is not a multiple of num_attention_heads (" +
            std::to_string(c.num_attention_heads) + ") and no head_dim is given.\nlegal: give head_dim, or heads dividing hidden_size.");
   c.head_dim = r.positive_int("head_dim", false, c.hidden_size / c.num_attention_heads);

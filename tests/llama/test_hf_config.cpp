@@ -111,6 +111,19 @@ TEST(HfConfig, DtypeInEitherSpellingIsNotMath) {
   EXPECT_EQ(error_of(with(R"("torch_dtype": "float16", "transformers_version": "4.43.4", "use_cache": true)")), "");
 }
 
+// head_dim null is head_dim absent, as in HF: hidden_size / heads, so heads
+// must divide hidden_size. (Fuzzing found a config with 8 heads over a
+// hidden_size of 6 and "head_dim": null accepted with head_dim 0; its input
+// is tests/fuzz/corpus/llama_config/crash-head-dim-null-heads-not-dividing.json.)
+TEST(HfConfig, HeadDimNullIsHiddenSizeOverHeads) {
+  const std::string base = R"({"hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 96, "vocab_size": 32, )";
+  EXPECT_EQ(llama::LlamaConfig::parse(base + R"("num_attention_heads": 4, "head_dim": null})", "config.json").head_dim, 16);
+  for (const char* head_dim : {R"(, "head_dim": null)", ""})
+    EXPECT_THAT(error_of(base + R"("num_attention_heads": 6)" + head_dim + "}"),
+                AllOf(HasSubstr("hidden_size (64) is not a multiple of num_attention_heads (6) and no head_dim is given"),
+                      HasSubstr("legal: give head_dim, or heads dividing hidden_size")));
+}
+
 TEST(HfConfig, EveryUnimplementedMathKeyIsRefusedByName) {
   struct Case { const char* json; const char* says; };
   const Case cases[] = {
