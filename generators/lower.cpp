@@ -777,8 +777,16 @@ void Ctx::library_attention(int id, Func out) {
                     ", over the " + std::to_string(runtime::attention_cuda::kMaxHeadDim) +
                     " the CUDA attention kernels hold (runtime/attention_cuda.h).\nfix: say \"attention_kernel\": "
                     "\"halide\" in the schedule.");
+  // q, k, v and O: a bf16 copy of a buffer (a saved value stored in bf16)
+  // is read in place, its 16 bits, which the kernels round to the same bf16
+  // (or decode exactly), rather than decoded into an f32 copy first
+  // (schedules/partition.h: attention_reads_copy).
+  auto operand = [&](size_t k, const std::string& name) {
+    const int copy = attention_reads_copy(g, st, k);
+    return buffer(copy >= 0 ? copy : n.inputs[k], name);
+  };
   if (n.op == Op::AttentionLse) {  // (q, k, positions): the statistics alone
-    std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"), buffer(n.inputs[2], "pos_s")};
+    std::vector<ExternFuncArgument> args = {operand(0, "q_s"), operand(1, "k_s"), buffer(n.inputs[2], "pos_s")};
     args.insert(args.end(), indices.begin(), indices.end());
     args.insert(args.end(), {Expr(H), Expr(KV), Expr(D), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
                              Expr(n.attrs.bf16 ? 1 : 0)});
@@ -787,8 +795,8 @@ void Ctx::library_attention(int id, Func out) {
     ls.funcs.library = true;
     return;
   }
-  std::vector<ExternFuncArgument> args = {buffer(n.inputs[0], "q_s"), buffer(n.inputs[1], "k_s"),
-                                          buffer(n.inputs[2], "v_s"), buffer(n.inputs[3], "pos_s")};
+  std::vector<ExternFuncArgument> args = {operand(0, "q_s"), operand(1, "k_s"), operand(2, "v_s"),
+                                          buffer(n.inputs[3], "pos_s")};
   auto written_beside = [&](int e, const std::string& name) {
     Func f(name);
     f.define_extern("halyard_written_beside", {}, Float(32), vars(type(e).axis_names()), NameMangling::C, library_device);
@@ -808,7 +816,8 @@ void Ctx::library_attention(int id, Func out) {
                       args, Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
   } else {
     HALYARD_CHECK(n.op == Op::AttentionGradK && st.extra_outputs.size() == 2, "the library backward writes dK, dV, dQ");
-    for (int k = 4; k <= 6; ++k) args.push_back(buffer(n.inputs[static_cast<size_t>(k)], "attention_operand" + std::to_string(k)));
+    args.push_back(operand(4, "attention_operand4"));  // O
+    for (size_t k = 5; k <= 6; ++k) args.push_back(buffer(n.inputs[k], "attention_operand" + std::to_string(k)));  // dO, the log-sum-exp
     args.insert(args.end(), indices.begin(), indices.end());
     args.push_back(written_beside(st.extra_outputs[0], "dv_out"));
     args.push_back(written_beside(st.extra_outputs[1], "dq_out"));
@@ -847,11 +856,7 @@ void Ctx::device_gemm(int id, Func out) {
   // Contractions in bf16 read copies (schedules/precision.h:
   // round_contractions): the GEMM reads the 16-bit buffers themselves when
   // both operands are such copies.
-  auto copy_under = [&](int id) {
-    const Node& x = g.node(id);
-    const bool copy = x.op == Op::LoadBf16 && std::find(st.inputs.begin(), st.inputs.end(), x.inputs[0]) != st.inputs.end();
-    return copy ? x.inputs[0] : -1;
-  };
+  auto copy_under = [&](int id) { return bf16_copy_read(g, st, id); };
   const int a = n.inputs[static_cast<size_t>(form.a)], b = n.inputs[static_cast<size_t>(form.b)];
   const bool bf16 = copy_under(a) >= 0 && copy_under(b) >= 0;
   std::vector<ExternFuncArgument> args = {buffer(bf16 ? copy_under(a) : a, "gemm_a"), buffer(bf16 ? copy_under(b) : b, "gemm_b"),

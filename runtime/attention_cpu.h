@@ -31,10 +31,16 @@
 // key of the block gets output 0 and log-sum-exp -1e30 (finite, so that
 // merging blocks never computes inf - inf). Their backward takes the merged
 // output and log-sum-exp, and writes the block's dK, dV and its share of dQ.
+// q, k, v, O (and dO) are each f32, or bf16 held as its 16 bits (uint16: a
+// value the schedule stores in bf16, schedules/precision.h, read in place
+// rather than decoded into an f32 copy first); the kernels decode them
+// exactly, so either gives the same bits. (Their CUDA twins take dO, a
+// gradient that is never stored, in f32 alone.)
 // An output that another call writes is Halide's extern stage
 // halyard_written_beside, which does nothing.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
 struct halide_buffer_t;
@@ -76,14 +82,31 @@ namespace halyard::runtime::attention_cpu {
 // kNoKeysLse, which the runtime cannot include).
 constexpr float kNoKeysLse = -1e30f;
 
+// An operand's elements: f32, or bf16 as its 16 bits (the entry points'
+// uint16 buffers).
+struct Elems {
+  const void* p = nullptr;
+  bool bits16 = false;
+  float operator[](int64_t i) const {
+    return bits16 ? std::bit_cast<float>(uint32_t{static_cast<const uint16_t*>(p)[i]} << 16)
+                  : static_cast<const float*>(p)[i];
+  }
+  Elems operator+(int64_t i) const {
+    return {bits16 ? static_cast<const void*>(static_cast<const uint16_t*>(p) + i)
+                   : static_cast<const void*>(static_cast<const float*>(p) + i),
+            bits16};
+  }
+  explicit operator bool() const { return p != nullptr; }
+};
+
 // What every task reads of one kv head of one row: rows of k and v are
-// head_dim floats each, `*_ld` floats apart.
+// head_dim elements each, `*_ld` elements apart.
 struct KeyRows {
   int64_t S = 0;
   int D = 0, query_block = 0, key_block = 0;  // blocks: 0 for the defaults
   bool bf16 = false;  // the products in bf16 (the entry points' bf16)
   float scale = 1;
-  const float *k = nullptr, *v = nullptr;
+  Elems k, v;
   int64_t k_ld = 0, v_ld = 0;
   const int32_t* pos = nullptr;
   // A ring block's token indices (null: each token's seq index).
@@ -93,7 +116,7 @@ struct KeyRows {
 
 // One query head of one row (the forward's task).
 struct Head : KeyRows {
-  const float* q = nullptr;
+  Elems q;
   int64_t q_ld = 0;
 };
 
@@ -101,7 +124,8 @@ struct Head : KeyRows {
 struct Group : KeyRows {
   int heads = 1;
   static constexpr int kMaxHeads = 64;
-  const float *q[kMaxHeads] = {}, *o[kMaxHeads] = {}, *dO[kMaxHeads] = {}, *lse[kMaxHeads] = {};
+  Elems q[kMaxHeads], o[kMaxHeads], dO[kMaxHeads];
+  const float* lse[kMaxHeads] = {};
   int64_t q_ld = 0, o_ld = 0, dO_ld = 0, lse_ld = 0;
 };
 

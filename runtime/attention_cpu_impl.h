@@ -328,14 +328,19 @@ inline float rounded(float x, bool bf16) { return bf16 ? bf16_value(bf16_bits(x)
 
 // Packs rows [r0, r0 + rows) of a [S, D] operand (row stride ld) into
 // dst[rows_pad][Dp], zeros past the rows and past D; rounded to bf16 when
-// bf16.
-void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad, int D, int Dp, float* dst, bool bf16) {
+// bf16 (a bf16 operand is so already).
+void pack_rows(Elems src, int64_t ld, int64_t S, int64_t r0, int rows_pad, int D, int Dp, float* dst, bool bf16) {
   for (int r = 0; r < rows_pad; ++r) {
     float* d = dst + static_cast<int64_t>(r) * Dp;
     if (r0 + r < S) {
-      std::memcpy(d, src + (r0 + r) * ld, sizeof(float) * static_cast<size_t>(D));
-      if (bf16)
-        for (int x = 0; x < D; ++x) d[x] = rounded(d[x], true);
+      const Elems row = src + (r0 + r) * ld;
+      if (!src.bits16) {
+        std::memcpy(d, row.p, sizeof(float) * static_cast<size_t>(D));
+        if (bf16)
+          for (int x = 0; x < D; ++x) d[x] = rounded(d[x], true);
+      } else {
+        for (int x = 0; x < D; ++x) d[x] = row[x];
+      }
       std::fill(d + D, d + Dp, 0.0f);
     } else {
       std::fill(d, d + Dp, 0.0f);
@@ -346,11 +351,16 @@ void pack_rows(const float* src, int64_t ld, int64_t S, int64_t r0, int rows_pad
 // dst[(j / Bc) * D * Bc + d * Bc + j % Bc] = src[j * ld + d], zeros past S.
 // (One [D][S] transpose would put a block's D rows a power of two apart, on
 // the same few L1 sets: 4x slower at seq 4096.)
-void pack_transposed(const float* src, int64_t ld, int64_t S, int64_t Sp, int D, int Bc, float* dst, bool bf16) {
+void pack_transposed(Elems src, int64_t ld, int64_t S, int64_t Sp, int D, int Bc, float* dst, bool bf16) {
   std::fill(dst, dst + static_cast<int64_t>(D) * Sp, 0.0f);
   for (int64_t j = 0; j < S; ++j) {
     float* blk = dst + j / Bc * D * Bc + j % Bc;
-    for (int d = 0; d < D; ++d) blk[d * Bc] = rounded(src[j * ld + d], bf16);
+    if (src.bits16) {
+      for (int d = 0; d < D; ++d) blk[d * Bc] = src[j * ld + d];
+    } else {
+      const float* row = static_cast<const float*>(src.p) + j * ld;
+      for (int d = 0; d < D; ++d) blk[d * Bc] = rounded(row[d], bf16);
+    }
   }
 }
 
@@ -445,7 +455,7 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
       for (int r = 0; r < rows; ++r) {  // lse in log2 units; D_i = dO_i . O_i
         const int64_t i = i0 + r;
         lse2[static_cast<size_t>(r)] = a.lse[w][i * a.lse_ld] * kLog2e;
-        const float* orow = a.o[w] + i * a.o_ld;
+        const Elems orow = a.o[w] + i * a.o_ld;
         float acc = 0;
         for (int d = 0; d < D; ++d) acc += orow[d] * dO[static_cast<size_t>(r * Dp + d)];
         dsum[static_cast<size_t>(r)] = acc;

@@ -99,6 +99,20 @@ T* origin(const halide_buffer_t* x, int b0) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(x->device) + static_cast<uintptr_t>(off * x->type.bytes()));
 }
 
+// An operand's element (0, 0, 0, b0), f32 or bf16 as its 16 bits.
+Operand operand(const halide_buffer_t* x, int b0) { return {origin<const void>(x, b0), x->type.bits == 16}; }
+
+// Whether q, k, v (and O) are each f32 or bf16 as its 16 bits, and dO
+// (where given) f32.
+std::string check_operands(std::initializer_list<const halide_buffer_t*> xs, const halide_buffer_t* dO = nullptr) {
+  auto f32 = [](const halide_buffer_t* x) { return x->type.code == halide_type_float && x->type.bits == 32; };
+  for (const halide_buffer_t* x : xs)
+    if (!f32(x) && !(x->type.code == halide_type_uint && x->type.bits == 16))
+      return "q, k, v and O must be f32, or bf16 as its 16 bits (uint16)";
+  if (dO && !f32(dO)) return "dO must be f32";
+  return "";
+}
+
 Strides rows(const halide_buffer_t* x) {  // [head_dim, heads, seq, batch]
   return {x->dim[1].stride, x->dim[2].stride, x->dim[3].stride};
 }
@@ -227,7 +241,7 @@ Launch common(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide
               int heads, int kv_heads, int D, bool bf16, int S, int b0, int nb) {
   Launch l;
   Args& a = l.args;
-  a.q = origin<const float>(q, b0), a.k = origin<const float>(k, b0), a.v = origin<const float>(v, b0);
+  a.q = operand(q, b0), a.k = operand(k, b0), a.v = operand(v, b0);
   a.pos = origin<const int32_t>(pos, b0);
   a.pos_s = pos->dim[0].stride, a.pos_b = pos->dim[1].stride;
   if (idx.kidx) {
@@ -273,6 +287,7 @@ std::string forward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buff
   if (out->dim[0].min != 0 || out->dim[0].extent != D || out->dim[2].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k, v, out})
     if (x->dim[0].stride != 1) return "head_dim must be dense";
+  if (std::string e = check_operands({q, k, v}); !e.empty()) return e;
   if (lse && (!covers(lse, 0, out->dim[1].min, out->dim[1].extent) || !covers(lse, 1, 0, S) || !covers(lse, 2, b0, nb)))
     return "the log-sum-exp must cover the output's heads and rows";
   Launch l = common(q, k, v, pos, idx, heads, kv_heads, D, bf16, out);
@@ -296,6 +311,7 @@ std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t
   if (lse->dim[1].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k})
     if (x->dim[0].stride != 1) return "head_dim must be dense";
+  if (std::string e = check_operands({q, k}); !e.empty()) return e;
   Launch l = common(q, k, k, pos, idx, heads, kv_heads, D, bf16, S, b0, lse->dim[2].extent);
   l.args.lse_out = origin<float>(lse, b0), l.args.lse_out_st = stats(lse);
   l.args.h0 = lse->dim[0].min;
@@ -316,12 +332,13 @@ std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buf
   if (out->dim[0].min != 0 || out->dim[2].min != 0) return "rows must be whole";
   for (const halide_buffer_t* x : {q, k, v, o, dO, dv, dq, out})
     if (x->dim[0].stride != 1) return "head_dim must be dense";
+  if (std::string e = check_operands({q, k, v, o}, dO); !e.empty()) return e;
   if (!covers(dv, 1, g0, ng) || !covers(dv, 2, 0, S) || !covers(dv, 3, b0, nb) || !covers(dq, 1, g0 * grp, ng * grp) ||
       !covers(dq, 2, 0, S) || !covers(dq, 3, b0, nb))
     return "dV and dQ must cover dK's groups and rows";
   Launch l = common(q, k, v, pos, idx, heads, kv_heads, D, bf16, out);
   Args& a = l.args;
-  a.o = origin<const float>(o, b0), a.dO = origin<const float>(dO, b0), a.lse = origin<const float>(lse, b0);
+  a.o = operand(o, b0), a.dO = origin<const float>(dO, b0), a.lse = origin<const float>(lse, b0);
   a.o_st = rows(o), a.dO_st = rows(dO), a.lse_st = stats(lse);
   a.dv = origin<float>(dv, b0), a.dv_st = rows(dv);
   a.dq = origin<float>(dq, b0), a.dq_st = rows(dq);

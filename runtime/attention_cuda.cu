@@ -28,6 +28,7 @@
 
 using halyard::runtime::attention_cuda::Args;
 using halyard::runtime::attention_cuda::kNoKeysLse;
+using halyard::runtime::attention_cuda::Operand;
 
 namespace {
 
@@ -41,6 +42,29 @@ struct Shape {
   static constexpr int B = D >= 128 ? 32 : 64;   // staged rows per tile (32 KiB at most for two tiles)
   static_assert(D % (4 * T) == 0 && 32 % T == 0, "padded head_dims are 8, 16, 32, 64 or 128");
 };
+
+// x's element i, and x from element i on: f32, or bf16 decoded (exactly).
+__device__ __forceinline__ float value(Operand x, int64_t i) {
+  return x.bits16 ? __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(x.p)[i]) << 16)
+                  : static_cast<const float*>(x.p)[i];
+}
+// f(at), at(i) being x's element i: one test of x's type for a loop of
+// reads (value() tests it at each).
+template <class F>
+__device__ __forceinline__ void with_elements(Operand x, F f) {
+  if (x.bits16) {
+    const uint16_t* p = static_cast<const uint16_t*>(x.p);
+    f([p](int64_t i) { return __uint_as_float(static_cast<uint32_t>(p[i]) << 16); });
+  } else {
+    const float* p = static_cast<const float*>(x.p);
+    f([p](int64_t i) { return p[i]; });
+  }
+}
+__device__ __forceinline__ Operand offset(Operand x, int64_t i) {
+  return {x.bits16 ? static_cast<const void*>(static_cast<const uint16_t*>(x.p) + i)
+                   : static_cast<const void*>(static_cast<const float*>(x.p) + i),
+          x.bits16};
+}
 
 template <int T>
 __device__ __forceinline__ float lanes_sum(float x) {
@@ -57,11 +81,11 @@ __device__ __forceinline__ int elem(int t, int c) {
 
 // Lane t's slice of a row of n elements (zeros past n).
 template <int D>
-__device__ __forceinline__ void load_slice(const float* row, int n, int t, float* x) {
+__device__ __forceinline__ void load_slice(Operand row, int n, int t, float* x) {
 #pragma unroll
   for (int c = 0; c < Shape<D>::C; ++c)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[4 * c + e] = elem<D>(t, c) + e < n ? row[elem<D>(t, c) + e] : 0.f;
+    for (int e = 0; e < 4; ++e) x[4 * c + e] = elem<D>(t, c) + e < n ? value(row, elem<D>(t, c) + e) : 0.f;
 }
 
 template <int D>
@@ -99,31 +123,34 @@ __device__ __forceinline__ void add_shared(const float* row, float a, float* acc
   }
 }
 
-// Whether every row of a [seq, hd] slab (row stride ld) is whole float4s
-// a kernel padded to D can stage as such: hd = D, and the start and the
-// stride 16-byte aligned.
-__device__ __forceinline__ bool float4_rows(const float* src, int64_t ld, int hd, int D) {
-  return hd == D && ld % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+// Whether every row of a [seq, hd] slab (row stride ld) is whole 16-byte
+// vectors (float4s of f32, runs of 8 bf16s) that a kernel padded to D can
+// stage as such: hd = D, and the start and the stride 16-byte aligned.
+__device__ __forceinline__ bool vector_rows(Operand src, int64_t ld, int hd, int D) {
+  return hd == D && ld % (src.bits16 ? 8 : 4) == 0 && reinterpret_cast<uintptr_t>(src.p) % 16 == 0;
 }
 
 // Rows [r0, r0 + n) of a [seq, hd] slab (row stride ld) into tile[B][D];
 // zeros past n rows and past hd elements. As float4s where the rows are
-// whole and 16-byte aligned (hd = D, the stride and the start multiples of
-// 4) and the kernel asks (kFloat4s); else an element at a time.
+// f32, whole and 16-byte aligned (vector_rows) and the kernel asks
+// (kFloat4s); else an element at a time.
 template <int D, bool kFloat4s = true>
-__device__ __forceinline__ void stage(float* tile, const float* src, int64_t ld, int r0, int n, int hd) {
-  if (kFloat4s && float4_rows(src, ld, hd, D)) {
+__device__ __forceinline__ void stage(float* tile, Operand src, int64_t ld, int r0, int n, int hd) {
+  if (kFloat4s && !src.bits16 && vector_rows(src, ld, hd, D)) {
+    const float* f = static_cast<const float*>(src.p);
     for (int x = threadIdx.x; x < Shape<D>::B * D / 4; x += blockDim.x) {
       const int r = x / (D / 4), d = 4 * (x % (D / 4));
       reinterpret_cast<float4*>(tile)[x] =
-          r < n ? *reinterpret_cast<const float4*>(src + static_cast<int64_t>(r0 + r) * ld + d) : float4{0, 0, 0, 0};
+          r < n ? *reinterpret_cast<const float4*>(f + static_cast<int64_t>(r0 + r) * ld + d) : float4{0, 0, 0, 0};
     }
     return;
   }
-  for (int x = threadIdx.x; x < Shape<D>::B * D; x += blockDim.x) {
-    const int r = x / D, d = x % D;
-    tile[x] = r < n && d < hd ? src[static_cast<int64_t>(r0 + r) * ld + d] : 0.f;
-  }
+  with_elements(src, [&](auto at) {
+    for (int x = threadIdx.x; x < Shape<D>::B * D; x += blockDim.x) {
+      const int r = x / D, d = x % D;
+      tile[x] = r < n && d < hd ? at(static_cast<int64_t>(r0 + r) * ld + d) : 0.f;
+    }
+  });
 }
 
 // The least document start (i - pos[i]) over the block's valid rows: the
@@ -219,7 +246,7 @@ __device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, i
   const int x = threadIdx.x / P, first = static_cast<int>(threadIdx.x % P) * E;
   float di = 0;
   if (x < n) {
-    const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b + first;
+    const Operand o = offset(a.o, h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b + first);
     const float* row = ds + x * D + first;
 #pragma unroll
     for (int e4 = 0; e4 < E; e4 += 4) {
@@ -227,7 +254,7 @@ __device__ __forceinline__ void tile_dsum(const Args& a, int h, int b, int i0, i
       const float gs[4] = {g.x, g.y, g.z, g.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (first + e4 + e < a.D) di = fmaf(gs[e], o[e4 + e], di);
+        if (first + e4 + e < a.D) di = fmaf(gs[e], value(o, e4 + e), di);
     }
   }
   finish_dsum<P>(a, h, b, i0, n, x, first == 0, di, dis, lse2s);
@@ -259,15 +286,15 @@ __device__ __forceinline__ QueryRow query_row(const Args& a) {
 // see (key_indices).
 struct KeyRange {
   int lo, hi;
-  const float *k, *v;  // the kv head's rows of the batch row
+  Operand k, v;  // the kv head's rows of the batch row
 };
 
 // From each valid row's least and greatest visible index (qi - pos and qi;
 // INT_MAX and INT_MIN for none), over the block. slots: three, of which
 // a ring block's window stays in the first two (slots[0] and -slots[1],
 // in shared memory rather than in registers every thread keeps).
-__device__ __forceinline__ KeyRange key_range(const Args& a, int* slots, int lo, int hi, int rows_per_block,
-                                              const float* k, const float* v) {
+__device__ __forceinline__ KeyRange key_range(const Args& a, int* slots, int lo, int hi, int rows_per_block, Operand k,
+                                              Operand v) {
   lo = block_min(&slots[0], lo != INT_MAX, lo);
   if (!a.kidx) return {lo, min(a.S, static_cast<int>(blockIdx.x + 1) * rows_per_block), k, v};
   block_max(&slots[1], hi != INT_MIN, hi);
@@ -278,7 +305,7 @@ template <int D>
 __device__ __forceinline__ KeyRange key_range(const Args& a, int* slots, const QueryRow& r) {
   const bool row = r.valid && r.t == 0;
   return key_range(a, slots, row ? max(0, r.qi - r.pos) : INT_MAX, row ? r.qi : INT_MIN, Shape<D>::R,
-                   a.k + r.kvh * a.k_st.h + r.b * a.k_st.b, a.v + r.kvh * a.v_st.h + r.b * a.v_st.b);
+                   offset(a.k, r.kvh * a.k_st.h + r.b * a.k_st.b), offset(a.v, r.kvh * a.v_st.h + r.b * a.v_st.b));
 }
 
 // A tile of keys [j0, j0 + n): n (0: none of them in the rows' window, not
@@ -339,7 +366,7 @@ __device__ void forward(const Args& a) {
   const auto [t, i, h, b, kvh, pi, qi, valid] = row;
   const float c = a.scale * kLog2e;  // scores in log2 units: exp2 instead of exp
   float q[4 * S_::C], acc[4 * S_::C];
-  if (valid) load_slice<D>(a.q + h * a.q_st.h + i * a.q_st.s + b * a.q_st.b, a.D, t, q);
+  if (valid) load_slice<D>(offset(a.q, h * a.q_st.h + i * a.q_st.s + b * a.q_st.b), a.D, t, q);
 #pragma unroll
   for (int x = 0; x < 4 * S_::C; ++x) {
     if (!valid) q[x] = 0;
@@ -398,10 +425,10 @@ __device__ void grad_q(const Args& a) {
   float q[4 * S_::C], dO[4 * S_::C], dq[4 * S_::C];
   float di = 0, lse2 = 0;
   if (valid) {
-    load_slice<D>(a.q + h * a.q_st.h + i * a.q_st.s + b * a.q_st.b, a.D, t, q);
-    load_slice<D>(a.dO + h * a.dO_st.h + i * a.dO_st.s + b * a.dO_st.b, a.D, t, dO);
+    load_slice<D>(offset(a.q, h * a.q_st.h + i * a.q_st.s + b * a.q_st.b), a.D, t, q);
+    load_slice<D>(Operand{a.dO + h * a.dO_st.h + i * a.dO_st.s + b * a.dO_st.b}, a.D, t, dO);
     float o[4 * S_::C];
-    load_slice<D>(a.o + h * a.o_st.h + i * a.o_st.s + b * a.o_st.b, a.D, t, o);
+    load_slice<D>(offset(a.o, h * a.o_st.h + i * a.o_st.s + b * a.o_st.b), a.D, t, o);
 #pragma unroll
     for (int x = 0; x < 4 * S_::C; ++x) di = fmaf(dO[x], o[x], di);
     lse2 = a.lse[h * a.lse_st.h + i * a.lse_st.s + b * a.lse_st.b] * kLog2e;
@@ -447,8 +474,8 @@ __device__ void grad_kv(const Args& a) {
   const float c = a.scale * kLog2e;
   float k[4 * S_::C], v[4 * S_::C], dk[4 * S_::C], dv[4 * S_::C];
   if (valid) {
-    load_slice<D>(a.k + g * a.k_st.h + j * a.k_st.s + b * a.k_st.b, a.D, t, k);
-    load_slice<D>(a.v + g * a.v_st.h + j * a.v_st.s + b * a.v_st.b, a.D, t, v);
+    load_slice<D>(offset(a.k, g * a.k_st.h + j * a.k_st.s + b * a.k_st.b), a.D, t, k);
+    load_slice<D>(offset(a.v, g * a.v_st.h + j * a.v_st.s + b * a.v_st.b), a.D, t, v);
   }
 #pragma unroll
   for (int x = 0; x < 4 * S_::C; ++x) {
@@ -460,8 +487,8 @@ __device__ void grad_kv(const Args& a) {
     for (int i0 = a.qidx ? 0 : static_cast<int>(blockIdx.x) * R; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
       if (!query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots).sees) continue;
-      stage<D>(qs, a.q + h * a.q_st.h + b * a.q_st.b, a.q_st.s, i0, n, a.D);
-      stage<D>(ds_, a.dO + h * a.dO_st.h + b * a.dO_st.b, a.dO_st.s, i0, n, a.D);
+      stage<D>(qs, offset(a.q, h * a.q_st.h + b * a.q_st.b), a.q_st.s, i0, n, a.D);
+      stage<D>(ds_, Operand{a.dO + h * a.dO_st.h + b * a.dO_st.b}, a.dO_st.s, i0, n, a.D);
       __syncthreads();
       tile_dsum<D>(a, h, b, i0, n, ds_, dis, lse2s);
       for (int u = 0; u < n; ++u) {
@@ -580,7 +607,7 @@ __device__ __forceinline__ Lane lane() { return {static_cast<int>(threadIdx.x & 
 // past S rows and past hd. Register e holds row g + 8 (e & 1), columns
 // 16 ks + 2t + 8 (e >> 1) and the next.
 template <int DP>
-__device__ __forceinline__ void load_a(uint32_t (*frag)[4], const float* src, int64_t ld, int r0, int S, int hd) {
+__device__ __forceinline__ void load_a(uint32_t (*frag)[4], Operand src, int64_t ld, int r0, int S, int hd) {
   const Lane l = lane();
 #pragma unroll
   for (int ks = 0; ks < Tc<DP>::KS; ++ks)
@@ -589,9 +616,9 @@ __device__ __forceinline__ void load_a(uint32_t (*frag)[4], const float* src, in
       const int r = r0 + l.g + 8 * (e & 1), d = 16 * ks + 2 * l.t + 8 * (e >> 1);
       float lo = 0, hi = 0;
       if (r < S) {
-        const float* p = src + static_cast<int64_t>(r) * ld + d;
-        if (d < hd) lo = p[0];
-        if (d + 1 < hd) hi = p[1];
+        const int64_t at = static_cast<int64_t>(r) * ld + d;
+        if (d < hd) lo = value(src, at);
+        if (d + 1 < hd) hi = value(src, at + 1);
       }
       frag[ks][e] = pack_bf16(lo, hi);
     }
@@ -697,24 +724,53 @@ __device__ __forceinline__ void zero(float (*x)[4]) {
     for (int e = 0; e < 4; ++e) x[t][e] = 0;
 }
 
-// Rows [r0, r0 + n) of a [seq, hd] f32 slab into a tile of B rows as bf16,
-// where given: row-major (rows[r * LR + kslot(d)]) and transposed (cols[d *
-// LC + kslot(r)]); zeros past n rows and past hd.
-// Where the slab's rows are whole runs of 16-byte-aligned floats (hd = DP,
-// the row stride and the start multiples of 4), each thread reads float4s:
-// for the row-major tile, half a run of 16 (its pairs 0 1 4 5 or 2 3 6 7,
-// slots 0-3 or 4-7 of kslot's order: one 128-bit store; a quarter-warp's
-// stores are one row's 128 contiguous bytes); for the transposed one, two
-// rows (a pair along its k dimension) x 8 elements (8 32-bit stores, the
-// warp's 32 on distinct banks). Else (a padded head_dim) a pair at a time.
+// Rows [r0, r0 + n) of a [seq, hd] slab (f32, or bf16 as its 16 bits) into
+// a tile of B rows as bf16, where given: row-major (rows[r * LR +
+// kslot(d)]) and transposed (cols[d * LC + kslot(r)]); zeros past n rows
+// and past hd.
+// Where the slab's rows are whole 16-byte vectors (vector_rows: hd = DP,
+// the start and the row stride aligned), each thread reads them: for the
+// row-major tile, half a run of 16 (its pairs 0 1 4 5 or 2 3 6 7, slots 0-3
+// or 4-7 of kslot's order: one 128-bit store; a quarter-warp's stores are
+// one row's 128 contiguous bytes); for the transposed one, two rows (a pair
+// along its k dimension) x 8 elements (8 32-bit stores, the warp's 32 on
+// distinct banks). f32 is rounded as it is read (float4s); bf16 is moved
+// as it is (two 64-bit loads a half-run; a 128-bit load a row of the
+// transposed pair). Else (a padded head_dim) a pair at a time.
 template <int DP>
-__device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const float* src, int64_t ld, int r0, int n,
+__device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, Operand src, int64_t ld, int r0, int n,
                                            int hd) {
   using T = Tc<DP>;
   constexpr int B = T::B;
-  if (float4_rows(src, ld, hd, DP)) {
+  if (src.bits16 && vector_rows(src, ld, hd, DP)) {
+    const uint16_t* h16 = static_cast<const uint16_t*>(src.p);
+    auto load = [&](auto zero, int r, int d) {  // (elements d, d + 1, ... of row r as their words)
+      using V = decltype(zero);
+      return r < n ? *reinterpret_cast<const V*>(h16 + static_cast<int64_t>(r0 + r) * ld + d) : zero;
+    };
+    if (rows)
+      for (int x = threadIdx.x; x < B * DP / 8; x += blockDim.x) {
+        const int r = x / (DP / 8), run = 16 * ((x % (DP / 8)) / 2), h = x % 2;
+        // pairs 2h, 2h + 1 of the run (f) and 2h + 4, 2h + 5 (g)
+        const uint2 f = load(uint2{0, 0}, r, run + 4 * h), g = load(uint2{0, 0}, r, run + 4 * h + 8);
+        *reinterpret_cast<uint4*>(rows + r * T::LR + run + 8 * h) = uint4{f.x, g.x, f.y, g.y};
+      }
+    if (cols)
+      for (int x = threadIdx.x; x < B / 2 * DP / 8; x += blockDim.x) {
+        const int r = 2 * (x % (B / 2)), d0 = 8 * (x / (B / 2));
+        const uint4 u = load(uint4{0, 0, 0, 0}, r, d0), w = load(uint4{0, 0, 0, 0}, r + 1, d0);
+        const uint32_t a[4] = {u.x, u.y, u.z, u.w}, b[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<uint32_t*>(cols + (d0 + j) * T::LC + kslot(r)) =
+              j % 2 ? (a[j / 2] >> 16) | (b[j / 2] & 0xffff0000u) : (a[j / 2] & 0xffffu) | (b[j / 2] << 16);
+      }
+    return;
+  }
+  if (!src.bits16 && vector_rows(src, ld, hd, DP)) {
+    const float* f32 = static_cast<const float*>(src.p);
     auto load4 = [&](int r, int d) {
-      return r < n ? *reinterpret_cast<const float4*>(src + static_cast<int64_t>(r0 + r) * ld + d)
+      return r < n ? *reinterpret_cast<const float4*>(f32 + static_cast<int64_t>(r0 + r) * ld + d)
                    : float4{0, 0, 0, 0};
     };
     if (rows)
@@ -737,21 +793,23 @@ __device__ __forceinline__ void stage_bf16(uint16_t* rows, uint16_t* cols, const
       }
     return;
   }
-  for (int x = threadIdx.x; x < B * DP / 2; x += blockDim.x) {
-    const int r = x / (DP / 2), d = 2 * (x % (DP / 2));
-    float lo = 0, hi = 0;
-    if (r < n) {
-      const float* p = src + static_cast<int64_t>(r0 + r) * ld + d;
-      if (d < hd) lo = p[0];
-      if (d + 1 < hd) hi = p[1];
+  with_elements(src, [&](auto at) {
+    for (int x = threadIdx.x; x < B * DP / 2; x += blockDim.x) {
+      const int r = x / (DP / 2), d = 2 * (x % (DP / 2));
+      float lo = 0, hi = 0;
+      if (r < n) {
+        const int64_t e = static_cast<int64_t>(r0 + r) * ld + d;
+        if (d < hd) lo = at(e);
+        if (d + 1 < hd) hi = at(e + 1);
+      }
+      const uint32_t pair = pack_bf16(lo, hi);
+      if (rows) *reinterpret_cast<uint32_t*>(rows + r * T::LR + kslot(d)) = pair;
+      if (cols) {
+        cols[d * T::LC + kslot(r)] = static_cast<uint16_t>(pair & 0xffffu);
+        cols[(d + 1) * T::LC + kslot(r)] = static_cast<uint16_t>(pair >> 16);
+      }
     }
-    const uint32_t pair = pack_bf16(lo, hi);
-    if (rows) *reinterpret_cast<uint32_t*>(rows + r * T::LR + kslot(d)) = pair;
-    if (cols) {
-      cols[d * T::LC + kslot(r)] = static_cast<uint16_t>(pair & 0xffffu);
-      cols[(d + 1) * T::LC + kslot(r)] = static_cast<uint16_t>(pair >> 16);
-    }
-  }
+  });
 }
 
 // The warp's query rows (the forward and dQ): absolute head h, the lane's
@@ -792,8 +850,8 @@ __device__ __forceinline__ KeyRange tc_keys(const Args& a, int* slots, const TcR
 #pragma unroll
   for (int e = 0; e < 2; ++e)
     if (r.valid[e]) lo = min(lo, max(0, r.qi[e] - r.pos[e])), hi = max(hi, r.qi[e]);
-  return key_range(a, slots, lo, hi, rows_per_block, a.k + r.kvh * a.k_st.h + r.b * a.k_st.b,
-                   a.v + r.kvh * a.v_st.h + r.b * a.v_st.b);
+  return key_range(a, slots, lo, hi, rows_per_block, offset(a.k, r.kvh * a.k_st.h + r.b * a.k_st.b),
+                   offset(a.v, r.kvh * a.v_st.h + r.b * a.v_st.b));
 }
 
 // Keys [j0, j0 + B) (returned: n of them, 0 for a tile the rows do not
@@ -822,7 +880,7 @@ __device__ void forward_bf16(const Args& a) {
   const Lane l = lane();
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4];
-  load_a<DP>(qa, a.q + r.h * a.q_st.h + r.b * a.q_st.b, a.q_st.s, r.r0, a.S, a.D);
+  load_a<DP>(qa, offset(a.q, r.h * a.q_st.h + r.b * a.q_st.b), a.q_st.s, r.r0, a.S, a.D);
   const KeyRange keys = tc_keys(a, slots, r, T::R);
   const float c = a.scale * kLog2e;
   float acc[T::DT][4], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0, 0};
@@ -908,22 +966,22 @@ __device__ void forward_bf16(const Args& a) {
 // D_i = dO_i . O_i of the warp's rows w (0, 1) from the lane's elements of
 // dO's A fragments (rounded) and O, summed over the row's 4 lanes.
 template <int DP>
-__device__ __forceinline__ void tc_dsum(float* di, const uint32_t (*da)[4], const float* o, const Args& a,
+__device__ __forceinline__ void tc_dsum(float* di, const uint32_t (*da)[4], Operand o, const Args& a,
                                         const TcRows& r) {
   const Lane l = lane();
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     float x = 0;
     if (r.valid[w]) {
-      const float* orow = o + r.row(w) * a.o_st.s;
+      const Operand orow = offset(o, r.row(w) * a.o_st.s);
 #pragma unroll
       for (int k = 0; k < Tc<DP>::KS; ++k)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int d = 16 * k + 2 * l.t + 8 * h;
           const uint32_t p = da[k][w + 2 * h];
-          if (d < a.D) x = fmaf(bf16_lo(p), orow[d], x);
-          if (d + 1 < a.D) x = fmaf(bf16_hi(p), orow[d + 1], x);
+          if (d < a.D) x = fmaf(bf16_lo(p), value(orow, d), x);
+          if (d + 1 < a.D) x = fmaf(bf16_hi(p), value(orow, d + 1), x);
         }
     }
     x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -945,10 +1003,10 @@ __device__ void grad_q_bf16(const Args& a) {
   const Lane l = lane();
   const TcRows r = tc_rows(a, T::R);
   uint32_t qa[T::KS][4], da[T::KS][4];
-  load_a<DP>(qa, a.q + r.h * a.q_st.h + r.b * a.q_st.b, a.q_st.s, r.r0, a.S, a.D);
-  load_a<DP>(da, a.dO + r.h * a.dO_st.h + r.b * a.dO_st.b, a.dO_st.s, r.r0, a.S, a.D);
+  load_a<DP>(qa, offset(a.q, r.h * a.q_st.h + r.b * a.q_st.b), a.q_st.s, r.r0, a.S, a.D);
+  load_a<DP>(da, Operand{a.dO + r.h * a.dO_st.h + r.b * a.dO_st.b}, a.dO_st.s, r.r0, a.S, a.D);
   float di[2], lse2[2];
-  tc_dsum<DP>(di, da, a.o + r.h * a.o_st.h + r.b * a.o_st.b, a, r);
+  tc_dsum<DP>(di, da, offset(a.o, r.h * a.o_st.h + r.b * a.o_st.b), a, r);
 #pragma unroll
   for (int w = 0; w < 2; ++w)
     lse2[w] = r.valid[w] ? a.lse[r.h * a.lse_st.h + r.row(w) * a.lse_st.s + r.b * a.lse_st.b] * kLog2e : 0.f;
@@ -998,7 +1056,7 @@ __device__ __forceinline__ void tile_dsum_bf16(const Args& a, int h, int b, int 
   const int x = threadIdx.x / P, first = static_cast<int>(threadIdx.x % P) * E;
   float di = 0;
   if (x < n) {
-    const float* o = a.o + h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b;
+    const Operand o = offset(a.o, h * a.o_st.h + (i0 + x) * a.o_st.s + b * a.o_st.b);
     const uint16_t* row = dos + x * T::LR + first;
 #pragma unroll
     for (int j8 = 0; j8 < E; j8 += 8) {
@@ -1007,7 +1065,7 @@ __device__ __forceinline__ void tile_dsum_bf16(const Args& a, int h, int b, int 
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int d = kdim(first + j8 + j);
-        if (d < a.D) di = fmaf(j & 1 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]), o[d], di);
+        if (d < a.D) di = fmaf(j & 1 ? bf16_hi(w[j / 2]) : bf16_lo(w[j / 2]), value(o, d), di);
       }
     }
   }
@@ -1041,16 +1099,16 @@ __device__ void grad_kv_bf16(const Args& a) {
   }
   const int kmin = block_min(&k_slots[0], lo != INT_MAX, lo), kmax = block_max(&k_slots[1], hi != INT_MIN, hi);
   uint32_t ka[T::KS][4], va[T::KS][4];
-  load_a<DP>(ka, a.k + kvh * a.k_st.h + b * a.k_st.b, a.k_st.s, r0, a.S, a.D);
-  load_a<DP>(va, a.v + kvh * a.v_st.h + b * a.v_st.b, a.v_st.s, r0, a.S, a.D);
+  load_a<DP>(ka, offset(a.k, kvh * a.k_st.h + b * a.k_st.b), a.k_st.s, r0, a.S, a.D);
+  load_a<DP>(va, offset(a.v, kvh * a.v_st.h + b * a.v_st.b), a.v_st.s, r0, a.S, a.D);
   const float c = a.scale * kLog2e;
   float dk[T::DT][4], dv[T::DT][4];
   zero<T::DT>(dk);
   zero<T::DT>(dv);
   for (int hw = 0; hw < grp; ++hw) {
     const int h = kvh * grp + hw;
-    const float* qh = a.q + h * a.q_st.h + b * a.q_st.b;
-    const float* dOh = a.dO + h * a.dO_st.h + b * a.dO_st.b;
+    const Operand qh = offset(a.q, h * a.q_st.h + b * a.q_st.b);
+    const Operand dOh{a.dO + h * a.dO_st.h + b * a.dO_st.b};  // (f32: a gradient)
     for (int i0 = a.qidx ? 0 : static_cast<int>(blockIdx.x) * T::R; i0 < a.S; i0 += B) {
       const int n = min(B, a.S - i0);
       const QueryTile tile = query_tile_sees<B>(a, b, i0, n, kmin, kmax, poss, qis, slots);

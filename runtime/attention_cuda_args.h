@@ -25,13 +25,23 @@ struct Strides {
   int64_t h = 0, s = 0, b = 0;
 };
 
+// An operand's elements (q, k, v, O): f32, or bf16 as its 16 bits (a value
+// the schedule stores in bf16, read in place rather than decoded into an
+// f32 copy first; the kernels decode it exactly). dO, a gradient, is never
+// stored: f32 alone.
+struct Operand {
+  const void* p = nullptr;
+  bool bits16 = false;
+};
+
 // Every pointer is the address of element (0, head 0, row 0, the call's
 // first batch row), also where that element lies outside its buffer (an
 // output holding only some heads): the kernels index absolute heads.
 struct Args {
-  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  Operand q, k, v;
   const int32_t* pos = nullptr;  // [seq, batch]: key j is visible to query i when 0 <= i - j <= pos[i]
-  const float *o = nullptr, *dO = nullptr, *lse = nullptr;  // the backward's
+  Operand o;  // the backward's, with dO and lse
+  const float *dO = nullptr, *lse = nullptr;
   float* out = nullptr;      // the forward's output (null: the log-sum-exp alone), or the backward's dK
   float* lse_out = nullptr;  // the forward's log-sum-exp (natural log), or null
   float *dv = nullptr, *dq = nullptr;

@@ -111,6 +111,23 @@ T* at(const halide_buffer_t* b, std::initializer_list<int> c) {
   return reinterpret_cast<T*>(b->host) + off;
 }
 
+// An attention operand's element at coordinates c: f32, or bf16 as its 16
+// bits (attention_cpu.h).
+attention_cpu::Elems elems_at(const halide_buffer_t* b, std::initializer_list<int> c) {
+  if (b->type.bits == 16) return {at<const uint16_t>(b, c), true};
+  return {at<const float>(b, c), false};
+}
+
+// Whether each attention operand given is f32 or the 16 bits of bf16.
+bool operand_types(std::initializer_list<const halide_buffer_t*> xs) {
+  for (const halide_buffer_t* x : xs)
+    if (x && !(x->type.code == halide_type_float && x->type.bits == 32) &&
+        !(x->type.code == halide_type_uint && x->type.bits == 16))
+      return false;
+  return true;
+}
+constexpr const char* kOperandTypes = ": q, k, v, O and dO must be f32, or bf16 as its 16 bits (uint16)";
+
 void whole(halide_buffer_t* b, std::initializer_list<std::pair<int, int>> dims) {
   int d = 0;
   for (auto [min, extent] : dims) {
@@ -243,8 +260,8 @@ KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halid
   a.key_block = key_block;
   a.bf16 = bf16 != 0;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  a.k = at<const float>(k, {0, g, 0, b});
-  a.v = v ? at<const float>(v, {0, g, 0, b}) : nullptr;  // (none for the log-sum-exp alone)
+  a.k = elems_at(k, {0, g, 0, b});
+  if (v) a.v = elems_at(v, {0, g, 0, b});  // (none for the log-sum-exp alone)
   a.k_ld = k->dim[2].stride;
   a.v_ld = v ? v->dim[2].stride : 0;
   a.pos = at<const int32_t>(pos, {0, b});
@@ -437,11 +454,12 @@ int attention_forward(const char* who, halide_buffer_t* q, halide_buffer_t* k, h
   if (out && lse && !covers(lse, {{h0, nh}, {0, S}, {b0, nb}}))
     return fail(std::string(who) + ": the log-sum-exp must cover the output's heads and rows");
   if (kv_heads < 1 || heads % kv_heads) return fail(std::string(who) + ": kv_heads must divide heads");
+  if (!operand_types({q, k, v})) return fail(std::string(who) + kOperandTypes);
   par_for(nb * nh, [&](int task) {
       const int b = b0 + task / nh, h = h0 + task % nh;
       Head a;
       static_cast<KeyRows&>(a) = key_rows(k, v, pos, idx, h / (heads / kv_heads), b, S, D, query_block, key_block, bf16);
-      a.q = at<const float>(q, {0, h, 0, b});
+      a.q = elems_at(q, {0, h, 0, b});
       a.q_ld = q->dim[2].stride;
       scratch::Array<float> unused(lse ? 0 : static_cast<size_t>(S));
       kernels().forward(a, out ? at<float>(out, {0, h, 0, b}) : nullptr, out ? out->dim[2].stride : 0,
@@ -488,6 +506,7 @@ int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, 
     return fail(std::string(who) + ": rows and groups must be whole and head_dim dense");
   for (const halide_buffer_t* x : {q, k, v, o, dO, dv, dq})
     if (x->dim[0].stride != 1) return fail(std::string(who) + ": head_dim must be dense");
+  if (!operand_types({q, k, v, o, dO})) return fail(std::string(who) + kOperandTypes);
   if (!covers(dv, {{0, D}, {g0, ng}, {0, S}, {b0, nb}}) || !covers(dq, {{0, D}, {g0 * grp, ng * grp}, {0, S}, {b0, nb}}))
     return fail(std::string(who) + ": dV and dQ must cover dK's groups and rows");
   par_for(nb * ng, [&](int task) {
@@ -498,9 +517,9 @@ int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, 
       float* dqs[Group::kMaxHeads];
       for (int w = 0; w < grp; ++w) {
         const int h = g * grp + w;
-        a.q[w] = at<const float>(q, {0, h, 0, b});
-        a.o[w] = at<const float>(o, {0, h, 0, b});
-        a.dO[w] = at<const float>(dO, {0, h, 0, b});
+        a.q[w] = elems_at(q, {0, h, 0, b});
+        a.o[w] = elems_at(o, {0, h, 0, b});
+        a.dO[w] = elems_at(dO, {0, h, 0, b});
         a.lse[w] = at<const float>(lse, {h, 0, b});
         dqs[w] = at<float>(dq, {0, h, 0, b});
       }

@@ -392,4 +392,17 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   return p;
 }
 
+int bf16_copy_read(const Graph& g, const Stage& st, int id) {
+  const Node& x = g.node(id);
+  if (x.op != Op::LoadBf16) return -1;
+  const bool buffer = std::find(st.inputs.begin(), st.inputs.end(), x.inputs[0]) != st.inputs.end();
+  return buffer ? x.inputs[0] : -1;
+}
+
+int attention_reads_copy(const Graph& g, const Stage& st, size_t k) {
+  const Node& n = g.node(st.root);
+  const bool operand = k <= 2 || (k == 4 && n.op == Op::AttentionGradK);  // (the log-sum-exp alone: q, k, positions)
+  return operand && k < n.inputs.size() ? bf16_copy_read(g, st, n.inputs[k]) : -1;
+}
+
 }  // namespace halyard

@@ -76,6 +76,18 @@ struct GemmForm {
 };
 bool gemm_form(const Graph& g, const Node& n, GemmForm* form = nullptr);
 
+// The 16-bit copy that a kernel taking bf16 operands reads in place of
+// value `id`, or -1: where `id` is load_bf16 of one of the stage's buffers
+// (a saved value's or a contraction operand's copy, schedules/precision.h).
+// Else a value computed inline, such as that decode, is copied to an f32
+// buffer once per call. Read so by the runtime's GEMM (both operands such
+// copies) and the attention libraries (attention_reads_copy).
+int bf16_copy_read(const Graph& g, const Stage& st, int id);
+// The copy that a library attention stage (runtime/attention_cpu.h,
+// attention_cuda.h) reads in place of its input k, or -1: q, k, v and the
+// backward's O, where each is such a copy. (dO, a gradient, never is.)
+int attention_reads_copy(const Graph& g, const Stage& st, size_t k);
+
 // How a Halide-lowered contraction (not a library one) reads its operands;
 // generators/lower.cpp builds it so and the plan counts its copies. B, the
 // operand holding the output's innermost axis, is read as vectors along it.

@@ -268,8 +268,10 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const Kerne
   if (st.gemm) {  // runtime/gemm.h: an operand computed inline is copied whole first; the call writes the output
     GemmForm form;
     gemm_form(g, n, &form);
-    copy_unless_buffer(static_cast<size_t>(form.a));
-    copy_unless_buffer(static_cast<size_t>(form.b));
+    const size_t a = static_cast<size_t>(form.a), b = static_cast<size_t>(form.b);
+    if (bf16_copy_read(g, st, n.inputs[a]) >= 0 && bf16_copy_read(g, st, n.inputs[b]) >= 0) return s;  // both read in place
+    copy_unless_buffer(a);
+    copy_unless_buffer(b);
     return s;
   }
   if (st.library) {  // runtime/attention_cpu_impl.h and the copies of its operands (generators/lower.cpp)
@@ -277,7 +279,8 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const Kerne
     const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");
     const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
     const bool lse_alone = n.op == Op::AttentionLse, fwd = n.op == Op::Attention || lse_alone, ring = is_ring_block(n);
-    for (size_t k = 0; k < (lse_alone ? 3u : fwd ? 4u : 7u); ++k) copy_unless_buffer(k);
+    for (size_t k = 0; k < (lse_alone ? 3u : fwd ? 4u : 7u); ++k)
+      if (attention_reads_copy(g, st, k) < 0) copy_unless_buffer(k);  // (a bf16 copy is read in place)
     if (ring) copy_unless_buffer(n.inputs.size() - 2), copy_unless_buffer(n.inputs.size() - 1);  // the token indices
     // runtime/attention_cuda.cu holds its tiles in shared memory and registers.
     if (gpu) return s;

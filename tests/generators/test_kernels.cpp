@@ -40,6 +40,7 @@
 #include "generators/jit_library.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
+#include "runtime/bf16.h"
 #include "schedules/plan.h"
 #include "tests/attention_against_cpu.h"
 #include "schedules/precision.h"
@@ -235,6 +236,10 @@ struct AttentionCase {
   // seq / 2). ring_rank < 0: plain attention.
   int ring_rank = -1, ring_from = 0;
   bool zigzag = false;
+  // q, k and v projections of an input, saved in bf16 (a store rule,
+  // schedules/precision.h), as the output is: attention's stages read the
+  // copies, the library's in place.
+  bool stored = false;
 };
 
 constexpr int64_t kRingDegree = 4;
@@ -251,16 +256,31 @@ std::string ring_name(const AttentionCase& c) {
 }
 
 // The stages of attention's forward and of its gradients (4 heads, 2 KV
-// heads), in `g`, or with bf16 in the graph round_contractions makes of it
-// (left in *rounded).
+// heads), in `g`, or where the case stores or rounds values in the graph
+// store_saved and round_contractions make of it (left in *rounded).
 Partition attention_partition(Graph& g, const AttentionCase& c, std::unique_ptr<Graph>* rounded = nullptr) {
   Schedule sched;
   sched.attention_kernel = c.kernel;
   if (c.bf16) sched.contract_precision = "bf16";
   const Axis B{"batch", c.batch}, S{"seq", c.seq}, H{"heads", 4}, KV{"kv_heads", 2}, D{"head_dim", c.head_dim};
-  Value q = param(g, "q", DType::f32, {B, S, H, D});
-  Value k = param(g, "k", DType::f32, {B, S, KV, D});
-  Value v = param(g, "v", DType::f32, {B, S, KV, D});
+  Value q, k, v;
+  std::vector<Value> wrt;
+  if (c.stored) {
+    const Axis M{"model", 8};
+    Value x = input(g, "x", DType::f32, {B, S, M});
+    auto projection = [&](const char* name, const Axis& heads) {
+      wrt.push_back(param(g, name, DType::f32, {M, heads, D}));
+      return contract_to(x, wrt.back(), {"batch", "seq", heads.name, "head_dim"});
+    };
+    q = projection("wq", H), k = projection("wk", KV), v = projection("wv", KV);
+    const Schedule stores = Schedule::parse(R"({"name": "stored", "values": [{"match": "*", "store": "bf16"}]})", "test");
+    sched.values = stores.values;
+  } else {
+    q = param(g, "q", DType::f32, {B, S, H, D});
+    k = param(g, "k", DType::f32, {B, S, KV, D});
+    v = param(g, "v", DType::f32, {B, S, KV, D});
+    wrt = {q, k, v};
+  }
   Value pos = input(g, "position_ids", DType::i32, {B, S});
   TokenIndex index;
   Attrs block;
@@ -273,14 +293,20 @@ Partition attention_partition(Graph& g, const AttentionCase& c, std::unique_ptr<
   Value out = c.ring_rank >= 0 ? attention_block(q, k, v, pos, index, block) : attention(q, k, v, pos);
   Value r = input(g, "r", DType::f32, out.type().axes);
   Value loss = contract_to(out, r, {});
-  Gradients grads = grad(loss, {q, k, v});
-  std::vector<int> outputs = {out.id, grads[q].id, grads[k].id, grads[v].id};
+  Gradients grads = grad(loss, wrt);
+  std::vector<int> outputs = {out.id};
+  for (const Value& w : wrt) outputs.push_back(grads[w].id);
   if (c.lse_alone) outputs = {(c.ring_rank >= 0 ? attention_block_lse(q, k, pos, index, block) : attention_lse(q, k, pos)).id};
-  if (!c.bf16) return partition(g, outputs, sched);
-  StoredGraph sg = round_contractions(g, sched);
-  for (int& id : outputs) id = sg.id_of[static_cast<size_t>(id)];
-  *rounded = std::move(sg.graph);
-  return partition(**rounded, outputs, sched);
+  const Graph* src = &g;
+  auto rebuilt = [&](StoredGraph sg) {
+    if (!sg.graph) return;
+    for (int& id : outputs) id = sg.id_of[static_cast<size_t>(id)];
+    *rounded = std::move(sg.graph);
+    src = rounded->get();
+  };
+  if (c.stored) rebuilt(store_saved(*src, sched));
+  if (c.bf16) rebuilt(round_contractions(*src, sched));
+  return partition(*src, outputs, sched);
 }
 
 // `target`: what Halide compiles the generated kernels for (the host's by
@@ -352,7 +378,9 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
       // In bf16 the root mean squares' ratio: a probability or a dS that the
       // kernels round (unnormalized, in their key blocks) to the other side
       // of a bf16 rounding from the interpreter's moves a few elements by
-      // up to 2^-9 of the largest.
+      // up to 2^-9 of the largest. So does a stored value (a projection) that
+      // f32 and f64 round to neighbouring bf16s.
+      const bool rounding = c.bf16 || c.stored;
       double diff = 0, scale = 1e-300;
       for (size_t e = 0; e < want.size(); ++e) {
         if (want[e] <= -1e29) {  // a ring block's row that sees no key: its log-sum-exp, -1e30
@@ -360,19 +388,20 @@ double attention_case(const AttentionCase& c, const Halide::Target* target = nul
           continue;
         }
         const double d = static_cast<double>(got[e]) - want[e];
-        diff = c.bf16 ? diff + d * d : std::max(diff, std::abs(d));
-        scale = c.bf16 ? scale + want[e] * want[e] : std::max(scale, std::abs(want[e]));
+        diff = rounding ? diff + d * d : std::max(diff, std::abs(d));
+        scale = rounding ? scale + want[e] * want[e] : std::max(scale, std::abs(want[e]));
       }
-      const double rel = c.bf16 ? std::sqrt(diff / scale) : diff / scale;
+      const double rel = rounding ? std::sqrt(diff / scale) : diff / scale;
       worst = std::max(worst, rel);
       // A ring block before the queries' own has every row see all its keys,
       // each row's output a mean over hundreds of them (and small): there the
       // roundings move it by up to half a bf16 step, 2^-9 of it (1.1e-3
       // measured at 300 tokens), where a causal row's few keys move it less.
       const double bf16_bound = c.ring_rank >= 0 ? std::ldexp(1.0, -9) : 1e-3;
-      EXPECT_LE(rel, c.bf16 ? bf16_bound : 1e-5) << op_name(g.node(id).op) << " %" << id << " at seq " << seq << ", "
-                                            << c.kernel << " kernels, head_dim " << c.head_dim << ", batch " << c.batch
-                                            << (c.bf16 ? ", bf16" : "") << ring_name(c);
+      EXPECT_LE(rel, rounding ? bf16_bound : 1e-5) << op_name(g.node(id).op) << " %" << id << " at seq " << seq << ", "
+                                              << c.kernel << " kernels, head_dim " << c.head_dim << ", batch " << c.batch
+                                              << (c.bf16 ? ", bf16" : "") << (c.stored ? ", stored in bf16" : "")
+                                              << ring_name(c);
     }
   }
   if (c.lse_alone)
@@ -398,7 +427,7 @@ void run_attention_cases(const std::vector<AttentionCase>& cases, const Halide::
                 c.lse_alone ? " lse" : "", target && target->has_gpu_feature() ? "gpu" : c.kernel.c_str(),
                 static_cast<long long>(c.seq),
                 static_cast<long long>(c.head_dim), static_cast<long long>(c.batch), c.packed ? "packed" : "causal",
-                ring_name(c).c_str(), c.bf16 ? "bf16: rms diff / rms ref" : "max |diff| / max |ref|", err);
+                ring_name(c).c_str(), c.bf16 || c.stored ? "bf16: rms diff / rms ref" : "max |diff| / max |ref|", err);
   }
 }
 
@@ -446,8 +475,9 @@ std::string lowered_stmt(LoweredStage& ls, const Halide::Target& t) {
   return text;
 }
 
-Allocated allocations_of(const Graph& g, const Stage& st, const Halide::Target& t) {
-  LoweredStage ls = lower_stage(g, st, false, {}, 0, Halide::DeviceAPI::Host, t.has_gpu_feature());
+Allocated allocations_of(const Graph& g, const Stage& st, const Halide::Target& t,
+                         Halide::DeviceAPI library = Halide::DeviceAPI::Host) {
+  LoweredStage ls = lower_stage(g, st, false, {}, 0, library, t.has_gpu_feature());
   if (t.has_gpu_feature()) schedule_gpu(ls, g, st, t);
   else schedule_cpu(ls, g, st, t);
   auto fix = [](Halide::OutputImageParam b, const TensorType& type) {
@@ -530,11 +560,16 @@ TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
 // tiny Llama's q and k after RoPE computed once, k (and v) transposed, the
 // row statistics; elsewhere per-token values (a norm's scale, the loss's
 // log-sum-exp), RoPE's tables and the partial sums of long sums. Before,
-// such a plan counted the CPU library's stages and scratch.
+// such a plan counted the CPU library's stages and scratch. In mixed
+// precision (bf16_mixed: saved values and contraction operands in bf16)
+// the GEMMs and the attention kernels read the bf16 copies in place, and
+// the plan counts no copy of them (it counted f32 copies of both GEMM
+// operands, 2 GiB a loss tile for Llama-3.2-1B at 32,768 tokens).
 TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
   Schedule halide = Schedule::named("default");
   halide.attention_kernel = "halide";
-  for (const Schedule& s : {Schedule::named("default"), halide}) {
+  for (const Schedule& s : {Schedule::named("default"), halide,
+                            Schedule::named(HALYARD_SOURCE_DIR "/examples/llama/schedules/bf16_mixed.json")}) {
     const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024}, s,
                         Cluster::named("8xH200"));
     EXPECT_EQ(p.schedule.attention_kernel, s.attention_kernel);
@@ -559,8 +594,11 @@ TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
       checked.push_back(op_name(g.node(st.root).op));
     }
     if (s.attention_kernel == "library") {
-      for (const char* kind : {"attention", "attention_grad_k", "rms_norm_grad_w", "rope", "cross_entropy", "token_count"})
-        EXPECT_NE(std::find(checked.begin(), checked.end(), kind), checked.end()) << kind;
+      // (bf16_mixed computes RoPE inside its readers, and stores copies)
+      const bool mixed = s.contract_precision == "bf16";
+      for (const char* kind : {"attention", "attention_grad_k", "rms_norm_grad_w", mixed ? "store_bf16" : "rope",
+                               "cross_entropy", "token_count"})
+        EXPECT_NE(std::find(checked.begin(), checked.end(), kind), checked.end()) << kind << " in " << s.name;
     } else
       EXPECT_EQ(checked.size(), 3u) << "the forward with its log-sum-exp, dQ, dK with dV";
   }
@@ -703,6 +741,17 @@ TEST(Kernels, LibraryLogSumExpAloneIsTheForwardsBits) {
   });
 }
 
+// Saved values stored in bf16 (q, k, v and the output): the library reads
+// the copies in place, Halide's kernels decode them inline; both against
+// the interpreter of the same graph, in f32 and in mixed precision.
+TEST(Kernels, AttentionOnValuesStoredInBf16MatchesTheInterpreter) {
+  std::vector<AttentionCase> cases = {{300, false, "library"}, {200, true, "library", 24, 2},
+                                      {300, true, "library", 16, 1, true}, {130, true, "halide"},
+                                      {100, false, "halide", 16, 1, true}};
+  for (AttentionCase& c : cases) c.stored = true;
+  run_attention_cases(cases);
+}
+
 // Mixed precision (Attrs::bf16): the library's kernels and Halide's round
 // what the interpreter rounds (q, k, v, dO, the probabilities before their
 // products, dS), packed rows and padded head_dims included.
@@ -743,19 +792,39 @@ TEST(Kernels, CudaLibraryAttentionIsADeviceCallAndRefusesAWideHead) {
 // buffers), so a stage whose operands are buffers allocates nothing: a
 // copy of [head_dim + 1, seq, heads] and one of [head_dim, seq, group + 2,
 // kv_heads] floats before. The weight-gradient GEMM likewise.
+// Where q, k, v and O are saved in bf16, the stages read their copies in
+// place, the CPU library's and the CUDA kernels': before, each call decoded
+// them into f32 copies first (at 4,096 tokens, 8 MiB in the forward and 12
+// MiB in the backward here).
 TEST(Kernels, LibraryStagesWriteTheirOutputsInPlace) {
-  Graph g;
-  const Partition p = attention_partition(g, {4096, false, "library", 64, 1});
-  std::vector<std::string> library;
-  for (const Stage& st : p.stages) {
-    if (!st.library) continue;
-    const std::string kind = op_name(g.node(st.root).op);
-    library.push_back(kind);
-    const Allocated a = allocations_of(g, st, Halide::get_host_target());
-    EXPECT_TRUE(a.memory == 0 && a.unsized.empty())
-        << kind << " allocates " << a.memory << " bytes and " << a.unsized.size() << " buffers sized at run time";
+  for (const bool stored : {false, true}) {
+    AttentionCase c{4096, false, "library", 64, 1};
+    c.stored = stored;
+    Graph g0;
+    std::unique_ptr<Graph> rebuilt;
+    const Partition p = attention_partition(g0, c, &rebuilt);
+    ASSERT_EQ(rebuilt != nullptr, stored) << "the saved values have bf16 copies";
+    const Graph& g = stored ? *rebuilt : g0;
+    std::vector<std::string> library;
+    for (const Stage& st : p.stages) {
+      if (!st.library || st.gemm) continue;
+      const std::string kind = op_name(g.node(st.root).op);
+      if (kind.rfind("attention", 0) != 0) continue;
+      library.push_back(kind);
+      int copies = 0;
+      for (int in : st.inputs) copies += g.node(in).op == Op::StoreBf16;
+      EXPECT_EQ(copies, stored ? (kind == "attention" ? 3 : 4) : 0) << kind << ": q, k, v (and O) read as bf16 copies";
+      // (on a CUDA target, the CUDA kernels' entry points)
+      for (const bool cuda : {false, true}) {
+        const Allocated a = cuda ? allocations_of(g, st, Halide::Target("host-cuda-cuda_capability_80"), Halide::DeviceAPI::CUDA)
+                                 : allocations_of(g, st, Halide::get_host_target());
+        EXPECT_TRUE(a.memory == 0 && a.unsized.empty())
+            << kind << (stored ? " reading bf16 copies" : "") << (cuda ? " on CUDA" : "") << " allocates " << a.memory
+            << " bytes and " << a.unsized.size() << " buffers sized at run time";
+      }
+    }
+    EXPECT_EQ(library, (std::vector<std::string>{"attention", "attention_grad_k"}));
   }
-  EXPECT_EQ(library, (std::vector<std::string>{"attention", "attention_grad_k"}));
   Graph lg;
   const Partition lp = attention_partition(lg, {4096, false, "library", 64, 1, false, true});
   ASSERT_TRUE(lp.stages.size() == 1 && lp.stages[0].library);
@@ -840,6 +909,64 @@ TEST(Kernels, LibraryRingBlocksMatchTheInterpreter) {
           << (x == &o ? "output" : x == &lse ? "log-sum-exp" : x == &alone ? "log-sum-exp alone" : x == &dk ? "dK" : x == &dv ? "dV" : "dQ")
           << (bf16 ? ", bf16" : "");
   }
+}
+
+// The library's operands as bf16 (uint16 buffers: the copies of values a
+// schedule stores in bf16, read in place) give the bits that f32 operands
+// holding the same values give: the forward, the log-sum-exp alone, the
+// backward (its O and dO too) and a ring block's forward, in f32 and in
+// mixed precision, packed documents and a padded head_dim, in every ISA.
+// An operand of another type is refused, by name.
+TEST(Kernels, LibraryAttentionReadsBf16OperandsAsTheValuesTheyHold) {
+  using Halide::Runtime::Buffer;
+  in_every_isa([] {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (const int bf16 : {0, 1})
+      for (const int D : {16, 24}) {
+        const int S = 300, H = 4, KV = 2, B = 2;
+        // Values rounded to bf16, as f32 and as their 16 bits.
+        auto operand = [&](int heads, const Buffer<float>* from = nullptr) {
+          std::pair<Buffer<float>, Buffer<uint16_t>> x{Buffer<float>(D, heads, S, B), Buffer<uint16_t>(D, heads, S, B)};
+          x.first.for_each_element([&](int d, int h, int i, int b) {
+            x.second(d, h, i, b) = runtime::bf16_bits(from ? (*from)(d, h, i, b) : normal(rng));
+            x.first(d, h, i, b) = runtime::bf16_value(x.second(d, h, i, b));
+          });
+          return x;
+        };
+        auto [q, q16] = operand(H);
+        auto [k, k16] = operand(KV);
+        auto [v, v16] = operand(KV);
+        auto [dO, dO16] = operand(H);
+        Buffer<int32_t> pos(S, B), idx(S, B);
+        for (int i = 0; i < S; ++i) pos(i, 0) = i, pos(i, 1) = i % 77, idx(i, 0) = idx(i, 1) = i;
+        auto outs = [&](int heads) { return std::vector<Buffer<float>>{Buffer<float>(D, heads, S, B), Buffer<float>(D, heads, S, B)}; };
+        std::vector<Buffer<float>> o = outs(H), ring = outs(H), dq = outs(H), dk = outs(KV), dv = outs(KV);
+        std::vector<Buffer<float>> lse = {Buffer<float>(H, S, B), Buffer<float>(H, S, B)},
+                                   alone = {Buffer<float>(H, S, B), Buffer<float>(H, S, B)};
+        ASSERT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse[0], H, KV, D, 0, 0, bf16, o[0]), 0);
+        ASSERT_EQ(halyard_attention_forward_lse(q16, k16, v16, pos, lse[1], H, KV, D, 0, 0, bf16, o[1]), 0);
+        ASSERT_EQ(halyard_attention_forward_lse_ring(q16, k16, v16, pos, idx, idx, lse[1], H, KV, D, 0, 0, bf16, ring[1]), 0);
+        ring[0] = o[0];
+        ASSERT_EQ(halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, alone[0]), 0);
+        ASSERT_EQ(halyard_attention_lse(q16, k16, pos, H, KV, D, 0, 0, bf16, alone[1]), 0);
+        auto [o32, o16] = operand(H, &o[0]);  // O stored in bf16
+        ASSERT_EQ(halyard_attention_backward(q, k, v, pos, o32, dO, lse[0], dv[0], dq[0], H, KV, 0, 0, bf16, dk[0]), 0);
+        ASSERT_EQ(halyard_attention_backward(q16, k16, v16, pos, o16, dO16, lse[0], dv[1], dq[1], H, KV, 0, 0, bf16, dk[1]),
+                  0);
+        for (auto* x : {&o, &ring, &lse, &alone, &dk, &dv, &dq})
+          EXPECT_EQ(std::memcmp((*x)[0].data(), (*x)[1].data(), (*x)[0].size_in_bytes()), 0)
+              << (x == &o ? "output" : x == &ring ? "a ring block's output" : x == &lse ? "log-sum-exp" : x == &alone ? "log-sum-exp alone" : x == &dk ? "dK" : x == &dv ? "dV" : "dQ")
+              << ", " << runtime::attention_cpu::isa() << ", head_dim " << D << (bf16 ? ", bf16" : "");
+      }
+  });
+  Halide::Runtime::Buffer<float> q(16, 2, 8, 1), k(16, 1, 8, 1), v(16, 1, 8, 1), o(16, 2, 8, 1);
+  Halide::Runtime::Buffer<int32_t> pos(8, 1), wrong(16, 1, 8, 1);
+  ::testing::internal::CaptureStderr();
+  const int rc = halyard_attention_forward(q, wrong, v, pos, 2, 1, 16, 0, 0, 0, o);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(rc, 0);
+  EXPECT_THAT(said, ::testing::HasSubstr("q, k, v, O and dO must be f32, or bf16 as its 16 bits (uint16)"));
 }
 
 // A ring block's kernels are the library's (Schedule::attention_kernel) on

@@ -10,8 +10,11 @@
 #include <HalideBuffer.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/attention_cuda.h"
@@ -168,7 +171,10 @@ TEST(AttentionCudaEmulated, RingBlocksMatchTheCpuLibrarysRingEntryPoints) {
 // transposed, in kslot's order), as float4s where the slab allows them, is
 // the pair-at-a-time staging's, bit for bit: the same rows, from a copy of
 // the slab one float off 16-byte alignment (which takes the pairs' path),
-// with a tail of rows past n that both fill with zeros.
+// with a tail of rows past n that both fill with zeros. So is the staging
+// of the slab's bf16 copy (its 16 bits, as a schedule storing values in
+// bf16 passes them), in 16-byte vectors where aligned, and a pair at a
+// time from a copy one element off.
 template <int DP>
 void expect_float4_staging_as_pairs() {
   using T = Tc<DP>;
@@ -185,16 +191,27 @@ void expect_float4_staging_as_pairs() {
   float* misaligned = off.data();
   while (reinterpret_cast<uintptr_t>(misaligned) % 16 != 4) ++misaligned;
   std::copy(aligned, aligned + static_cast<size_t>(rows_needed) * ld, misaligned);
-  std::vector<uint16_t> rows[2], cols[2];
-  for (int path = 0; path < 2; ++path) {
+  // The bf16 copies: aligned, and one element off.
+  std::vector<uint16_t> bits(2 * slab.size() + 32);
+  uint16_t* bits_aligned = bits.data();
+  while (reinterpret_cast<uintptr_t>(bits_aligned) % 16 != 0) ++bits_aligned;
+  uint16_t* bits_off = bits_aligned + static_cast<size_t>(rows_needed) * ld + 9;
+  for (size_t x = 0; x < static_cast<size_t>(rows_needed) * ld; ++x)
+    bits_aligned[x] = bits_off[x] = static_cast<uint16_t>(pack_bf16(aligned[x], 0) & 0xffffu);
+  const Operand from[4] = {{aligned, false}, {misaligned, false}, {bits_aligned, true}, {bits_off, true}};
+  std::vector<uint16_t> rows[4], cols[4];
+  for (int path = 0; path < 4; ++path) {
     rows[path].assign(T::B * T::LR, 0xdead);
     cols[path].assign(DP * T::LC, 0xdead);
     cuda_emulation::launch(
-        [&](const float* src) { stage_bf16<DP>(rows[path].data(), cols[path].data(), src, ld, r0, n, DP); }, 1, 1, 1,
-        128, path == 0 ? static_cast<const float*>(aligned) : static_cast<const float*>(misaligned));
+        [&](Operand src) { stage_bf16<DP>(rows[path].data(), cols[path].data(), src, ld, r0, n, DP); }, 1, 1, 1, 128,
+        from[path]);
   }
-  EXPECT_EQ(rows[0], rows[1]) << "head_dim " << DP;
-  EXPECT_EQ(cols[0], cols[1]) << "head_dim " << DP;
+  for (int path = 1; path < 4; ++path) {
+    const char* what[] = {"", "the pairs' path", "bf16 in vectors", "bf16 a pair at a time"};
+    EXPECT_EQ(rows[0], rows[path]) << "head_dim " << DP << ", " << what[path];
+    EXPECT_EQ(cols[0], cols[path]) << "head_dim " << DP << ", " << what[path];
+  }
   // (and the tiles hold the slab: row 1, element 2 of the run, in kslot's place)
   EXPECT_EQ(rows[0][1 * T::LR + kslot(2)], pack_bf16(aligned[(r0 + 1) * ld + 2], 0) & 0xffffu);
   EXPECT_EQ(cols[0][2 * T::LC + kslot(1)], pack_bf16(aligned[(r0 + 1) * ld + 2], 0) & 0xffffu);
@@ -205,6 +222,84 @@ TEST(AttentionCudaEmulated, StagingAsFloat4sIsThePairwiseStaging) {
   expect_float4_staging_as_pairs<32>();
   expect_float4_staging_as_pairs<64>();
   expect_float4_staging_as_pairs<128>();
+}
+
+// Operands in bf16 (uint16 buffers: the copies of values a schedule stores
+// in bf16, read in place) give the bits that f32 operands holding the same
+// values give, through the launcher: the forward, the log-sum-exp alone and
+// the backward (O in bf16 too; dO, a gradient, is f32), in the f32 kernels and the bf16
+// ones, at head_dims whole (16-byte vectors) and padded (a pair at a time),
+// and a ring block's. An operand of another type is refused.
+TEST(AttentionCudaEmulated, Bf16OperandsGiveTheBitsOfTheirValuesInF32) {
+  struct Case {
+    int D;
+    bool bf16, ring;
+  };
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (const Case c : {Case{24, false, false}, Case{32, false, true}, Case{16, true, false}, Case{24, true, false},
+                       Case{64, true, true}}) {
+    const int S = 70, H = c.D > 32 ? 2 : 4, KV = c.D > 32 ? 1 : 2, B = 2, D = c.D;
+    // Values rounded to bf16, as f32 and as their 16 bits.
+    auto rounded = [&](int heads, const Buffer<float>* from = nullptr) {
+      std::pair<Buffer<float>, Buffer<uint16_t>> x{Buffer<float>(D, heads, S, B), Buffer<uint16_t>(D, heads, S, B)};
+      x.first.for_each_element([&](int d, int h, int i, int b) {
+        const uint32_t bits = pack_bf16(from ? (*from)(d, h, i, b) : normal(rng), 0) & 0xffffu;
+        x.second(d, h, i, b) = static_cast<uint16_t>(bits);
+        x.first(d, h, i, b) = __uint_as_float(bits << 16);
+      });
+      return x;
+    };
+    auto [q, q16] = rounded(H);
+    auto [k, k16] = rounded(KV);
+    auto [v, v16] = rounded(KV);
+    Buffer<float> dO = rounded(H).first;
+    halyard::testing::RingBlock ring = halyard::testing::ring_block(S, 4, 1, 2, true);
+    halyard::runtime::attention_cpu::RingIndices idx;
+    if (c.ring) idx = {ring.kidx, ring.qidx};
+    Buffer<int32_t> pos(S, B);
+    for (int i = 0; i < S; ++i) {
+      const int q0 = c.ring ? ring.qidx(i, 0) : i, q1 = c.ring ? ring.qidx(i, 1) : i;
+      pos(i, 0) = q0, pos(i, 1) = q1 < 30 ? q1 : q1 - 30;
+    }
+    auto outs = [&](std::vector<int> shape) { return std::vector<Buffer<float>>{Buffer<float>(shape), Buffer<float>(shape)}; };
+    std::vector<Buffer<float>> o = outs({D, H, S, B}), lse = outs({H, S, B}), alone = outs({H, S, B}),
+                               dq = outs({D, H, S, B}), dk = outs({D, KV, S, B}), dv = outs({D, KV, S, B});
+    for (int x = 0; x < 2; ++x) {
+      halide_buffer_t *qx = x ? q16.raw_buffer() : q.raw_buffer(), *kx = x ? k16.raw_buffer() : k.raw_buffer(),
+                      *vx = x ? v16.raw_buffer() : v.raw_buffer();
+      AsDevice on({qx, kx, vx, pos, lse[x], o[x], alone[x]}, c.ring ? &ring : nullptr);
+      std::vector<Launch> launches;
+      ASSERT_EQ(halyard::runtime::attention_cuda::forward_launches(qx, kx, vx, pos, lse[x], H, KV, D, c.bf16, o[x],
+                                                                   &launches, idx),
+                "");
+      run(launches);
+      ASSERT_EQ(halyard::runtime::attention_cuda::lse_launches(qx, kx, pos, H, KV, D, c.bf16, alone[x], &launches, idx),
+                "");
+      run(launches);
+    }
+    auto [o32, o16] = rounded(H, &o[0]);  // the output stored in bf16
+    for (int x = 0; x < 2; ++x) {
+      halide_buffer_t *qx = x ? q16.raw_buffer() : q.raw_buffer(), *kx = x ? k16.raw_buffer() : k.raw_buffer(),
+                      *vx = x ? v16.raw_buffer() : v.raw_buffer(), *ox = x ? o16.raw_buffer() : o32.raw_buffer(),
+                      *dOx = dO.raw_buffer();  // (a gradient: f32 alone)
+      AsDevice on({qx, kx, vx, pos, ox, dOx, lse[0], dv[x], dq[x], dk[x]}, c.ring ? &ring : nullptr);
+      std::vector<Launch> launches;
+      ASSERT_EQ(halyard::runtime::attention_cuda::backward_launches(qx, kx, vx, pos, ox, dOx, lse[0], dv[x], dq[x], H,
+                                                                    KV, c.bf16, dk[x], &launches, idx),
+                "");
+      run(launches);
+    }
+    for (auto* x : {&o, &lse, &alone, &dk, &dv, &dq})
+      EXPECT_EQ(std::memcmp((*x)[0].data(), (*x)[1].data(), (*x)[0].size_in_bytes()), 0)
+          << (x == &o ? "output" : x == &lse ? "log-sum-exp" : x == &alone ? "log-sum-exp alone" : x == &dk ? "dK" : x == &dv ? "dV" : "dQ")
+          << ", head_dim " << D << (c.bf16 ? ", bf16 kernels" : ", f32 kernels") << (c.ring ? ", a ring block" : "");
+  }
+  std::vector<Launch> launches;
+  Buffer<float> q(32, 4, 8, 1), v(32, 2, 8, 1), o(32, 4, 8, 1);
+  Buffer<int32_t> pos(8, 1), k(32, 2, 8, 1);
+  EXPECT_EQ(halyard::runtime::attention_cuda::forward_launches(q, k, v, pos, nullptr, 4, 2, 32, false, o, &launches),
+            "q, k, v and O must be f32, or bf16 as its 16 bits (uint16)");
 }
 
 // What the launcher refuses, before anything runs.
