@@ -17,10 +17,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/attention_cpu.h"
+#include "runtime/bf16.h"
 
 namespace halyard::testing {
 
@@ -155,6 +159,64 @@ double check_attention_against_cpu(int D, int H, int KV, int S, int doc, double 
   EXPECT_LE(attention_rel(pdv, heads_like(dv, pdv), bf16), limit) << "head_dim " << D;
   EXPECT_LE(attention_rel(pdq, heads_like(dq, pdq), bf16), limit) << "head_dim " << D;
   return worst;
+}
+
+// Values rounded to bf16 (nearest, ties to even), of `from` or else random,
+// as f32 and as their 16 bits: the f32 values a schedule storing them in
+// bf16 computes with, and the copy (uint16) it passes the kernels.
+inline std::pair<Buffer<float>, Buffer<uint16_t>> bf16_operand(std::vector<int> shape, std::mt19937& rng,
+                                                               const Buffer<float>* from = nullptr) {
+  std::normal_distribution<float> normal(0, 1);
+  std::pair<Buffer<float>, Buffer<uint16_t>> x{Buffer<float>(shape), Buffer<uint16_t>(shape)};
+  x.first.for_each_element([&](const int* at) {
+    x.second(at) = runtime::bf16_bits(from ? (*from)(at) : normal(rng));
+    x.first(at) = runtime::bf16_value(x.second(at));
+  });
+  return x;
+}
+
+// The calls under test, given q, k, v (and the backward's O) in bf16 as
+// their 16 bits, give the bits they give from f32 operands holding the same
+// values: forward(q, k, v, pos, lse, o), lse_alone(q, k, pos, lse) and
+// backward(q, k, v, pos, o, dO, lse, dv, dq, dk), with the operands as
+// halide_buffer_t* (f32 or uint16) and the outputs as f32 buffers left
+// readable on the host. dO is f32 (a gradient), or in bf16 too where
+// dO_too. Two rows, the second two packed documents (the second from doc);
+// a ring block's indices where given.
+template <class Forward, class LseAlone, class Backward>
+void expect_bf16_operands_give_f32_bits(int D, int H, int KV, int S, int doc, Forward forward, LseAlone lse_alone,
+                                        Backward backward, const std::string& what, RingBlock* ring = nullptr,
+                                        bool dO_too = false) {
+  const int B = 2;
+  std::mt19937 rng(static_cast<unsigned>(D * 1000 + S));
+  auto [q, q16] = bf16_operand({D, H, S, B}, rng);
+  auto [k, k16] = bf16_operand({D, KV, S, B}, rng);
+  auto [v, v16] = bf16_operand({D, KV, S, B}, rng);
+  auto [dO, dO16] = bf16_operand({D, H, S, B}, rng);
+  Buffer<int32_t> pos(S, B);
+  for (int i = 0; i < S; ++i) {
+    const int q0 = ring ? ring->qidx(i, 0) : i, q1 = ring ? ring->qidx(i, 1) : i;
+    pos(i, 0) = q0, pos(i, 1) = q1 < doc ? q1 : q1 - doc;
+  }
+  auto pair = [](std::vector<int> shape) { return std::vector<Buffer<float>>{Buffer<float>(shape), Buffer<float>(shape)}; };
+  std::vector<Buffer<float>> o = pair({D, H, S, B}), lse = pair({H, S, B}), alone = pair({H, S, B}),
+                             dq = pair({D, H, S, B}), dk = pair({D, KV, S, B}), dv = pair({D, KV, S, B});
+  for (int x = 0; x < 2; ++x) {
+    halide_buffer_t *qx = x ? q16.raw_buffer() : q.raw_buffer(), *kx = x ? k16.raw_buffer() : k.raw_buffer(),
+                    *vx = x ? v16.raw_buffer() : v.raw_buffer();
+    forward(qx, kx, vx, pos, lse[x], o[x]);
+    lse_alone(qx, kx, pos, alone[x]);
+  }
+  auto [o32, o16] = bf16_operand({D, H, S, B}, rng, &o[0]);  // the output stored in bf16
+  for (int x = 0; x < 2; ++x)
+    backward(x ? q16.raw_buffer() : q.raw_buffer(), x ? k16.raw_buffer() : k.raw_buffer(),
+             x ? v16.raw_buffer() : v.raw_buffer(), pos, x ? o16.raw_buffer() : o32.raw_buffer(),
+             x && dO_too ? dO16.raw_buffer() : dO.raw_buffer(), lse[0], dv[x], dq[x], dk[x]);
+  const std::pair<const char*, std::vector<Buffer<float>>*> outputs[] = {
+      {"output", &o}, {"log-sum-exp", &lse}, {"log-sum-exp alone", &alone}, {"dK", &dk}, {"dV", &dv}, {"dQ", &dq}};
+  for (const auto& [name, x] : outputs)
+    EXPECT_EQ(std::memcmp((*x)[0].data(), (*x)[1].data(), (*x)[0].size_in_bytes()), 0)
+        << name << ", head_dim " << D << ", " << what << (ring ? ", a ring block" : "");
 }
 
 }  // namespace halyard::testing

@@ -97,6 +97,53 @@ TEST(Cuda, AttentionRunsTheLibrarysCudaKernels) {
   }
 }
 
+// The CUDA attention entry points as the attention checks call them
+// (tests/attention_against_cpu.h), a ring block's where given: the outputs
+// marked clean (their device copies get written), then brought home.
+struct OnDevice {
+  int H, KV, D;
+  bool bf16;
+  testing::RingBlock* ring;
+  using F32 = Halide::Runtime::Buffer<float>;
+  using I32 = Halide::Runtime::Buffer<int32_t>;
+  static void clean(std::initializer_list<F32*> xs) {
+    for (F32* x : xs) x->set_host_dirty(false);
+  }
+  static void home(std::initializer_list<F32*> xs) {
+    for (F32* x : xs) ASSERT_EQ(x->copy_to_host(), 0);
+  }
+  auto forward() const {
+    return [*this](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, I32& pos, F32& lse, F32& o) {
+      clean({&lse, &o});
+      ASSERT_EQ(ring ? halyard_attention_forward_lse_ring_cuda(q, k, v, pos, ring->kidx, ring->qidx, lse, H, KV, D, 0, 0,
+                                                               bf16, o)
+                     : halyard_attention_forward_lse_cuda(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o),
+                0);
+      home({&lse, &o});
+    };
+  }
+  auto lse_alone() const {
+    return [*this](halide_buffer_t* q, halide_buffer_t* k, I32& pos, F32& lse) {
+      clean({&lse});
+      ASSERT_EQ(ring ? halyard_attention_lse_ring_cuda(q, k, pos, ring->kidx, ring->qidx, H, KV, D, 0, 0, bf16, lse)
+                     : halyard_attention_lse_cuda(q, k, pos, H, KV, D, 0, 0, bf16, lse),
+                0);
+      home({&lse});
+    };
+  }
+  auto backward() const {
+    return [*this](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, I32& pos, halide_buffer_t* o,
+                   halide_buffer_t* dO, F32& lse, F32& dv, F32& dq, F32& dk) {
+      clean({&dv, &dq, &dk});
+      ASSERT_EQ(ring ? halyard_attention_backward_ring_cuda(q, k, v, pos, o, dO, lse, ring->kidx, ring->qidx, dv, dq, H,
+                                                            KV, 0, 0, bf16, dk)
+                     : halyard_attention_backward_cuda(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk),
+                0);
+      home({&dv, &dq, &dk});
+    };
+  }
+};
+
 // The CUDA attention kernels against the CPU library's, entry point for entry
 // point (tests/attention_against_cpu.h): every head_dim they are built for
 // and ones between (run padded), grouped queries, packed documents, rows not
@@ -109,39 +156,10 @@ TEST(Cuda, AttentionKernelsMatchTheCpuLibrary) {
   ASSERT_EQ(runtime::attention_cuda::why_unusable(), "");
   using Halide::Runtime::Buffer;
   const int H = 4, KV = 2;
-  // Outputs marked clean: their device copies get written, and come home.
-  auto home = [](std::initializer_list<Buffer<float>*> xs) {
-    for (Buffer<float>* x : xs) ASSERT_EQ(x->copy_to_host(), 0);
-  };
   auto check = [&](int D, bool bf16, testing::RingBlock* ring, int doc) {
-    testing::check_attention_against_cpu(
-        D, H, KV, 200, doc, bf16 ? 1e-3 : 1e-4, bf16,
-        [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& lse,
-            Buffer<float>& o) {
-          for (Buffer<float>* x : {&lse, &o}) x->set_host_dirty(false);
-          ASSERT_EQ(ring ? halyard_attention_forward_lse_ring_cuda(q, k, v, pos, ring->kidx, ring->qidx, lse, H, KV, D, 0,
-                                                                   0, bf16, o)
-                         : halyard_attention_forward_lse_cuda(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o),
-                    0);
-          home({&lse, &o});
-        },
-        [&](Buffer<float>& q, Buffer<float>& k, Buffer<int32_t>& pos, Buffer<float>& lse) {
-          lse.set_host_dirty(false);
-          ASSERT_EQ(ring ? halyard_attention_lse_ring_cuda(q, k, pos, ring->kidx, ring->qidx, H, KV, D, 0, 0, bf16, lse)
-                         : halyard_attention_lse_cuda(q, k, pos, H, KV, D, 0, 0, bf16, lse),
-                    0);
-          home({&lse});
-        },
-        [&](Buffer<float>& q, Buffer<float>& k, Buffer<float>& v, Buffer<int32_t>& pos, Buffer<float>& o,
-            Buffer<float>& dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
-          for (Buffer<float>* x : {&dv, &dq, &dk}) x->set_host_dirty(false);
-          ASSERT_EQ(ring ? halyard_attention_backward_ring_cuda(q, k, v, pos, o, dO, lse, ring->kidx, ring->qidx, dv, dq,
-                                                                H, KV, 0, 0, bf16, dk)
-                         : halyard_attention_backward_cuda(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk),
-                    0);
-          home({&dv, &dq, &dk});
-        },
-        ring);
+    const OnDevice d{H, KV, D, bf16, ring};
+    testing::check_attention_against_cpu(D, H, KV, 200, doc, bf16 ? 1e-3 : 1e-4, bf16, d.forward(), d.lse_alone(),
+                                         d.backward(), ring);
   };
   // f32 on CUDA cores; bf16 on tensor cores, against the CPU's bf16 (as
   // tests/runtime/test_attention_cuda_emulated.cpp checks in the emulator).
@@ -169,6 +187,27 @@ TEST(Cuda, AttentionKernelsMatchTheCpuLibrary) {
   halide_set_error_handler(before);
   EXPECT_NE(said.find("head_dim 256 is over the 128"), std::string::npos) << said;
   EXPECT_NE(said.find("\"attention_kernel\": \"halide\""), std::string::npos) << said;
+}
+
+// q, k, v and O given as their bf16 copies (uint16, as a schedule storing
+// values in bf16 passes them) give the bits that f32 operands holding the
+// same values give, on a device (tests/attention_against_cpu.h; the emulator
+// checks the same, AttentionCudaEmulated.Bf16OperandsGiveTheBitsOfTheirValuesInF32):
+// the f32 kernels and the bf16 ones, head_dims padded (a pair at a time)
+// and whole (16-byte vectors), documents longer than a tile, a ring block.
+TEST(Cuda, AttentionKernelsReadBf16OperandsAsTheValuesTheyHold) {
+  HALYARD_NEED_GPU();
+  runtime::use_runtime_cuda_context();
+  ASSERT_EQ(runtime::attention_cuda::why_unusable(), "");
+  const int H = 4, KV = 2;
+  testing::RingBlock block = testing::ring_block(200, 4, 1, 2, true);
+  for (const bool bf16 : {false, true})
+    for (const int D : {24, 64})
+      for (testing::RingBlock* ring : {static_cast<testing::RingBlock*>(nullptr), &block}) {
+        const OnDevice d{H, KV, D, bf16, ring};
+        testing::expect_bf16_operands_give_f32_bits(D, H, KV, 200, 150, d.forward(), d.lse_alone(), d.backward(),
+                                                    bf16 ? "bf16 kernels" : "f32 kernels", ring);
+      }
 }
 
 // Every contraction of GEMM form calls cuBLAS (runtime/gemm.h): halyard_aot

@@ -40,7 +40,6 @@
 #include "generators/jit_library.h"
 #include "generators/lowering.h"
 #include "runtime/attention_cpu.h"
-#include "runtime/bf16.h"
 #include "schedules/plan.h"
 #include "tests/attention_against_cpu.h"
 #include "schedules/precision.h"
@@ -913,51 +912,40 @@ TEST(Kernels, LibraryRingBlocksMatchTheInterpreter) {
 
 // The library's operands as bf16 (uint16 buffers: the copies of values a
 // schedule stores in bf16, read in place) give the bits that f32 operands
-// holding the same values give: the forward, the log-sum-exp alone, the
-// backward (its O and dO too) and a ring block's forward, in f32 and in
-// mixed precision, packed documents and a padded head_dim, in every ISA.
-// An operand of another type is refused, by name.
+// holding the same values give (tests/attention_against_cpu.h): the
+// forward, the log-sum-exp alone and the backward (O and dO in bf16 too),
+// plain and a ring block's, in f32 and in mixed precision, packed documents
+// and a padded head_dim, in every ISA. An operand of another type is
+// refused, by name.
 TEST(Kernels, LibraryAttentionReadsBf16OperandsAsTheValuesTheyHold) {
   using Halide::Runtime::Buffer;
   in_every_isa([] {
-    std::mt19937 rng(5);
-    std::normal_distribution<float> normal(0.f, 1.f);
     for (const int bf16 : {0, 1})
       for (const int D : {16, 24}) {
-        const int S = 300, H = 4, KV = 2, B = 2;
-        // Values rounded to bf16, as f32 and as their 16 bits.
-        auto operand = [&](int heads, const Buffer<float>* from = nullptr) {
-          std::pair<Buffer<float>, Buffer<uint16_t>> x{Buffer<float>(D, heads, S, B), Buffer<uint16_t>(D, heads, S, B)};
-          x.first.for_each_element([&](int d, int h, int i, int b) {
-            x.second(d, h, i, b) = runtime::bf16_bits(from ? (*from)(d, h, i, b) : normal(rng));
-            x.first(d, h, i, b) = runtime::bf16_value(x.second(d, h, i, b));
-          });
-          return x;
-        };
-        auto [q, q16] = operand(H);
-        auto [k, k16] = operand(KV);
-        auto [v, v16] = operand(KV);
-        auto [dO, dO16] = operand(H);
-        Buffer<int32_t> pos(S, B), idx(S, B);
-        for (int i = 0; i < S; ++i) pos(i, 0) = i, pos(i, 1) = i % 77, idx(i, 0) = idx(i, 1) = i;
-        auto outs = [&](int heads) { return std::vector<Buffer<float>>{Buffer<float>(D, heads, S, B), Buffer<float>(D, heads, S, B)}; };
-        std::vector<Buffer<float>> o = outs(H), ring = outs(H), dq = outs(H), dk = outs(KV), dv = outs(KV);
-        std::vector<Buffer<float>> lse = {Buffer<float>(H, S, B), Buffer<float>(H, S, B)},
-                                   alone = {Buffer<float>(H, S, B), Buffer<float>(H, S, B)};
-        ASSERT_EQ(halyard_attention_forward_lse(q, k, v, pos, lse[0], H, KV, D, 0, 0, bf16, o[0]), 0);
-        ASSERT_EQ(halyard_attention_forward_lse(q16, k16, v16, pos, lse[1], H, KV, D, 0, 0, bf16, o[1]), 0);
-        ASSERT_EQ(halyard_attention_forward_lse_ring(q16, k16, v16, pos, idx, idx, lse[1], H, KV, D, 0, 0, bf16, ring[1]), 0);
-        ring[0] = o[0];
-        ASSERT_EQ(halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, alone[0]), 0);
-        ASSERT_EQ(halyard_attention_lse(q16, k16, pos, H, KV, D, 0, 0, bf16, alone[1]), 0);
-        auto [o32, o16] = operand(H, &o[0]);  // O stored in bf16
-        ASSERT_EQ(halyard_attention_backward(q, k, v, pos, o32, dO, lse[0], dv[0], dq[0], H, KV, 0, 0, bf16, dk[0]), 0);
-        ASSERT_EQ(halyard_attention_backward(q16, k16, v16, pos, o16, dO16, lse[0], dv[1], dq[1], H, KV, 0, 0, bf16, dk[1]),
-                  0);
-        for (auto* x : {&o, &ring, &lse, &alone, &dk, &dv, &dq})
-          EXPECT_EQ(std::memcmp((*x)[0].data(), (*x)[1].data(), (*x)[0].size_in_bytes()), 0)
-              << (x == &o ? "output" : x == &ring ? "a ring block's output" : x == &lse ? "log-sum-exp" : x == &alone ? "log-sum-exp alone" : x == &dk ? "dK" : x == &dv ? "dV" : "dQ")
-              << ", " << runtime::attention_cpu::isa() << ", head_dim " << D << (bf16 ? ", bf16" : "");
+        const int H = 4, KV = 2;
+        testing::RingBlock ring = testing::ring_block(300, 4, 1, 2, true);
+        for (testing::RingBlock* r : {static_cast<testing::RingBlock*>(nullptr), &ring})
+          testing::expect_bf16_operands_give_f32_bits(
+              D, H, KV, 300, 77,
+              [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos, Buffer<float>& lse,
+                  Buffer<float>& o) {
+                ASSERT_EQ(r ? halyard_attention_forward_lse_ring(q, k, v, pos, r->kidx, r->qidx, lse, H, KV, D, 0, 0, bf16, o)
+                            : halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o),
+                          0);
+              },
+              [&](halide_buffer_t* q, halide_buffer_t* k, Buffer<int32_t>& pos, Buffer<float>& lse) {
+                ASSERT_EQ(r ? halyard_attention_lse_ring(q, k, pos, r->kidx, r->qidx, H, KV, D, 0, 0, bf16, lse)
+                            : halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, lse),
+                          0);
+              },
+              [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos, halide_buffer_t* o,
+                  halide_buffer_t* dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
+                ASSERT_EQ(r ? halyard_attention_backward_ring(q, k, v, pos, o, dO, lse, r->kidx, r->qidx, dv, dq, H, KV, 0, 0,
+                                                              bf16, dk)
+                            : halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk),
+                          0);
+              },
+              std::string(runtime::attention_cpu::isa()) + (bf16 ? ", bf16" : ", f32"), r, true);
       }
   });
   Halide::Runtime::Buffer<float> q(16, 2, 8, 1), k(16, 1, 8, 1), v(16, 1, 8, 1), o(16, 2, 8, 1);

@@ -10,11 +10,8 @@
 #include <HalideBuffer.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <map>
-#include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "runtime/attention_cuda.h"
@@ -226,74 +223,50 @@ TEST(AttentionCudaEmulated, StagingAsFloat4sIsThePairwiseStaging) {
 
 // Operands in bf16 (uint16 buffers: the copies of values a schedule stores
 // in bf16, read in place) give the bits that f32 operands holding the same
-// values give, through the launcher: the forward, the log-sum-exp alone and
-// the backward (O in bf16 too; dO, a gradient, is f32), in the f32 kernels and the bf16
-// ones, at head_dims whole (16-byte vectors) and padded (a pair at a time),
-// and a ring block's. An operand of another type is refused.
+// values give (tests/attention_against_cpu.h), through the launcher: the
+// forward, the log-sum-exp alone and the backward (O in bf16 too; dO, a
+// gradient, is f32), in the f32 kernels and the bf16 ones, at head_dims
+// whole (16-byte vectors) and padded (a pair at a time), and a ring
+// block's. An operand of another type is refused.
 TEST(AttentionCudaEmulated, Bf16OperandsGiveTheBitsOfTheirValuesInF32) {
   struct Case {
     int D;
     bool bf16, ring;
   };
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0.f, 1.f);
   for (const Case c : {Case{24, false, false}, Case{32, false, true}, Case{16, true, false}, Case{24, true, false},
                        Case{64, true, true}}) {
-    const int S = 70, H = c.D > 32 ? 2 : 4, KV = c.D > 32 ? 1 : 2, B = 2, D = c.D;
-    // Values rounded to bf16, as f32 and as their 16 bits.
-    auto rounded = [&](int heads, const Buffer<float>* from = nullptr) {
-      std::pair<Buffer<float>, Buffer<uint16_t>> x{Buffer<float>(D, heads, S, B), Buffer<uint16_t>(D, heads, S, B)};
-      x.first.for_each_element([&](int d, int h, int i, int b) {
-        const uint32_t bits = pack_bf16(from ? (*from)(d, h, i, b) : normal(rng), 0) & 0xffffu;
-        x.second(d, h, i, b) = static_cast<uint16_t>(bits);
-        x.first(d, h, i, b) = __uint_as_float(bits << 16);
-      });
-      return x;
-    };
-    auto [q, q16] = rounded(H);
-    auto [k, k16] = rounded(KV);
-    auto [v, v16] = rounded(KV);
-    Buffer<float> dO = rounded(H).first;
-    halyard::testing::RingBlock ring = halyard::testing::ring_block(S, 4, 1, 2, true);
+    const int S = 70, H = c.D > 32 ? 2 : 4, KV = c.D > 32 ? 1 : 2, D = c.D;
+    halyard::testing::RingBlock block = halyard::testing::ring_block(S, 4, 1, 2, true);
+    halyard::testing::RingBlock* ring = c.ring ? &block : nullptr;
     halyard::runtime::attention_cpu::RingIndices idx;
-    if (c.ring) idx = {ring.kidx, ring.qidx};
-    Buffer<int32_t> pos(S, B);
-    for (int i = 0; i < S; ++i) {
-      const int q0 = c.ring ? ring.qidx(i, 0) : i, q1 = c.ring ? ring.qidx(i, 1) : i;
-      pos(i, 0) = q0, pos(i, 1) = q1 < 30 ? q1 : q1 - 30;
-    }
-    auto outs = [&](std::vector<int> shape) { return std::vector<Buffer<float>>{Buffer<float>(shape), Buffer<float>(shape)}; };
-    std::vector<Buffer<float>> o = outs({D, H, S, B}), lse = outs({H, S, B}), alone = outs({H, S, B}),
-                               dq = outs({D, H, S, B}), dk = outs({D, KV, S, B}), dv = outs({D, KV, S, B});
-    for (int x = 0; x < 2; ++x) {
-      halide_buffer_t *qx = x ? q16.raw_buffer() : q.raw_buffer(), *kx = x ? k16.raw_buffer() : k.raw_buffer(),
-                      *vx = x ? v16.raw_buffer() : v.raw_buffer();
-      AsDevice on({qx, kx, vx, pos, lse[x], o[x], alone[x]}, c.ring ? &ring : nullptr);
-      std::vector<Launch> launches;
-      ASSERT_EQ(halyard::runtime::attention_cuda::forward_launches(qx, kx, vx, pos, lse[x], H, KV, D, c.bf16, o[x],
-                                                                   &launches, idx),
-                "");
-      run(launches);
-      ASSERT_EQ(halyard::runtime::attention_cuda::lse_launches(qx, kx, pos, H, KV, D, c.bf16, alone[x], &launches, idx),
-                "");
-      run(launches);
-    }
-    auto [o32, o16] = rounded(H, &o[0]);  // the output stored in bf16
-    for (int x = 0; x < 2; ++x) {
-      halide_buffer_t *qx = x ? q16.raw_buffer() : q.raw_buffer(), *kx = x ? k16.raw_buffer() : k.raw_buffer(),
-                      *vx = x ? v16.raw_buffer() : v.raw_buffer(), *ox = x ? o16.raw_buffer() : o32.raw_buffer(),
-                      *dOx = dO.raw_buffer();  // (a gradient: f32 alone)
-      AsDevice on({qx, kx, vx, pos, ox, dOx, lse[0], dv[x], dq[x], dk[x]}, c.ring ? &ring : nullptr);
-      std::vector<Launch> launches;
-      ASSERT_EQ(halyard::runtime::attention_cuda::backward_launches(qx, kx, vx, pos, ox, dOx, lse[0], dv[x], dq[x], H,
-                                                                    KV, c.bf16, dk[x], &launches, idx),
-                "");
-      run(launches);
-    }
-    for (auto* x : {&o, &lse, &alone, &dk, &dv, &dq})
-      EXPECT_EQ(std::memcmp((*x)[0].data(), (*x)[1].data(), (*x)[0].size_in_bytes()), 0)
-          << (x == &o ? "output" : x == &lse ? "log-sum-exp" : x == &alone ? "log-sum-exp alone" : x == &dk ? "dK" : x == &dv ? "dV" : "dQ")
-          << ", head_dim " << D << (c.bf16 ? ", bf16 kernels" : ", f32 kernels") << (c.ring ? ", a ring block" : "");
+    if (ring) idx = {ring->kidx, ring->qidx};
+    halyard::testing::expect_bf16_operands_give_f32_bits(
+        D, H, KV, S, 30,
+        [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos, Buffer<float>& lse,
+            Buffer<float>& o) {
+          AsDevice on({q, k, v, pos, lse, o}, ring);
+          std::vector<Launch> launches;
+          ASSERT_EQ(
+              halyard::runtime::attention_cuda::forward_launches(q, k, v, pos, lse, H, KV, D, c.bf16, o, &launches, idx),
+              "");
+          run(launches);
+        },
+        [&](halide_buffer_t* q, halide_buffer_t* k, Buffer<int32_t>& pos, Buffer<float>& lse) {
+          AsDevice on({q, k, pos, lse}, ring);
+          std::vector<Launch> launches;
+          ASSERT_EQ(halyard::runtime::attention_cuda::lse_launches(q, k, pos, H, KV, D, c.bf16, lse, &launches, idx), "");
+          run(launches);
+        },
+        [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos, halide_buffer_t* o,
+            halide_buffer_t* dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
+          AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk}, ring);
+          std::vector<Launch> launches;
+          ASSERT_EQ(halyard::runtime::attention_cuda::backward_launches(q, k, v, pos, o, dO, lse, dv, dq, H, KV, c.bf16,
+                                                                        dk, &launches, idx),
+                    "");
+          run(launches);
+        },
+        c.bf16 ? "bf16 kernels" : "f32 kernels", ring);
   }
   std::vector<Launch> launches;
   Buffer<float> q(32, 4, 8, 1), v(32, 2, 8, 1), o(32, 4, 8, 1);
