@@ -40,8 +40,9 @@
 // halyard_written_beside, which does nothing.
 #pragma once
 
-#include <bit>
 #include <cstdint>
+
+#include "runtime/bf16.h"
 
 struct halide_buffer_t;
 
@@ -88,16 +89,19 @@ struct Elems {
   const void* p = nullptr;
   bool bits16 = false;
   float operator[](int64_t i) const {
-    return bits16 ? std::bit_cast<float>(uint32_t{static_cast<const uint16_t*>(p)[i]} << 16)
-                  : static_cast<const float*>(p)[i];
+    return bits16 ? bf16_value(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
   }
   Elems operator+(int64_t i) const {
     return {bits16 ? static_cast<const void*>(static_cast<const uint16_t*>(p) + i)
                    : static_cast<const void*>(static_cast<const float*>(p) + i),
             bits16};
   }
-  explicit operator bool() const { return p != nullptr; }
 };
+
+// Whether an operand buffer is f32, or bf16 as its 16 bits (uint16): what
+// these entry points and their CUDA twins take.
+bool holds_f32(const halide_buffer_t* x);
+bool holds_bf16(const halide_buffer_t* x);
 
 // What every task reads of one kv head of one row: rows of k and v are
 // head_dim elements each, `*_ld` elements apart.

@@ -100,16 +100,15 @@ T* origin(const halide_buffer_t* x, int b0) {
 }
 
 // An operand's element (0, 0, 0, b0), f32 or bf16 as its 16 bits.
-Operand operand(const halide_buffer_t* x, int b0) { return {origin<const void>(x, b0), x->type.bits == 16}; }
+Operand operand(const halide_buffer_t* x, int b0) { return {origin<const void>(x, b0), attention_cpu::holds_bf16(x)}; }
 
 // Whether q, k, v (and O) are each f32 or bf16 as its 16 bits, and dO
 // (where given) f32.
 std::string check_operands(std::initializer_list<const halide_buffer_t*> xs, const halide_buffer_t* dO = nullptr) {
-  auto f32 = [](const halide_buffer_t* x) { return x->type.code == halide_type_float && x->type.bits == 32; };
   for (const halide_buffer_t* x : xs)
-    if (!f32(x) && !(x->type.code == halide_type_uint && x->type.bits == 16))
+    if (!attention_cpu::holds_f32(x) && !attention_cpu::holds_bf16(x))
       return "q, k, v and O must be f32, or bf16 as its 16 bits (uint16)";
-  if (dO && !f32(dO)) return "dO must be f32";
+  if (dO && !attention_cpu::holds_f32(dO)) return "dO must be f32";
   return "";
 }
 

@@ -43,10 +43,13 @@ struct Shape {
   static_assert(D % (4 * T) == 0 && 32 % T == 0, "padded head_dims are 8, 16, 32, 64 or 128");
 };
 
+// The bf16 in the low and the high half of a pair, as f32 (exactly).
+__device__ __forceinline__ float bf16_lo(uint32_t p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t p) { return __uint_as_float(p & 0xffff0000u); }
+
 // x's element i, and x from element i on: f32, or bf16 decoded (exactly).
 __device__ __forceinline__ float value(Operand x, int64_t i) {
-  return x.bits16 ? __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(x.p)[i]) << 16)
-                  : static_cast<const float*>(x.p)[i];
+  return x.bits16 ? bf16_lo(static_cast<const uint16_t*>(x.p)[i]) : static_cast<const float*>(x.p)[i];
 }
 // f(at), at(i) being x's element i: one test of x's type for a loop of
 // reads (value() tests it at each).
@@ -54,7 +57,7 @@ template <class F>
 __device__ __forceinline__ void with_elements(Operand x, F f) {
   if (x.bits16) {
     const uint16_t* p = static_cast<const uint16_t*>(x.p);
-    f([p](int64_t i) { return __uint_as_float(static_cast<uint32_t>(p[i]) << 16); });
+    f([p](int64_t i) { return bf16_lo(p[i]); });
   } else {
     const float* p = static_cast<const float*>(x.p);
     f([p](int64_t i) { return p[i]; });
@@ -560,8 +563,6 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 #else
 inline float exp2_ftz(float x) { return exp2f(x); }
 #endif
-__device__ __forceinline__ float bf16_lo(uint32_t p) { return __uint_as_float(p << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t p) { return __uint_as_float(p & 0xffff0000u); }
 
 template <int DP>
 struct Tc {

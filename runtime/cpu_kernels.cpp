@@ -114,16 +114,14 @@ T* at(const halide_buffer_t* b, std::initializer_list<int> c) {
 // An attention operand's element at coordinates c: f32, or bf16 as its 16
 // bits (attention_cpu.h).
 attention_cpu::Elems elems_at(const halide_buffer_t* b, std::initializer_list<int> c) {
-  if (b->type.bits == 16) return {at<const uint16_t>(b, c), true};
+  if (attention_cpu::holds_bf16(b)) return {at<const uint16_t>(b, c), true};
   return {at<const float>(b, c), false};
 }
 
 // Whether each attention operand given is f32 or the 16 bits of bf16.
 bool operand_types(std::initializer_list<const halide_buffer_t*> xs) {
   for (const halide_buffer_t* x : xs)
-    if (x && !(x->type.code == halide_type_float && x->type.bits == 32) &&
-        !(x->type.code == halide_type_uint && x->type.bits == 16))
-      return false;
+    if (x && !attention_cpu::holds_f32(x) && !attention_cpu::holds_bf16(x)) return false;
   return true;
 }
 constexpr const char* kOperandTypes = ": q, k, v, O and dO must be f32, or bf16 as its 16 bits (uint16)";
@@ -272,6 +270,9 @@ KeyRows key_rows(const halide_buffer_t* k, const halide_buffer_t* v, const halid
 }  // namespace
 
 const char* attention_cpu::isa() { return kernels().name; }
+
+bool attention_cpu::holds_f32(const halide_buffer_t* x) { return x->type.code == halide_type_float && x->type.bits == 32; }
+bool attention_cpu::holds_bf16(const halide_buffer_t* x) { return x->type.code == halide_type_uint && x->type.bits == 16; }
 
 // 256 queries where a block's scores and their gradients (2 x 256 x 128
 // floats) fit in a quarter of the L2 (an L2 of 1 MiB or more), else 128
