@@ -108,7 +108,7 @@ struct Ctx {
 
   Func get(int id);
   Func lower(int id);
-  ExternFuncArgument buffer(int id, const std::string& name);
+  ExternFuncArgument buffer(int id, const std::string& name, bool bits16 = false);
   void library_attention(int id, Func out);
   void library_weight_grad(int id, Func out);
   void device_gemm(int id, Func out);
@@ -741,12 +741,17 @@ void Ctx::attention(int id, Func out) {
 }
 
 // A value an extern stage reads: the stage's input buffer, or (an inlined
-// expression, such as RoPE of a projection) a copy computed once per call.
-ExternFuncArgument Ctx::buffer(int id, const std::string& name) {
+// expression, such as RoPE of a projection) a copy computed once per call,
+// in bf16 (its 16 bits) where `bits16`. The copy is the value whole, as the
+// extern calls ask for it (whole rows), so its size is known when the
+// library is built (the plan counts it), not at run time.
+ExternFuncArgument Ctx::buffer(int id, const std::string& name, bool bits16) {
   if (auto it = std::find(st.inputs.begin(), st.inputs.end(), id); it != st.inputs.end())
     return ls.inputs[static_cast<size_t>(it - st.inputs.begin())];
   const auto names = type(id).axis_names();
-  Func f = copy(id, name, names);
+  Func f(name);
+  f(vars(names)) = bits16 ? bf16_encode(cast<float>(at(id, env(names)))) : at(id, env(names));
+  for (const Axis& a : type(id).axes) f.bound(var(a.name), 0, static_cast<int>(a.size));
   ls.funcs.root_copies.push_back(f);
   return f;
 }
@@ -780,10 +785,12 @@ void Ctx::library_attention(int id, Func out) {
   // q, k, v and O: a bf16 copy of a buffer (a saved value stored in bf16)
   // is read in place, its 16 bits, which the kernels round to the same bf16
   // (or decode exactly), rather than decoded into an f32 copy first
-  // (schedules/partition.h: attention_reads_copy).
+  // (schedules/partition.h: attention_reads_copy). An operand computed
+  // inline that the kernels round to bf16 is copied to bf16
+  // (attention_copies_bf16).
   auto operand = [&](size_t k, const std::string& name) {
     const int copy = attention_reads_copy(g, st, k);
-    return buffer(copy >= 0 ? copy : n.inputs[k], name);
+    return copy >= 0 ? buffer(copy, name) : buffer(n.inputs[k], name, attention_copies_bf16(g, st, k));
   };
   if (n.op == Op::AttentionLse) {  // (q, k, positions): the statistics alone
     std::vector<ExternFuncArgument> args = {operand(0, "q_s"), operand(1, "k_s"), buffer(n.inputs[2], "pos_s")};

@@ -405,4 +405,9 @@ int attention_reads_copy(const Graph& g, const Stage& st, size_t k) {
   return operand && k < n.inputs.size() ? bf16_copy_read(g, st, n.inputs[k]) : -1;
 }
 
+bool attention_copies_bf16(const Graph& g, const Stage& st, size_t k) {
+  const Node& n = g.node(st.root);
+  return n.attrs.bf16 && k < (n.op == Op::AttentionLse ? 2u : 3u);  // (the log-sum-exp alone: q, k, positions)
+}
+
 }  // namespace halyard

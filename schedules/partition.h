@@ -87,6 +87,13 @@ int bf16_copy_read(const Graph& g, const Stage& st, int id);
 // attention_cuda.h) reads in place of its input k, or -1: q, k, v and the
 // backward's O, where each is such a copy. (dO, a gradient, never is.)
 int attention_reads_copy(const Graph& g, const Stage& st, size_t k);
+// Whether a library attention stage that copies its input k (a value
+// computed inline, such as RoPE of a projection: neither a buffer nor a
+// copy it reads in place) copies it to 16 bits, bf16, rather than to f32:
+// q, k and v where the products read bf16 (Attrs::bf16). The kernels round
+// those operands to bf16 (nearest, ties to even) before any product, as the
+// copy does, so the bits are the same with half the bytes.
+bool attention_copies_bf16(const Graph& g, const Stage& st, size_t k);
 
 // How a Halide-lowered contraction (not a library one) reads its operands;
 // generators/lower.cpp builds it so and the plan counts its copies. B, the

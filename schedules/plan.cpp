@@ -279,8 +279,9 @@ Scratch kernel_scratch(const Graph& g, const Stage& st, int threads, const Kerne
     const int64_t S = q.size("seq"), D = q.size("head_dim"), Dp = (D + 15) / 16 * 16, rows = q.size("batch");
     const int64_t H = q.size("heads"), KV = g.node(n.inputs[1]).type.size("kv_heads");
     const bool lse_alone = n.op == Op::AttentionLse, fwd = n.op == Op::Attention || lse_alone, ring = is_ring_block(n);
-    for (size_t k = 0; k < (lse_alone ? 3u : fwd ? 4u : 7u); ++k)
-      if (attention_reads_copy(g, st, k) < 0) copy_unless_buffer(k);  // (a bf16 copy is read in place)
+    for (size_t k = 0; k < (lse_alone ? 3u : fwd ? 4u : 7u); ++k)  // (a bf16 copy is read in place)
+      if (attention_reads_copy(g, st, k) < 0 && !is_buffer(st, n.inputs[k]))
+        s.add(bytes_of(k) / (attention_copies_bf16(g, st, k) ? 2 : 1));
     if (ring) copy_unless_buffer(n.inputs.size() - 2), copy_unless_buffer(n.inputs.size() - 1);  // the token indices
     // runtime/attention_cuda.cu holds its tiles in shared memory and registers.
     if (gpu) return s;

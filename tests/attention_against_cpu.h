@@ -182,16 +182,29 @@ inline std::pair<Buffer<float>, Buffer<uint16_t>> bf16_operand(std::vector<int> 
 // halide_buffer_t* (f32 or uint16) and the outputs as f32 buffers left
 // readable on the host. dO is f32 (a gradient), or in bf16 too where
 // dO_too. Two rows, the second two packed documents (the second from doc);
-// a ring block's indices where given.
+// a ring block's indices where given. Where the calls round q, k and v to
+// bf16 themselves (their products in bf16), `rounding` makes those f32
+// operands any values, and the uint16 ones hold their roundings (nearest,
+// ties to even): what a schedule passes as the bf16 copy of an operand it
+// computes inline (schedules/partition.h: attention_copies_bf16).
 template <class Forward, class LseAlone, class Backward>
 void expect_bf16_operands_give_f32_bits(int D, int H, int KV, int S, int doc, Forward forward, LseAlone lse_alone,
                                         Backward backward, const std::string& what, RingBlock* ring = nullptr,
-                                        bool dO_too = false) {
+                                        bool dO_too = false, bool rounding = false) {
   const int B = 2;
   std::mt19937 rng(static_cast<unsigned>(D * 1000 + S));
-  auto [q, q16] = bf16_operand({D, H, S, B}, rng);
-  auto [k, k16] = bf16_operand({D, KV, S, B}, rng);
-  auto [v, v16] = bf16_operand({D, KV, S, B}, rng);
+  auto operand = [&](std::vector<int> shape) {
+    if (!rounding) return bf16_operand(shape, rng);
+    std::normal_distribution<float> normal(0, 1);
+    Buffer<float> any(shape);
+    any.for_each_value([&](float& e) { e = normal(rng); });
+    auto x = bf16_operand(shape, rng, &any);
+    x.first = any;
+    return x;
+  };
+  auto [q, q16] = operand({D, H, S, B});
+  auto [k, k16] = operand({D, KV, S, B});
+  auto [v, v16] = operand({D, KV, S, B});
   auto [dO, dO16] = bf16_operand({D, H, S, B}, rng);
   Buffer<int32_t> pos(S, B);
   for (int i = 0; i < S; ++i) {
@@ -216,7 +229,8 @@ void expect_bf16_operands_give_f32_bits(int D, int H, int KV, int S, int doc, Fo
       {"output", &o}, {"log-sum-exp", &lse}, {"log-sum-exp alone", &alone}, {"dK", &dk}, {"dV", &dv}, {"dQ", &dq}};
   for (const auto& [name, x] : outputs)
     EXPECT_EQ(std::memcmp((*x)[0].data(), (*x)[1].data(), (*x)[0].size_in_bytes()), 0)
-        << name << ", head_dim " << D << ", " << what << (ring ? ", a ring block" : "");
+        << name << ", head_dim " << D << ", " << what << (ring ? ", a ring block" : "")
+        << (rounding ? ", q, k and v rounded by the calls" : "");
 }
 
 }  // namespace halyard::testing

@@ -194,7 +194,8 @@ TEST(Cuda, AttentionKernelsMatchTheCpuLibrary) {
 // same values give, on a device (tests/attention_against_cpu.h; the emulator
 // checks the same, AttentionCudaEmulated.Bf16OperandsGiveTheBitsOfTheirValuesInF32):
 // the f32 kernels and the bf16 ones, head_dims padded (a pair at a time)
-// and whole (16-byte vectors), documents longer than a tile, a ring block.
+// and whole (16-byte vectors), documents longer than a tile, a ring block;
+// the bf16 kernels also from any f32 q, k and v, against their roundings.
 TEST(Cuda, AttentionKernelsReadBf16OperandsAsTheValuesTheyHold) {
   HALYARD_NEED_GPU();
   runtime::use_runtime_cuda_context();
@@ -203,11 +204,12 @@ TEST(Cuda, AttentionKernelsReadBf16OperandsAsTheValuesTheyHold) {
   testing::RingBlock block = testing::ring_block(200, 4, 1, 2, true);
   for (const bool bf16 : {false, true})
     for (const int D : {24, 64})
-      for (testing::RingBlock* ring : {static_cast<testing::RingBlock*>(nullptr), &block}) {
-        const OnDevice d{H, KV, D, bf16, ring};
-        testing::expect_bf16_operands_give_f32_bits(D, H, KV, 200, 150, d.forward(), d.lse_alone(), d.backward(),
-                                                    bf16 ? "bf16 kernels" : "f32 kernels", ring);
-      }
+      for (testing::RingBlock* ring : {static_cast<testing::RingBlock*>(nullptr), &block})
+        for (const bool rounding : {false, bf16}) {
+          const OnDevice d{H, KV, D, bf16, ring};
+          testing::expect_bf16_operands_give_f32_bits(D, H, KV, 200, 150, d.forward(), d.lse_alone(), d.backward(),
+                                                      bf16 ? "bf16 kernels" : "f32 kernels", ring, false, rounding);
+        }
 }
 
 // Every contraction of GEMM form calls cuBLAS (runtime/gemm.h): halyard_aot

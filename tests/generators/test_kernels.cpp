@@ -239,6 +239,9 @@ struct AttentionCase {
   // schedules/precision.h), as the output is: attention's stages read the
   // copies, the library's in place.
   bool stored = false;
+  // q and k are RoPE of those, computed inside attention's stages (the rule
+  // op:rope compute inline, as AutoSP's plans have it): the stages copy them.
+  bool rope = false;
 };
 
 constexpr int64_t kRingDegree = 4;
@@ -264,6 +267,7 @@ Partition attention_partition(Graph& g, const AttentionCase& c, std::unique_ptr<
   const Axis B{"batch", c.batch}, S{"seq", c.seq}, H{"heads", 4}, KV{"kv_heads", 2}, D{"head_dim", c.head_dim};
   Value q, k, v;
   std::vector<Value> wrt;
+  Value pos = input(g, "position_ids", DType::i32, {B, S});
   if (c.stored) {
     const Axis M{"model", 8};
     Value x = input(g, "x", DType::f32, {B, S, M});
@@ -272,15 +276,20 @@ Partition attention_partition(Graph& g, const AttentionCase& c, std::unique_ptr<
       return contract_to(x, wrt.back(), {"batch", "seq", heads.name, "head_dim"});
     };
     q = projection("wq", H), k = projection("wk", KV), v = projection("wv", KV);
-    const Schedule stores = Schedule::parse(R"({"name": "stored", "values": [{"match": "*", "store": "bf16"}]})", "test");
-    sched.values = stores.values;
   } else {
     q = param(g, "q", DType::f32, {B, S, H, D});
     k = param(g, "k", DType::f32, {B, S, KV, D});
     v = param(g, "v", DType::f32, {B, S, KV, D});
     wrt = {q, k, v};
   }
-  Value pos = input(g, "position_ids", DType::i32, {B, S});
+  if (c.rope) q = rope(q, pos, 10000.0), k = rope(k, pos, 10000.0);
+  if (c.rope || c.stored)
+    sched.values = Schedule::parse(std::string(R"({"name": "rules", "values": [)") +
+                                       (c.rope ? R"({"match": "op:rope", "compute": "inline"})" : "") +
+                                       (c.rope && c.stored ? ", " : "") +
+                                       (c.stored ? R"({"match": "*", "store": "bf16"})" : "") + "]}",
+                                   "test")
+                       .values;
   TokenIndex index;
   Attrs block;
   if (c.ring_rank >= 0) {
@@ -567,8 +576,15 @@ TEST(Kernels, GpuAttentionMemoryIsLinearInTheLength) {
 TEST(Kernels, GpuPlanCountsWhatTheGpuLoweringAllocates) {
   Schedule halide = Schedule::named("default");
   halide.attention_kernel = "halide";
+  // (and with RoPE computed inside attention's stages, which copy q and k in bf16)
+  Schedule rope_inline = Schedule::named(HALYARD_SOURCE_DIR "/examples/llama/schedules/bf16_mixed.json");
+  rope_inline.values.insert(rope_inline.values.begin(),
+                            Schedule::parse(R"({"name": "r", "values": [{"match": "op:rope", "compute": "inline"}]})",
+                                            "test")
+                                .values.front());
   for (const Schedule& s : {Schedule::named("default"), halide,
-                            Schedule::named(HALYARD_SOURCE_DIR "/examples/llama/schedules/bf16_mixed.json")}) {
+                            Schedule::named(HALYARD_SOURCE_DIR "/examples/llama/schedules/bf16_mixed.json"),
+                            rope_inline}) {
     const Plan p = plan(llama::llama_builder(), {HALYARD_SOURCE_DIR "/examples/llama/configs/tiny.json", 1, 1024}, s,
                         Cluster::named("8xH200"));
     EXPECT_EQ(p.schedule.attention_kernel, s.attention_kernel);
@@ -759,6 +775,44 @@ TEST(Kernels, AttentionInBf16MatchesTheInterpretersBf16) {
                        {100, true, "halide", 16, 1, true}});
 }
 
+// RoPE of q and k computed inside attention's stages (the rule op:rope
+// compute inline, which AutoSP's plans carry): the library's stages copy
+// them once per call, in f32, or in bf16 where the products read bf16
+// (schedules/partition.h: attention_copies_bf16), which the kernels round
+// them to anyway: half the bytes, for the CPU library and the CUDA kernels
+// alike; against the interpreter, stored in bf16 or not. (The CUDA plan
+// counts the same: GpuPlanCountsWhatTheGpuLoweringAllocates.)
+TEST(Kernels, LibraryAttentionCopiesRopeOperandsInItsProductsPrecision) {
+  for (const bool bf16 : {false, true})
+    for (const bool stored : {false, true}) {
+      AttentionCase c{300, /*packed=*/stored, "library", 16, 1, bf16};
+      c.rope = true, c.stored = stored;
+      run_attention_cases({c});
+      Graph g0;
+      std::unique_ptr<Graph> rebuilt;
+      const Partition p = attention_partition(g0, c, &rebuilt);
+      const Graph& g = rebuilt ? *rebuilt : g0;
+      // q's and k's copies, [16, 4 + 2, 300] elements, and RoPE's tables
+      // for each, cos and sin at [300, 16 / 2]
+      const int64_t copies = 16 * (4 + 2) * 300 * (bf16 ? 2 : 4) + 2 * 2 * 300 * 8 * 4;
+      int stages = 0;
+      for (const Stage& st : p.stages) {
+        if (!st.library || std::string(op_name(g.node(st.root).op)).rfind("attention", 0) != 0) continue;
+        ++stages;
+        for (const bool cuda : {false, true}) {
+          const Allocated a = cuda ? allocations_of(g, st, Halide::Target("host-cuda-cuda_capability_80"),
+                                                    Halide::DeviceAPI::CUDA)
+                                   : allocations_of(g, st, Halide::get_host_target());
+          EXPECT_TRUE(a.memory == copies && a.unsized.empty())
+              << describe(g, st.root) << (cuda ? " on CUDA" : "") << (bf16 ? ", bf16" : "")
+              << (stored ? ", stored in bf16" : "") << ": " << a.memory << " bytes and " << a.unsized.size()
+              << " buffers sized at run time";
+        }
+      }
+      EXPECT_EQ(stages, 2) << "the forward and the backward";
+    }
+}
+
 // On a CUDA target the library's attention is an extern stage on the device
 // (runtime/attention_cuda.h); a head_dim over its kernels' is an error when
 // the library is built, naming the fix, not a failure inside a step.
@@ -925,27 +979,32 @@ TEST(Kernels, LibraryAttentionReadsBf16OperandsAsTheValuesTheyHold) {
         const int H = 4, KV = 2;
         testing::RingBlock ring = testing::ring_block(300, 4, 1, 2, true);
         for (testing::RingBlock* r : {static_cast<testing::RingBlock*>(nullptr), &ring})
-          testing::expect_bf16_operands_give_f32_bits(
-              D, H, KV, 300, 77,
-              [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos, Buffer<float>& lse,
-                  Buffer<float>& o) {
-                ASSERT_EQ(r ? halyard_attention_forward_lse_ring(q, k, v, pos, r->kidx, r->qidx, lse, H, KV, D, 0, 0, bf16, o)
-                            : halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o),
-                          0);
-              },
-              [&](halide_buffer_t* q, halide_buffer_t* k, Buffer<int32_t>& pos, Buffer<float>& lse) {
-                ASSERT_EQ(r ? halyard_attention_lse_ring(q, k, pos, r->kidx, r->qidx, H, KV, D, 0, 0, bf16, lse)
-                            : halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, lse),
-                          0);
-              },
-              [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos, halide_buffer_t* o,
-                  halide_buffer_t* dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>& dk) {
-                ASSERT_EQ(r ? halyard_attention_backward_ring(q, k, v, pos, o, dO, lse, r->kidx, r->qidx, dv, dq, H, KV, 0, 0,
-                                                              bf16, dk)
-                            : halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk),
-                          0);
-              },
-              std::string(runtime::attention_cpu::isa()) + (bf16 ? ", bf16" : ", f32"), r, true);
+          for (const bool rounding : {false, true}) {
+            if (rounding && !bf16) continue;
+            testing::expect_bf16_operands_give_f32_bits(
+                D, H, KV, 300, 77,
+                [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos,
+                    Buffer<float>& lse, Buffer<float>& o) {
+                  ASSERT_EQ(r ? halyard_attention_forward_lse_ring(q, k, v, pos, r->kidx, r->qidx, lse, H, KV, D, 0, 0,
+                                                                   bf16, o)
+                              : halyard_attention_forward_lse(q, k, v, pos, lse, H, KV, D, 0, 0, bf16, o),
+                            0);
+                },
+                [&](halide_buffer_t* q, halide_buffer_t* k, Buffer<int32_t>& pos, Buffer<float>& lse) {
+                  ASSERT_EQ(r ? halyard_attention_lse_ring(q, k, pos, r->kidx, r->qidx, H, KV, D, 0, 0, bf16, lse)
+                              : halyard_attention_lse(q, k, pos, H, KV, D, 0, 0, bf16, lse),
+                            0);
+                },
+                [&](halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, Buffer<int32_t>& pos,
+                    halide_buffer_t* o, halide_buffer_t* dO, Buffer<float>& lse, Buffer<float>& dv, Buffer<float>& dq,
+                    Buffer<float>& dk) {
+                  ASSERT_EQ(r ? halyard_attention_backward_ring(q, k, v, pos, o, dO, lse, r->kidx, r->qidx, dv, dq, H,
+                                                                KV, 0, 0, bf16, dk)
+                              : halyard_attention_backward(q, k, v, pos, o, dO, lse, dv, dq, H, KV, 0, 0, bf16, dk),
+                            0);
+                },
+                std::string(runtime::attention_cpu::isa()) + (bf16 ? ", bf16" : ", f32"), r, true, rounding);
+          }
       }
   });
   Halide::Runtime::Buffer<float> q(16, 2, 8, 1), k(16, 1, 8, 1), v(16, 1, 8, 1), o(16, 2, 8, 1);

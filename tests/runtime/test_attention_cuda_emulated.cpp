@@ -227,14 +227,16 @@ TEST(AttentionCudaEmulated, StagingAsFloat4sIsThePairwiseStaging) {
 // forward, the log-sum-exp alone and the backward (O in bf16 too; dO, a
 // gradient, is f32), in the f32 kernels and the bf16 ones, at head_dims
 // whole (16-byte vectors) and padded (a pair at a time), and a ring
-// block's. An operand of another type is refused.
+// block's; the bf16 kernels also from any f32 q, k and v, against their
+// roundings. An operand of another type is refused.
 TEST(AttentionCudaEmulated, Bf16OperandsGiveTheBitsOfTheirValuesInF32) {
   struct Case {
     int D;
     bool bf16, ring;
   };
   for (const Case c : {Case{24, false, false}, Case{32, false, true}, Case{16, true, false}, Case{24, true, false},
-                       Case{64, true, true}}) {
+                       Case{64, true, true}})
+    for (const bool rounding : {false, c.bf16}) {
     const int S = 70, H = c.D > 32 ? 2 : 4, KV = c.D > 32 ? 1 : 2, D = c.D;
     halyard::testing::RingBlock block = halyard::testing::ring_block(S, 4, 1, 2, true);
     halyard::testing::RingBlock* ring = c.ring ? &block : nullptr;
@@ -266,8 +268,8 @@ TEST(AttentionCudaEmulated, Bf16OperandsGiveTheBitsOfTheirValuesInF32) {
                     "");
           run(launches);
         },
-        c.bf16 ? "bf16 kernels" : "f32 kernels", ring);
-  }
+        c.bf16 ? "bf16 kernels" : "f32 kernels", ring, false, rounding);
+    }
   std::vector<Launch> launches;
   Buffer<float> q(32, 4, 8, 1), v(32, 2, 8, 1), o(32, 4, 8, 1);
   Buffer<int32_t> pos(8, 1), k(32, 2, 8, 1);
