@@ -205,7 +205,8 @@ TEST(Cuda, AttentionKernelsReadBf16OperandsAsTheValuesTheyHold) {
   for (const bool bf16 : {false, true})
     for (const int D : {24, 64})
       for (testing::RingBlock* ring : {static_cast<testing::RingBlock*>(nullptr), &block})
-        for (const bool rounding : {false, bf16}) {
+        for (const bool rounding : {false, true}) {
+          if (rounding && !bf16) continue;  // (the f32 kernels take operands as they are)
           const OnDevice d{H, KV, D, bf16, ring};
           testing::expect_bf16_operands_give_f32_bits(D, H, KV, 200, 150, d.forward(), d.lse_alone(), d.backward(),
                                                       bf16 ? "bf16 kernels" : "f32 kernels", ring, false, rounding);
