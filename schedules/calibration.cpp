@@ -89,6 +89,12 @@ KernelCoefficients fit_kernel(const std::vector<KernelSample>& s, double* rms_re
   return best;
 }
 
+double fit_collective_lag(const std::vector<StepBeyondKernels>& steps) {
+  double behind = 0, lags = 0;
+  for (const StepBeyondKernels& s : steps) behind += s.measured_s - s.planned_s, lags += s.lags;
+  return lags > 0 ? std::max(0.0, behind / lags) : 0.0;
+}
+
 std::map<std::string, std::vector<KernelSample>> pair_profile(const std::string& plan_json, const std::string& profile,
                                                               const std::string& what) {
   nlohmann::json plan;

@@ -26,6 +26,19 @@ struct KernelSample {
 // root-mean-square relative error.
 KernelCoefficients fit_kernel(const std::vector<KernelSample>& samples, double* rms_rel_error);
 
+// One measured step beside its plan, for Cluster::collective_lag_s: what the
+// step took beyond its kernels' measured times, what the plan gives that
+// part at no lag (the transfers the step waits for and the update: step_s -
+// compute_s), and the lags the step waits for (Plan::collective_lags).
+struct StepBeyondKernels {
+  double measured_s = 0, planned_s = 0, lags = 0;
+};
+
+// The lag that accounts for the time the steps stood still beyond the plan,
+// over all their lags together; 0 where they wait for none, and never
+// below 0 (steps faster than planned lag no rank).
+double fit_collective_lag(const std::vector<StepBeyondKernels>& steps);
+
 // Pairs one step's Model::profile() (a line per call: "<ms> ms  <kernel>
 // <label>", the label starting "<op> %<root>") with the kernel stages of
 // the plan that built the library (Plan::to_json: "stages", each with

@@ -107,6 +107,12 @@ double Cluster::collective_time(const std::string& kind, double bytes, int64_t d
   return t;
 }
 
+double Cluster::lag_share(const std::string& kind, int64_t degree) {
+  if (degree <= 1) return 0;
+  const double k = kind == "ring_shift" ? 1 : static_cast<double>(degree - 1);
+  return k / (k + 1);
+}
+
 int64_t Cluster::threads_per_rank(int64_t on_mesh) const {
   const int64_t on_node = std::max<int64_t>(1, std::min(on_mesh, ranks_per_node));
   if (cores_per_node > 0) return std::max<int64_t>(1, cores_per_node / on_node);
@@ -123,6 +129,7 @@ std::string Cluster::to_json() const {
                       {"memory_bandwidth_bytes_per_s", memory_bandwidth_bytes_per_s},
                       {"process_baseline_bytes", process_baseline_bytes}};
   if (cores_per_node > 0) j["cores_per_node"] = cores_per_node;
+  if (collective_lag_s > 0) j["collective_lag_s"] = collective_lag_s;
   for (const auto& [k, v] : kernels)
     j["kernels"][k] = {{"s_per_flop", v.s_per_flop}, {"s_per_byte", v.s_per_byte}, {"s_per_call", v.s_per_call}};
   for (const auto& [k, v] : collectives) j["collectives"][k] = {{"alpha_s", v.alpha_s}, {"beta_s_per_byte", v.beta_s_per_byte}};
@@ -164,6 +171,7 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
       for (auto it = j["collectives"].begin(); it != j["collectives"].end(); ++it) c.collectives[it.key()] = link_from(*it);
     if (j.contains("inter_node")) c.inter_node = link_from(j["inter_node"]);
     if (j.contains("host_link")) c.host_link = link_from(j["host_link"]);
+    c.collective_lag_s = j.value("collective_lag_s", 0.0);
     // Files from before "device" existed: a host link was a GPU's.
     c.device = j.value("device", j.contains("host_link") ? "cuda" : "cpu");
   } catch (const nlohmann::json::exception& e) {
@@ -178,6 +186,9 @@ Cluster Cluster::parse(const std::string& text, const std::string& what) {
   if (c.cores_per_node < 0)
     throw UserError("error: cluster \"" + what + "\": cores_per_node " + std::to_string(c.cores_per_node) +
                     ".\nlegal: the cores of a node (>= 1), or leave it out when unknown.");
+  if (!(c.collective_lag_s >= 0))
+    throw UserError("error: cluster \"" + what + "\": collective_lag_s " + std::to_string(c.collective_lag_s) +
+                    ".\nlegal: seconds >= 0, or leave it out (0).");
   if (c.ranks < 1 || c.ranks_per_node < 1)
     throw UserError("error: cluster \"" + what + "\": ranks " + std::to_string(c.ranks) + ", ranks_per_node " +
                     std::to_string(c.ranks_per_node) + ".\nlegal: both >= 1.");

@@ -57,6 +57,17 @@ struct Cluster {
   // what offloading a value costs. Zero on CPU ranks (none to offload to).
   LinkCoefficients host_link;
   bool has_host_link() const { return host_link.beta_s_per_byte > 0; }
+  // How far behind a rank the others may be when it reaches a collective
+  // it waits on: where ranks share cores the scheduler runs them in turns
+  // (4 ranks on 2 cores), and one waiting on k others stands still for the
+  // latest of k lags, k / (k + 1) of this on average if they spread evenly
+  // up to it (k: the group's other ranks; a ring shift's one). Beyond the
+  // transfer. halyard-calibrate measures it from its training steps; 0 in
+  // the presets.
+  double collective_lag_s = 0;
+  // What a collective of `kind` over `degree` ranks waits for, in units of
+  // collective_lag_s: k / (k + 1).
+  static double lag_share(const std::string& kind, int64_t degree);
 
   // Time of a kernel stage of this kind; unknown kinds use "pointwise".
   double kernel_time(const std::string& kind, double flops, double bytes) const;

@@ -149,6 +149,17 @@ int64_t lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
 
   double t = 0, comm = 0;  // when the kernels' track and the communication's are next free
   std::vector<double> lands(n, 0);
+  // Where the kernels' track waits on a collective over other ranks, they
+  // may still be behind (Cluster::collective_lag_s).
+  p.collective_waits = 0;
+  p.collective_lags = 0;
+  auto wait_for = [&](double done, const CollectiveCost& c) {
+    if (c.degree <= 1) return done;
+    const double share = Cluster::lag_share(c.kind, c.degree);
+    ++p.collective_waits;
+    p.collective_lags += share;
+    return done + share * cluster.collective_lag_s;
+  };
   auto send = [&](CollectiveCost& c) {
     c.start_s = std::max(t, comm);
     comm = c.start_s + c.time_s;
@@ -169,9 +180,9 @@ int64_t lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
     if (call.stage < 0) continue;  // an offload copy: counted after the step
     const size_t s = static_cast<size_t>(call.stage);
     if (CollectiveCost* c = collective[s]) {
-      if (call.wait) t = std::max(t, lands[s]);
+      if (call.wait) t = wait_for(std::max(t, lands[s]), *c);
       else if (waited[s]) lands[s] = send(*c);
-      else t = send(*c);
+      else t = wait_for(send(*c), *c);
       continue;
     }
     if (StageCost* sc = kernel[s]) sc->start_s = t, t += sc->time_s;
@@ -185,7 +196,8 @@ int64_t lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
     send_bucket();
   }
   t = std::max(t, comm);
-  for (CollectiveCost& c : after) t = send(c);
+  if (!sent.empty()) t = wait_for(t, sent.front());
+  for (CollectiveCost& c : after) t = wait_for(send(c), c);
   p.collectives.insert(p.collectives.end(), sent.begin(), sent.end());
   p.collectives.insert(p.collectives.end(), after.begin(), after.end());
   std::stable_sort(p.collectives.begin(), p.collectives.end(),
@@ -749,13 +761,16 @@ std::string Plan::report() const {
                   "offloaded to the host", mib(memory.offloaded), offload_s);
     os << line;
   }
-  char offload_part[64] = "";
+  char offload_part[64] = "", behind_part[96] = "";
   if (offload_s > 0) std::snprintf(offload_part, sizeof offload_part, ", offload %.4f", offload_s);
+  if (cluster.collective_lag_s > 0 && collective_waits > 0)
+    std::snprintf(behind_part, sizeof behind_part, " (%.4f for ranks behind at %d collectives)",
+                  collective_lags * cluster.collective_lag_s, collective_waits);
   std::snprintf(line, sizeof line,
-                "\npredicted step: %.4f s (compute %.4f, communication %.4f of which %.4f waited for, optimizer %.4f%s); "
+                "\npredicted step: %.4f s (compute %.4f, communication %.4f of which %.4f waited for%s, optimizer %.4f%s); "
                 "%.3f GFLOP per rank (model FLOPs %.3f: 3x the forward's), %.2f MiB sent per rank\n",
-                step_s, compute_s, communication_s, exposed_communication_s, optimizer_s, offload_part, flops() / 1e9, model_flops() / 1e9,
-                mib(collective_bytes_per_rank()));
+                step_s, compute_s, communication_s, exposed_communication_s, behind_part, optimizer_s, offload_part,
+                flops() / 1e9, model_flops() / 1e9, mib(collective_bytes_per_rank()));
   os << line;
   // Ring attention's work differs between the ranks (the step waits for the busiest).
   bool ring = false;
@@ -788,6 +803,8 @@ std::string Plan::summary_json() const {
   j["compute_s"] = compute_s;
   j["communication_s"] = communication_s;
   j["exposed_communication_s"] = exposed_communication_s;
+  j["collective_waits"] = collective_waits;
+  j["collective_lags"] = collective_lags;
   j["optimizer_s"] = optimizer_s;
   if (memory.offloaded > 0) {
     j["offloaded_bytes_per_rank"] = memory.offloaded;  // host memory, not in the peak

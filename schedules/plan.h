@@ -135,6 +135,11 @@ struct Plan {
   // exposed_communication_s of it (the rest runs under the kernels).
   double compute_s = 0, communication_s = 0, exposed_communication_s = 0, optimizer_s = 0;
   double offload_s = 0;  // offloaded values out to the host and back (not overlapped yet)
+  // Collectives the kernels' track waits on in a step, and the lags they
+  // wait for (Cluster::lag_share summed): collective_lags times the
+  // cluster's collective_lag_s is in exposed_communication_s.
+  int collective_waits = 0;
+  double collective_lags = 0;
   double step_s = 0;  // predicted: train step (kernels and the communication they wait for) plus the optimizer update
   // On a GPU cluster, a Halide kernel's tensor beyond 32-bit indexing
   // (partition.h: gpu_index_overflow), said as the generator refuses it;

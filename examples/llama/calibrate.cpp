@@ -20,7 +20,10 @@
 //     MPI, allocator slack) as the gap between the measured peak of the first
 //     library (a fresh process, as a training run is) and the plan's total
 //     without a baseline, the largest over ranks;
-//   - measures memory bandwidth and the MPI collectives (runtime/measure.h).
+//   - measures memory bandwidth and the MPI collectives (runtime/measure.h);
+//   - fits how far behind the other ranks are when one reaches a collective
+//     (collective_lag_s) to what the steps took beyond their kernels and
+//     the transfers and update the plan gives them.
 // Rank 0 writes the profile and prints the fit of every kind.
 #include <algorithm>
 #include <chrono>
@@ -160,6 +163,14 @@ int run(const Options& o) {
   // fast (scripts/plan_accuracy.sh).
   std::map<std::string, std::vector<KernelSample>> samples;
   int64_t baseline = 0;
+  // Per library: its schedule and request, and its measured step less the
+  // kernels' measured times (for collective_lag_s, below).
+  struct Beside {
+    Schedule schedule;
+    ModelRequest request;
+    double step_less_kernels_s;
+  };
+  std::vector<Beside> besides;
   // The ranks and threads that ran, so that the memory the plan models (a
   // thread's scratch stack each) is the memory these processes held.
   Cluster ran = Cluster::named("local-cpu");
@@ -183,6 +194,7 @@ int run(const Options& o) {
       }
     }
     std::map<std::string, size_t> seen;  // per kind: its stages so far, in the plan's order
+    double kernels_s = 0;
     for (const StageCost& st : p.stages) {
       const size_t i = seen[st.kind]++;
       std::vector<double> t;
@@ -193,11 +205,13 @@ int run(const Options& o) {
       }
       const double mean = std::accumulate(t.begin(), t.end(), 0.0) / static_cast<double>(t.size());
       samples[st.kind].push_back({st.charged_flops, static_cast<double>(st.bytes), mean, held});
+      kernels_s += mean;
       if (std::getenv("HALYARD_CALIBRATE_VERBOSE") && rank == 0)
         std::printf("  %-10s %-44s %8.3f ms  %12.0f flops %10lld bytes  scratch %10lld est %10.0f held\n", st.kind.c_str(),
                     st.label.substr(0, 44).c_str(), mean * 1e3, st.flops, static_cast<long long>(st.bytes),
                     static_cast<long long>(st.scratch_estimate), held);
     }
+    besides.push_back({s, p.request, r.step_s - kernels_s});
     const int64_t modeled = p.memory.total() - p.memory.runtime_baseline;
     int64_t gap = r.peak_rss - modeled;
     if (comm) {  // the largest gap of any rank
@@ -238,6 +252,28 @@ int run(const Options& o) {
                   c.kernels[kind].s_per_byte > 0 ? 1e-9 / c.kernels[kind].s_per_byte : 0.0, c.kernels[kind].s_per_call * 1e6,
                   100 * err);
     report << line;
+  }
+  // How far behind the other ranks were at a collective (collective_lag_s),
+  // from each library's steps beyond its kernels' measured times, on each
+  // rank: where ranks share cores, the others are often still computing
+  // when one reaches a collective. Unfitted on one rank (no collectives).
+  {
+    std::vector<StepBeyondKernels> steps;
+    int waits = 0;
+    for (const Beside& b : besides) {
+      const Plan p = plan(llama::llama_builder(), b.request, b.schedule, c);
+      double measured = b.step_less_kernels_s;
+      if (comm) measured = comm->all_reduce_sum(measured) / ranks;  // the mean over the ranks
+      steps.push_back({measured, p.step_s - p.compute_s, p.collective_lags});
+      waits += p.collective_waits;
+    }
+    c.collective_lag_s = fit_collective_lag(steps);
+    if (waits > 0) {
+      char line[160];
+      std::snprintf(line, sizeof line, "  ranks behind at a collective: up to %.2f ms (fitted over %d collectives waited on)\n",
+                    c.collective_lag_s * 1e3, waits);
+      report << line;
+    }
   }
   // Kinds these libraries never ran: a kind doing the same work per FLOP
   // stands in, else their bytes at the memory's bandwidth.

@@ -56,6 +56,15 @@ TEST(Calibration, FitRecoversTheCoefficients) {
 // A cluster file that lists only some kinds prices a missing one as the
 // kind doing its work, as halyard-calibrate fills it in; only a kind with
 // no stand-in falls back to the pointwise kernels' coefficients.
+// How far behind the other ranks are at a collective: the time the steps
+// stood still beyond the plan, over every lag they waited for together.
+TEST(Calibration, TheLagAccountsForWhatTheStepsStoodStillBeyondThePlan) {
+  EXPECT_DOUBLE_EQ(fit_collective_lag({{0.05, 0.01, 10}, {0.02, 0.01, 5}}), (0.04 + 0.01) / 15);
+  EXPECT_DOUBLE_EQ(fit_collective_lag({{0.01, 0.02, 10}}), 0) << "steps faster than planned lag no rank";
+  EXPECT_DOUBLE_EQ(fit_collective_lag({{0.30, 0.01, 0}}), 0) << "one rank waits for no other";
+  EXPECT_DOUBLE_EQ(fit_collective_lag({}), 0);
+}
+
 TEST(Calibration, AKindAClusterFileLacksIsPricedAsItsStandIn) {
   const Cluster c = Cluster::parse(R"({"name": "partial", "kernels": {
       "attention": {"s_per_flop": 3e-11}, "attention_grad_kv": {"s_per_flop": 5e-11},
