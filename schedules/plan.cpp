@@ -154,8 +154,8 @@ int64_t lay_out_step(Plan& p, const Cluster& cluster, bool buckets) {
   p.collective_waits = 0;
   p.collective_lags = 0;
   auto wait_for = [&](double done, const CollectiveCost& c) {
-    if (c.degree <= 1) return done;
     const double share = Cluster::lag_share(c.kind, c.degree);
+    if (share == 0) return done;  // (over one rank: no other to wait on)
     ++p.collective_waits;
     p.collective_lags += share;
     return done + share * cluster.collective_lag_s;

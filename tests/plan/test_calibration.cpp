@@ -53,9 +53,6 @@ TEST(Calibration, FitRecoversTheCoefficients) {
   }
 }
 
-// A cluster file that lists only some kinds prices a missing one as the
-// kind doing its work, as halyard-calibrate fills it in; only a kind with
-// no stand-in falls back to the pointwise kernels' coefficients.
 // How far behind the other ranks are at a collective: the time the steps
 // stood still beyond the plan, over every lag they waited for together.
 TEST(Calibration, TheLagAccountsForWhatTheStepsStoodStillBeyondThePlan) {
@@ -65,6 +62,9 @@ TEST(Calibration, TheLagAccountsForWhatTheStepsStoodStillBeyondThePlan) {
   EXPECT_DOUBLE_EQ(fit_collective_lag({}), 0);
 }
 
+// A cluster file that lists only some kinds prices a missing one as the
+// kind doing its work, as halyard-calibrate fills it in; only a kind with
+// no stand-in falls back to the pointwise kernels' coefficients.
 TEST(Calibration, AKindAClusterFileLacksIsPricedAsItsStandIn) {
   const Cluster c = Cluster::parse(R"({"name": "partial", "kernels": {
       "attention": {"s_per_flop": 3e-11}, "attention_grad_kv": {"s_per_flop": 5e-11},
