@@ -109,18 +109,19 @@ std::deque<OpInfo> make_builtin_rows() {
       }));
   set(Op::Add, with(row("add", C::Cheap), [](OpInfo& r) {
         r.token_local = r.checkpoint_keeps = true;  // adds are the residual stream
+        r.elementwise = true;
         r.flops = per_element(1);
       }));
-  set(Op::Mul, with(row("mul", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(1); }));
+  set(Op::Mul, with(row("mul", C::Cheap), [](OpInfo& r) { r.token_local = r.elementwise = true, r.flops = per_element(1); }));
   // A bias is a parameter without the token axes: its add is pointwise per
   // token; its gradient sums over the tokens, so (like a weight gradient)
   // it is not token-local: each sequence tile and each sp rank holds a
   // partial sum, added by autodiff's accumulation and the step's gradient
   // all-reduce.
-  set(Op::BiasAdd, with(row("bias_add", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(1); }));
+  set(Op::BiasAdd, with(row("bias_add", C::Cheap), [](OpInfo& r) { r.token_local = r.elementwise = true, r.flops = per_element(1); }));
   set(Op::BiasAddGrad, with(row("bias_add_grad", C::Heavy), [](OpInfo& r) { r.flops = per_input_element(1, 0); }));
-  set(Op::Silu, with(row("silu", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(4); }));
-  set(Op::SiluGrad, with(row("silu_grad", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(8); }));
+  set(Op::Silu, with(row("silu", C::Cheap), [](OpInfo& r) { r.token_local = r.elementwise = true, r.flops = per_element(4); }));
+  set(Op::SiluGrad, with(row("silu_grad", C::Cheap), [](OpInfo& r) { r.token_local = r.elementwise = true, r.flops = per_element(8); }));
   set(Op::RmsNorm, with(row("rms_norm", C::Cheap), [](OpInfo& r) { r.token_local = true, r.flops = per_element(4); }));
   set(Op::RmsNormGradX, with(row("rms_norm_grad_x", C::Heavy), [](OpInfo& r) { r.token_local = true, r.flops = per_element(7); }));
   set(Op::RmsNormGradW, with(row("rms_norm_grad_w", C::Heavy), [](OpInfo& r) { r.flops = per_input_element(4, 0); }));
@@ -174,7 +175,7 @@ std::deque<OpInfo> make_builtin_rows() {
   // point, and inlined into its reader it would make the reader recompute
   // from the f32 value it replaces. Its load is inlined into each reader.
   set(Op::StoreBf16, with(row("store_bf16", C::Heavy), [](OpInfo& r) { r.token_local = true; }));
-  set(Op::LoadBf16, with(row("load_bf16", C::Cheap), [](OpInfo& r) { r.token_local = true; }));
+  set(Op::LoadBf16, with(row("load_bf16", C::Cheap), [](OpInfo& r) { r.token_local = r.elementwise = true; }));
   return t;
 }
 

@@ -52,6 +52,10 @@ struct OpInfo {
   // still saves this one in f32: softmax statistics (an error of 2^-9 in a
   // row's log-sum-exp scales every probability of the row) and counts.
   bool store_f32 = false;
+  // Each output element reads each input of the output's type at its own
+  // position, and nothing else of it: a stage of such ops may write its
+  // output over such an input that dies there (schedules/program.h).
+  bool elementwise = false;
   // Floating-point operations to compute the node once, from its shapes
   // (counted as multiply-add = 2; exp, division and sqrt count 1). Empty: 0.
   std::function<double(const Graph&, const Node&)> flops;

@@ -190,7 +190,15 @@ int64_t step_for(int64_t step, int64_t sp) { return (step + sp - 1) / sp * sp; }
 std::vector<ValueRule> least_memory_rules(const Graph& g, bool offload) {
   const bool layered = std::any_of(g.nodes().begin(), g.nodes().end(),
                                    [](const Node& n) { return n.name.rfind("model.layers.", 0) == 0; });
-  if (layered) return offload ? offloaded_checkpoint_rules() : layer_checkpoint_rules();
+  if (layered) {
+    // What full checkpointing keeps, less a layer's input that its own
+    // module computes from parameters and inputs alone (the embedding's
+    // output, the first layer's input): recomputed, it recomputes no layer.
+    std::vector<ValueRule> r = offload ? offloaded_checkpoint_rules() : layer_checkpoint_rules();
+    for (const RematGroup& x : remat_groups(g, Schedule{}))
+      if (x.from_inputs && !x.tile && x.module.rfind("model.layers.", 0) != 0) r.push_back({x.match(), "recompute", "", ""});
+    return r;
+  }
   std::vector<ValueRule> r = sac_rules();
   if (offload)
     for (ValueRule& v : r)
@@ -293,12 +301,26 @@ std::vector<double> held_bytes(const Plan& p, const std::vector<RematGroup>& gro
 std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
   std::vector<RematGroup> out;
   std::map<GroupKey, size_t> index;
-  // Values read by a node of another layer: what full checkpointing keeps.
-  std::vector<bool> leaves_layer(static_cast<size_t>(g.size()), false);
+  // Values read by a node of another layer: what full checkpointing keeps,
+  // since recomputing one recomputes the layers before it. Not those its
+  // own layer computes from parameters and inputs alone (the embedding):
+  // recomputing such a value recomputes no other layer.
+  std::vector<bool> leaves_layer(static_cast<size_t>(g.size()), false), from_leaves(leaves_layer);
+  for (const Node& n : g.nodes()) {
+    if (n.backward) continue;
+    bool own = true;
+    for (int i : n.inputs) {
+      const Node& x = g.node(i);
+      own = own && (op_info(x.op).cls == OpClass::Leaf ||
+                    (from_leaves[static_cast<size_t>(i)] && layer_of(x.name) == layer_of(n.name)));
+    }
+    from_leaves[static_cast<size_t>(n.id)] = own;
+  }
   for (const Node& n : g.nodes())
     if (!n.backward && !n.name.empty())
       for (int i : n.inputs)
-        if (layer_of(g.node(i).name) != layer_of(n.name)) leaves_layer[static_cast<size_t>(i)] = true;
+        if (layer_of(g.node(i).name) != layer_of(n.name) && !from_leaves[static_cast<size_t>(i)])
+          leaves_layer[static_cast<size_t>(i)] = true;
   for (const Node& n : g.nodes()) {
     const GroupKey key = group_key(n);
     if (std::get<0>(key).empty()) continue;
@@ -307,6 +329,7 @@ std::vector<RematGroup> remat_groups(const Graph& g, const Schedule& base) {
     ++out[it->second].values;
     out[it->second].bytes += value_bytes(n.type);
     out[it->second].layer_output = out[it->second].layer_output || leaves_layer[static_cast<size_t>(n.id)];
+    out[it->second].from_inputs = (fresh || out[it->second].from_inputs) && from_leaves[static_cast<size_t>(n.id)];
     out[it->second].inlined = base.compute(n) == Compute::Inline;
   }
   return out;

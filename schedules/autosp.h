@@ -40,7 +40,10 @@ struct RematGroup {
   bool tile = false;   // the module's wide sequence tiles
   int64_t values = 0;  // forward values it covers, all layers
   int64_t bytes = 0;   // their bytes
-  bool layer_output = false;  // read by another layer: kept (what full checkpointing keeps)
+  // Every value computed by its own layer from parameters and inputs alone
+  // (the embedding): recomputing it recomputes no other layer.
+  bool from_inputs = false;
+  bool layer_output = false;  // read by another layer, and not from_inputs: kept (what full checkpointing keeps)
   bool inlined = false;       // computed inside its consumers (the schedule's compute rules)
   std::string match() const { return module + " op:" + op + (tile ? " seq_tiles" : ""); }
 };

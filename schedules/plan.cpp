@@ -455,6 +455,40 @@ int64_t Plan::collective_bytes_per_rank() const {
   return b;
 }
 
+Plan::ArenaPeak Plan::arena_peak() const {
+  const Program& prog = train_program;
+  // Bytes coming alive at a call, less those gone (the loss lives past the last call).
+  std::vector<int64_t> change(prog.calls.size() + 2, 0);
+  // A buffer written over the input it takes over (in_place_of) holds its
+  // own bytes from the call after.
+  auto ranges = [](const PlannedBuffer& b) {
+    auto r = b.device_ranges();
+    if (b.in_place_of >= 0) ++r.front().first;
+    return r;
+  };
+  for (const PlannedBuffer& b : prog.buffers)
+    if (b.kind == BufferKind::Arena)
+      for (auto [first, last] : ranges(b)) {
+        if (first > last) continue;
+        change[static_cast<size_t>(first)] += arena_aligned(b.bytes);
+        change[static_cast<size_t>(last) + 1] -= arena_aligned(b.bytes);
+      }
+  ArenaPeak peak;
+  int64_t alive = 0;
+  for (size_t c = 0; c < prog.calls.size(); ++c)
+    if ((alive += change[c]) > peak.live_bytes) peak.live_bytes = alive, peak.call = static_cast<int>(c);
+  for (size_t i = 0; i < prog.buffers.size(); ++i) {
+    const PlannedBuffer& b = prog.buffers[i];
+    if (b.kind != BufferKind::Arena) continue;
+    for (auto [first, last] : ranges(b))
+      if (first <= peak.call && peak.call <= last) peak.buffers.push_back(static_cast<int>(i));
+  }
+  std::stable_sort(peak.buffers.begin(), peak.buffers.end(), [&](int a, int b) {
+    return prog.buffers[static_cast<size_t>(a)].bytes > prog.buffers[static_cast<size_t>(b)].bytes;
+  });
+  return peak;
+}
+
 Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& given, const Cluster& cluster) {
   const bool gpu = cluster.gpu();
   const Schedule schedule = gpu ? given.on_gpu(cluster.device == "cuda") : given;
@@ -756,6 +790,28 @@ std::string Plan::report() const {
                           .c_str()
                     : "");
   os << line;
+  if (const ArenaPeak peak = arena_peak(); peak.call >= 0) {
+    const PlannedCall& at = train_program.calls[static_cast<size_t>(peak.call)];
+    const std::string where = at.stage >= 0 ? layer_of(g.node(train.stages[static_cast<size_t>(at.stage)].root).name) : "";
+    std::snprintf(line, sizeof line, "\n  activations at their fullest: %.1f MiB alive at call %d of %zu (%s%s), the largest:\n",
+                  mib(peak.live_bytes), peak.call + 1, train_program.calls.size(), where.empty() ? "unnamed" : where.c_str(),
+                  at.stage >= 0 && g.node(train.stages[static_cast<size_t>(at.stage)].root).backward ? " backward" : " forward");
+    os << line;
+    const size_t shown = std::min<size_t>(peak.buffers.size(), 8);
+    for (size_t i = 0; i < shown; ++i) {
+      const PlannedBuffer& b = train_program.buffers[static_cast<size_t>(peak.buffers[i])];
+      const Node& n = g.node(b.node);
+      std::snprintf(line, sizeof line, "    %8.1f  %-8s %-16s %s  %s\n", mib(b.bytes), n.backward ? "backward" : "forward",
+                    op_name(n.op), n.type.str().c_str(), n.name.c_str());
+      os << line;
+    }
+    if (shown < peak.buffers.size()) {
+      int64_t rest = 0;
+      for (size_t i = shown; i < peak.buffers.size(); ++i) rest += train_program.buffers[static_cast<size_t>(peak.buffers[i])].bytes;
+      std::snprintf(line, sizeof line, "    %8.1f  in %zu more\n", mib(rest), peak.buffers.size() - shown);
+      os << line;
+    }
+  }
   if (memory.offloaded > 0) {
     std::snprintf(line, sizeof line, "  %-36s %10.1f (host memory, not in the peak; %.4f s a step out and back)\n",
                   "offloaded to the host", mib(memory.offloaded), offload_s);

@@ -163,6 +163,17 @@ struct Plan {
   // kernels do the same work on every rank.
   std::vector<double> attention_flops_per_rank() const;
   int64_t collective_bytes_per_rank() const;
+  // The train program's arena at its fullest: the first call where the
+  // bytes of the buffers alive on the device are the most, and those
+  // buffers (indices into train_program.buffers), largest first. What to
+  // recompute, tile or offload to fit is among them. The arena's size can
+  // exceed live_bytes by what placement leaves between buffers.
+  struct ArenaPeak {
+    int call = -1;
+    int64_t live_bytes = 0;
+    std::vector<int> buffers;
+  };
+  ArenaPeak arena_peak() const;
   // A table a person reads: stages grouped by layer, memory, time, volume.
   std::string report() const;
   // The whole plan as JSON; summary_json() is what a library carries.

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 
 namespace halyard {
 namespace {
@@ -100,6 +101,24 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
     if (w0 <= w1) starting[static_cast<size_t>(w0)].push_back(i);
   }
   return size_of_arena;
+}
+
+// Whether the stage's kernel may write its output over an input of the
+// output's type: every op it computes reads such an input only at the
+// position it writes. So every node is elementwise and on the output's
+// axes, in its order (an op indexes its operands by axis name: another
+// order would read elsewhere). Halide's pointwise kernels read an element
+// before writing it, and their vector tails are guarded, never shifted
+// back over elements already written (generators/schedule_cpu.cpp,
+// schedule_gpu.cpp).
+bool writes_in_place(const Graph& g, const Stage& st) {
+  if (st.kernel < 0 || st.library || st.gemm || !st.extra_outputs.empty()) return false;
+  const TensorType& out = g.node(st.root).type;
+  auto fits = [&](int id) {
+    const Node& n = g.node(id);
+    return op_info(n.op).elementwise && n.type.axes == out.axes;
+  };
+  return fits(st.root) && std::all_of(st.inlined.begin(), st.inlined.end(), fits);
 }
 
 }  // namespace
@@ -267,16 +286,48 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
   prog.loss = loss_buffer;
   prog.buffers[static_cast<size_t>(prog.loss)].last = static_cast<int>(prog.calls.size());  // read after the step
 
-  // The device arena by each buffer's device live ranges; the host arena of
-  // offloaded values by their time away, from offload to reload.
+  // Outputs written over an input that dies at their call. (Values that
+  // leave the device keep bytes of their own.)
+  for (size_t c = 0; c < prog.calls.size(); ++c) {
+    const PlannedCall& call = prog.calls[c];
+    if (call.wait || call.move != PlannedCall::Move::None || !writes_in_place(g, p.stages[static_cast<size_t>(call.stage)]))
+      continue;
+    PlannedBuffer& out = prog.buffers[static_cast<size_t>(call.args.back())];
+    if (out.kind != BufferKind::Arena || out.first != static_cast<int>(c) || out.evict >= 0) continue;
+    for (auto a = call.args.begin(); a + 1 < call.args.end(); ++a) {
+      const PlannedBuffer& in = prog.buffers[static_cast<size_t>(*a)];
+      auto view_of_it = [&](int b) {
+        return prog.buffers[static_cast<size_t>(b)].kind == BufferKind::View && prog.buffers[static_cast<size_t>(b)].index == *a;
+      };
+      if (in.kind == BufferKind::Arena && in.last == static_cast<int>(c) && in.evict < 0 && *a != prog.loss &&
+          g.node(in.node).type == g.node(out.node).type && std::none_of(call.args.begin(), call.args.end(), view_of_it)) {
+        out.in_place_of = *a;
+        break;
+      }
+    }
+  }
+
+  // The device arena by each buffer's device live ranges, a buffer written
+  // in place together with those it took over; the host arena of offloaded
+  // values by their time away, from offload to reload.
   std::vector<int> arena, offloaded;
   std::vector<Ranges> on_device(prog.buffers.size()), away(prog.buffers.size());
+  auto owner = [&](size_t i) {
+    while (prog.buffers[i].in_place_of >= 0) i = static_cast<size_t>(prog.buffers[i].in_place_of);
+    return i;
+  };
   for (size_t i = 0; i < prog.buffers.size(); ++i) {
     const PlannedBuffer& b = prog.buffers[i];
-    if (b.kind == BufferKind::Arena) arena.push_back(static_cast<int>(i)), on_device[i] = b.device_ranges();
+    if (b.kind == BufferKind::Arena) {
+      const size_t o = owner(i);
+      if (o == i) arena.push_back(static_cast<int>(i));
+      for (auto r : b.device_ranges()) on_device[o].push_back(r);
+    }
     if (b.evict >= 0) offloaded.push_back(static_cast<int>(i)), away[i] = {{b.evict, b.reload}};
   }
   prog.arena_bytes = place(prog.buffers, arena, on_device, &PlannedBuffer::offset);
+  for (size_t i = 0; i < prog.buffers.size(); ++i)
+    if (prog.buffers[i].kind == BufferKind::Arena) prog.buffers[i].offset = prog.buffers[owner(i)].offset;
   prog.offload_bytes = place(prog.buffers, offloaded, away, &PlannedBuffer::host_offset);
   return prog;
 }

@@ -4,7 +4,9 @@
 // activation arena. Its live range runs from the call that writes it to the
 // last call that reads it; offsets are assigned greedily (largest first, at
 // the lowest offset free during that range), so peak memory is known before
-// anything runs and equals the arena size. A tile of a sequence (slice_seq)
+// anything runs and equals the arena size. An elementwise stage's output
+// takes over the bytes of an input that dies there (PlannedBuffer::
+// in_place_of). A tile of a sequence (slice_seq)
 // is a view of its buffer, not a copy: reading it keeps that buffer alive.
 //
 // A value the schedule offloads (keep "offload", GPU targets) leaves the
@@ -45,6 +47,12 @@ struct PlannedBuffer {
   // the offload arena. -1 when it stays on the device.
   int evict = -1, reload = -1;
   int64_t host_offset = -1;
+  // Arena: the buffer whose bytes it takes over, or -1. An elementwise
+  // stage (every op OpInfo::elementwise, on the output's axes) writes its
+  // output over an input of its type that dies at that call: the running
+  // sum of a gradient's parts, say. They share an offset, and their live
+  // ranges meet only at that call.
+  int in_place_of = -1;
   // Its live ranges on the device: [first, last], or [first, evict] and [reload, last].
   std::vector<std::pair<int, int>> device_ranges() const;
 };

@@ -8,6 +8,7 @@
 
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
+#include "dsl/op_table.h"
 #include "examples/llama/llama_model.h"
 #include "schedules/partition.h"
 #include "schedules/program.h"
@@ -71,7 +72,10 @@ TEST(Partition, LiveBuffersNeverOverlap) {
       EXPECT_LE(b[x].offset + b[x].bytes, p.prog.arena_bytes);
       for (size_t y = x + 1; y < b.size(); ++y) {
         if (b[y].kind != BufferKind::Arena) continue;
-        const bool live_together = b[x].first <= b[y].last && b[y].first <= b[x].last;
+        // A buffer written in place holds its bytes from the call after the
+        // one where the input it takes over dies.
+        const int xf = b[x].first + (b[x].in_place_of >= 0), yf = b[y].first + (b[y].in_place_of >= 0);
+        const bool live_together = xf <= b[y].last && yf <= b[x].last;
         const bool overlap = b[x].offset < b[y].offset + b[y].bytes && b[y].offset < b[x].offset + b[x].bytes;
         EXPECT_FALSE(live_together && overlap) << sched << ": buffers " << x << " and " << y;
       }
@@ -79,6 +83,19 @@ TEST(Partition, LiveBuffersNeverOverlap) {
     std::printf("  %s: arena %lld bytes for %lld bytes of activations (%zu stages)\n", sched,
                 static_cast<long long>(p.prog.arena_bytes), static_cast<long long>(total), p.part.stages.size());
     EXPECT_LT(p.prog.arena_bytes, total);  // reuse happened
+    // Each handover: at the call that writes the output, which is the
+    // input's last, over the input's bytes (the same type).
+    int in_place = 0;
+    for (const PlannedBuffer& o : b) {
+      if (o.in_place_of < 0) continue;
+      ++in_place;
+      const PlannedBuffer& i = b[static_cast<size_t>(o.in_place_of)];
+      EXPECT_EQ(i.last, o.first);
+      EXPECT_EQ(i.offset, o.offset);
+      EXPECT_EQ(p.m.graph->node(i.node).type, p.m.graph->node(o.node).type);
+      EXPECT_TRUE(op_info(p.m.graph->node(o.node).op).elementwise);
+    }
+    EXPECT_GT(in_place, 0) << sched;  // the backward's sums of gradient parts at least
   }
 }
 

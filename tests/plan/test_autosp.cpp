@@ -56,8 +56,20 @@ TEST(Autosp, GroupsAreModulesAndOpsAcrossLayers) {
     if (g.module.rfind("model.layers.*", 0) == 0) {
       EXPECT_EQ(g.values % 2, 0) << g.match();  // one per layer
     }
+    // Layer outputs are kept, as full checkpointing keeps them, but for the
+    // embedding's: from the token ids and its table alone, recomputing it
+    // recomputes no layer before it.
+    if (g.match() == "model.embed_tokens op:embedding") {
+      EXPECT_TRUE(g.from_inputs);
+      EXPECT_FALSE(g.layer_output);
+    }
+    if (g.match() == "model.layers.*.mlp.residual op:add") {
+      EXPECT_FALSE(g.from_inputs);
+      EXPECT_TRUE(g.layer_output);
+    }
   }
 }
+
 
 struct Case {
   std::string config;
@@ -465,7 +477,9 @@ TEST(Autosp, LongestSequenceOnGpusOffloadsTheCheckpoints) {
 TEST(Autosp, OffloadingBeatsRecomputingAttentionOnGpus) {
   SearchOptions o;
   o.ranks = 8;
-  o.memory_per_rank = int64_t{2048} << 20;
+  // (With 2,048 MiB, saving every attention output fits, once elementwise
+  // stages write over an input dying there.)
+  o.memory_per_rank = int64_t{1792} << 20;
   o.sp = {8};
   o.zero = {1};
   o.strategies = {"ulysses"};
@@ -511,6 +525,27 @@ SearchOptions split_over(int64_t ranks, int64_t memory_per_rank) {
   o.zero = {1};
   o.memory_per_rank = memory_per_rank;
   return o;
+}
+
+// At the longest sequence 4 CPU ranks of 128 MiB fit (max_context.sh's
+// budget), what binds is one layer's backward: there the embedding's output
+// (layer 0's input) is recomputed rather than held through every layer's
+// backward, 8 MiB a rank at 32,768 tokens. (With max_context.sh's profile
+// of a Zen 5 it took the predicted longest from 28.0K tokens to 30.2K.)
+TEST(Autosp, TheEmbeddingIsRecomputedWhereMemoryBinds) {
+  SearchOptions o = split_over(4, int64_t{128} << 20);
+  o.max_seq = true;
+  const SearchResult r = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  ASSERT_TRUE(r.feasible) << r.infeasible;
+  const Schedule& s = r.best().schedule;
+  const auto rule = std::find_if(s.values.begin(), s.values.end(),
+                                 [](const ValueRule& v) { return v.match == "model.embed_tokens op:embedding"; });
+  ASSERT_NE(rule, s.values.end()) << s.str();
+  EXPECT_EQ(rule->keep, "recompute") << s.str();
+  Schedule saved = s;
+  saved.values[static_cast<size_t>(rule - s.values.begin())].keep = "save";
+  const ModelRequest at{kTiny, 1, r.seq};
+  EXPECT_GT(plan(llama::llama_builder(), at, saved, local()).memory.total(), o.memory_per_rank);
 }
 
 TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
@@ -572,26 +607,31 @@ TEST(Autosp, LossTilesAreKeptWhereTheyFit) {
 
 // Where memory binds, saved values stored in bf16 are a lever like
 // recomputing: the longest sequence that fits grows, and the plan that
-// reaches it stores bf16 and fits.
+// reaches it stores bf16 and fits. The tiny Llama 16 layers deep: with 2,
+// once the embedding is recomputed, what binds is one layer's backward
+// (its f32 working set, the recomputed embedding in layer 0's), so bf16
+// copies of the one residual saved there lengthened nothing (4 x 160 MiB).
 TEST(Autosp, StoringBf16LengthensTheLongestSequence) {
-  SearchOptions o = split_over(4, int64_t{160} << 20);
+  const halyard::testing::TempDir dir;
+  const std::string deep = deep_tiny(dir);
+  SearchOptions o = split_over(4, int64_t{512} << 20);
   o.max_seq = true;
-  const SearchResult f32 = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  const SearchResult f32 = autosp(llama::llama_builder(), {deep, 1, 0}, local(), o);
   o.bf16 = {"store"};
-  const SearchResult stored = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  const SearchResult stored = autosp(llama::llama_builder(), {deep, 1, 0}, local(), o);
   ASSERT_TRUE(f32.feasible) << f32.infeasible;
   ASSERT_TRUE(stored.feasible) << stored.infeasible;
-  std::printf("  tiny Llama on 4 CPU ranks x 160 MiB: longest %lld tokens in f32, %lld storing bf16 (%s)\n",
+  std::printf("  tiny Llama of 16 layers on 4 CPU ranks x 512 MiB: longest %lld tokens in f32, %lld storing bf16 (%s)\n",
               static_cast<long long>(f32.seq), static_cast<long long>(stored.seq), stored.best().schedule.str().c_str());
   EXPECT_GT(stored.seq, f32.seq);
   EXPECT_TRUE(stored.best().schedule.stores_bf16());
   EXPECT_EQ(stored.best().schedule.contract_precision, "f32");
-  const Plan p = plan(llama::llama_builder(), {kTiny, 1, stored.seq}, stored.best().schedule, local());
+  const Plan p = plan(llama::llama_builder(), {deep, 1, stored.seq}, stored.best().schedule, local());
   EXPECT_LE(p.memory.total(), o.memory_per_rank);
   EXPECT_GT(p.stored_bf16(), 0);
   // The families of halyard-plan's table are compared at the same numerics.
   const FamilyResult f =
-      family_longest("ulysses_checkpoint", llama::llama_builder(), {kTiny, 1, 0}, local(), 4, o.memory_per_rank, o);
+      family_longest("ulysses_checkpoint", llama::llama_builder(), {deep, 1, 0}, local(), 4, o.memory_per_rank, o);
   ASSERT_TRUE(f.applies) << f.reason;
   EXPECT_TRUE(f.schedule.stores_bf16()) << f.schedule.str();
   EXPECT_LE(f.longest, stored.seq);
