@@ -160,13 +160,19 @@ std::deque<OpInfo> make_builtin_rows() {
   // Ring attention's merge: per row, a max and a sum of exps over the
   // blocks; then each block's output scaled and added. Their own stages
   // (heavy), so that the attention backward reads L from memory, and kept
-  // by checkpointing like the attention output they are.
+  // by checkpointing like the attention output they are. Elementwise: each
+  // reads the blocks' values at its own position (the merge's statistics
+  // per row, and q, k and v not at all: they are its backward's), so the
+  // merged output takes over a block's bytes where it dies.
   set(Op::LseMerge, with(row("lse_merge", C::Heavy), [](OpInfo& r) {
-        r.checkpoint_keeps = r.store_f32 = true;
+        r.checkpoint_keeps = r.store_f32 = r.elementwise = true;
         r.flops = [](const Graph&, const Node& n) { return 4 * numel(n.type) * static_cast<double>(n.inputs.size()); };
       }));
   set(Op::AttentionMerge, with(row("attention_merge", C::Heavy), [](OpInfo& r) {
-        r.checkpoint_keeps = true;
+        r.checkpoint_keeps = r.elementwise = true;
+        r.unread_operand = [](size_t k, size_t) {  // q, positions; each block's k, v and key positions
+          return k < kMergeLse || (k >= kMergeBlocks && (k - kMergeBlocks) % kMergeBlockOperands < 3);
+        };
         r.flops = [](const Graph&, const Node& n) {
           return 3 * numel(n.type) * static_cast<double>((n.inputs.size() - kMergeBlocks) / kMergeBlockOperands);
         };

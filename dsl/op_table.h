@@ -56,6 +56,10 @@ struct OpInfo {
   // position, and nothing else of it: a stage of such ops may write its
   // output over such an input that dies there (schedules/program.h).
   bool elementwise = false;
+  // Operand k (of n) that the op's kernel never reads (ring attention's
+  // merge carries q, k and v for its backward): what a stage computes
+  // inline only for it is never evaluated. Empty: every operand is read.
+  std::function<bool(size_t k, size_t n)> unread_operand;
   // Floating-point operations to compute the node once, from its shapes
   // (counted as multiply-add = 2; exp, division and sqrt count 1). Empty: 0.
   std::function<double(const Graph&, const Node&)> flops;

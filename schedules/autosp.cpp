@@ -822,11 +822,24 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
   const int64_t tile_cap = gpu_tile_cap(build, req_in.config, cluster);
   std::vector<ValueRule> lean_rules;
   const Precision least_precision = frugal_precision(opts);
-  auto frugal = [&](const Config& c, int64_t seq, bool tiled) {
+  // On CPU ranks a weight gradient through the library (gemm_cpu.h) copies
+  // an operand computed inline whole first (a norm's output: 8 MiB at 8,192
+  // tokens a rank of the tiny Llama); Halide's kernel stages it a panel of
+  // rows at a time. The plan prices both as one kind (contract_seq; on a Zen
+  // 5 at 29,440 tokens over 4 ranks their steps measured alike), so the
+  // library stays the choice and Halide's is the lever where no plan with
+  // the library fits: the least-memory schedules take whichever holds less.
+  const bool wg_lever = !cluster.gpu();
+  auto halide_wg = [](Schedule s) {
+    s.weight_grad_kernel = "halide";
+    return s;
+  };
+  auto frugal = [&](const Config& c, int64_t seq, bool tiled, bool halide) {
     Schedule s = c.base;
     s.values = lean_rules;
     const std::vector<int64_t> t = tile_options(local_seq(seq, s.mesh.sp, s.sequence_layout == "zigzag"), tile_cap);
-    return in_precision(tiled ? with_tiles(s, t.back(), t.back()) : s, least_precision);
+    s = in_precision(tiled ? with_tiles(s, t.back(), t.back()) : s, least_precision);
+    return halide ? halide_wg(s) : s;
   };
 
   ModelRequest req = req_in;
@@ -860,7 +873,10 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
         auto peak_at = [&](int64_t seq) {
           ModelRequest r = req;
           r.seq = seq;
-          return score(build, r, frugal(configs[i], seq, tiled), cluster, &out.plans, &memo).peak;
+          int64_t least_peak = score(build, r, frugal(configs[i], seq, tiled, false), cluster, &out.plans, &memo).peak;
+          if (wg_lever && least_peak > budget)
+            least_peak = std::min(least_peak, score(build, r, frugal(configs[i], seq, tiled, true), cluster, &out.plans, &memo).peak);
+          return least_peak;
         };
         // Only a longer sequence than the longest so far counts: where one
         // step more does not fit, this schedule fits no longer (memory grows
@@ -910,25 +926,40 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     }
     const std::vector<int64_t> t =
         tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"), tile_cap);
+    bool halide = false;  // Halide's weight gradients (wg_lever, above)
     auto lean_of = [&](int64_t mlp, int64_t loss, Precision pr) {
       Schedule lean = configs[i].base;
       lean.values = lean_rules;
-      return in_precision(with_tiles(lean, mlp, loss), pr);
+      lean = in_precision(with_tiles(lean, mlp, loss), pr);
+      return halide ? halide_wg(lean) : lean;
     };
     try {
       // The least memory first (checkpointed, whole or in sixteenths): a
       // configuration that cannot fit that way is out.
-      std::map<std::pair<int64_t, int64_t>, Scored> leans;
-      for (int64_t tile : {int64_t{0}, t.back()})
-        leans[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision), cluster, &out.plans, &memo);
-      for (const auto& [k, x] : leans) least[i] = std::min(least[i], x.peak);
+      auto leans_now = [&](int64_t& least_peak) {
+        std::map<std::pair<int64_t, int64_t>, Scored> l;
+        for (int64_t tile : {int64_t{0}, t.back()}) {
+          l[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision), cluster, &out.plans, &memo);
+          least_peak = std::min(least_peak, l[{tile, tile}].peak);
+        }
+        return l;
+      };
+      std::map<std::pair<int64_t, int64_t>, Scored> leans = leans_now(least[i]);
+      if (wg_lever && least[i] > budget) {
+        halide = true;
+        int64_t least_halide = INT64_MAX;
+        auto l = leans_now(least_halide);
+        if (least_halide < least[i]) leans = std::move(l), least[i] = least_halide;
+        else halide = false;
+      }
       if (least[i] > budget) continue;
       // Loss tiles: whole or the smallest (a [seq, vocab] tile rarely pays
       // in between); MLP tiles: every option; every precision allowed.
       for (int64_t mlp : t)
         for (int64_t loss : {int64_t{0}, t.back()})
           for (Precision pr : precisions(opts)) {
-            const Schedule base = in_precision(with_tiles(configs[i].base, mlp, loss), pr);
+            Schedule base = in_precision(with_tiles(configs[i].base, mlp, loss), pr);
+            if (halide) base = halide_wg(base);
             // (The bound saves every value, the tiles too.)
             Schedule fastest = base;
             std::erase_if(fastest.values, is_tile_rule);
@@ -949,7 +980,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                                                    " and both regions tiled: " +
                                                    (least[i] >= kUnbuildable ? std::string(kUnbuildableWhy)
                                                                              : gib(least[i]) + " > " + gib(budget) + " per rank")});
-  std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
+  std::stable_sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
   std::vector<std::pair<Candidate, RematResult>> found;
   std::vector<bool> config_found(configs.size(), false);
   double best_step = INFINITY;

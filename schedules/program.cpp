@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "dsl/error.h"
 #include "dsl/op_table.h"
@@ -111,14 +112,24 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
 // before writing it, and their vector tails are guarded, never shifted
 // back over elements already written (generators/schedule_cpu.cpp,
 // schedule_gpu.cpp).
+// (What the stage inlines only for operands its ops never read, such as
+// RoPE of q for ring attention's merge, is never computed: not checked.)
 bool writes_in_place(const Graph& g, const Stage& st) {
   if (st.kernel < 0 || st.library || st.gemm || !st.extra_outputs.empty()) return false;
   const TensorType& out = g.node(st.root).type;
-  auto fits = [&](int id) {
-    const Node& n = g.node(id);
-    return op_info(n.op).elementwise && n.type.axes == out.axes;
-  };
-  return fits(st.root) && std::all_of(st.inlined.begin(), st.inlined.end(), fits);
+  const std::set<int> inlined(st.inlined.begin(), st.inlined.end());
+  std::set<int> seen = {st.root};
+  for (std::vector<int> todo = {st.root}; !todo.empty();) {
+    const Node& n = g.node(todo.back());
+    todo.pop_back();
+    const OpInfo& info = op_info(n.op);
+    if (!info.elementwise || n.type.axes != out.axes) return false;
+    for (size_t k = 0; k < n.inputs.size(); ++k)
+      if (!(info.unread_operand && info.unread_operand(k, n.inputs.size())) && inlined.count(n.inputs[k]) &&
+          seen.insert(n.inputs[k]).second)
+        todo.push_back(n.inputs[k]);
+  }
+  return true;
 }
 
 }  // namespace

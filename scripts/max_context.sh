@@ -19,7 +19,8 @@
 #    steps of each. "Fits" means both steps ran and every rank's peak RSS is
 #    within the budget. A bracket that did not close to 2.5% moves (5% down
 #    when L does not fit, 5% up when 1.05 L does) or is halved, for at most
-#    three more rounds.
+#    three more rounds. Where autosp's bracket straddles the target, 16
+#    times one rank's longest, that length is measured too.
 # 4. At the longest length every family fits, the tokens/s of each, with
 #    autosp choosing again for that length.
 set -euo pipefail
@@ -143,6 +144,20 @@ PY
   [ ${#pairs[@]} -eq 0 ] && break
   measure "${pairs[@]}"
 done
+
+# The 16x target's own length, where autosp's bracket leaves it open (the
+# bracket closes to 2.5%, so it can straddle the target).
+target=$(python3 - "$out/measured.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def fits(f):
+    return max([r["seq"] for r in rows if r["family"] == f and r["fits"]], default=0)
+t, a = 16 * fits("default"), fits("autosp")
+miss = [r["seq"] for r in rows if r["family"] == "autosp" and not r["fits"] and r["seq"] > a]
+print(t if a and a < t < min(miss, default=t + 1) else "")
+PY
+)
+[ -n "$target" ] && measure "autosp:$target"
 
 # Throughput where every family fits, autosp choosing for that length.
 common=$(python3 - "$out/measured.jsonl" <<'PY'

@@ -548,6 +548,33 @@ TEST(Autosp, TheEmbeddingIsRecomputedWhereMemoryBinds) {
   EXPECT_GT(plan(llama::llama_builder(), at, saved, local()).memory.total(), o.memory_per_rank);
 }
 
+// On CPU ranks a library weight gradient copies an operand computed inline
+// whole (the norm's output for q's projection: 8 MiB a rank at 32,768
+// tokens); Halide's kernel stages it a panel at a time. Priced alike, the
+// library stays the choice where it fits, and Halide's is taken where no
+// plan with the library fits: at the longest sequence of 4 ranks x 128 MiB.
+TEST(Autosp, HalideWeightGradientsWhereNoPlanWithTheLibraryFits) {
+  SearchOptions o = split_over(4, int64_t{128} << 20);
+  o.max_seq = true;
+  const SearchResult longest = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  ASSERT_TRUE(longest.feasible) << longest.infeasible;
+  const Schedule& s = longest.best().schedule;
+  EXPECT_EQ(s.weight_grad_kernel, "halide") << s.str();
+  Schedule library = s;
+  library.weight_grad_kernel = "library";
+  const ModelRequest at{kTiny, 1, longest.seq};
+  const Plan h = plan(llama::llama_builder(), at, s, local()), l = plan(llama::llama_builder(), at, library, local());
+  EXPECT_LT(h.memory.kernel_scratch, l.memory.kernel_scratch);
+  EXPECT_GT(l.memory.total(), o.memory_per_rank);
+  EXPECT_LE(h.memory.total(), o.memory_per_rank);
+  std::printf("  longest on 4 x 128 MiB: %lld tokens, kernel scratch %.1f MiB (library's %.1f)\n",
+              static_cast<long long>(longest.seq), h.memory.kernel_scratch / 1048576.0, l.memory.kernel_scratch / 1048576.0);
+  o.max_seq = false;
+  const SearchResult shorter = autosp(llama::llama_builder(), {kTiny, 1, 4096}, local(), o);
+  ASSERT_TRUE(shorter.feasible) << shorter.infeasible;
+  EXPECT_EQ(shorter.best().schedule.weight_grad_kernel, "library");
+}
+
 TEST(Autosp, ContractionsInBf16WhereTheUserAllowsAndTheyPay) {
   SearchOptions o = split_over(8, 0);  // the cluster's memory
   const ModelRequest req{kTiny, 1, 32768};

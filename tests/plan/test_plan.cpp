@@ -700,7 +700,8 @@ TEST(Plan, GradientPartsDieOnceSummed) {
 // An elementwise stage writes its output over an input of its type that
 // dies there (PlannedBuffer::in_place_of): the running sum of a ring's dQ
 // blocks takes over the last sum's bytes, so of the three buffers each add
-// held (the sum so far, the block's part, the new sum) two remain. At 32,768 tokens, autosp's least plan on 4 CPU ranks
+// held (the sum so far, the block's part, the new sum) two remain; the
+// merge of the ring's blocks takes over one block's output. At 32,768 tokens, autosp's least plan on 4 CPU ranks
 // needed 146.4 MiB with them apart and 140.6 MiB so. The arena's fullest
 // call lists what it holds there, largest first, and the report prints it.
 TEST(Plan, ElementwiseStagesWriteOverAnInputDyingThere) {
@@ -726,8 +727,19 @@ TEST(Plan, ElementwiseStagesWriteOverAnInputDyingThere) {
     EXPECT_EQ(g.node(i.node).type, n.type);
   }
   EXPECT_GT(dq_sums, 0);
-  std::printf("  ring (zigzag) on 4 ranks, 4,096 tokens: %d buffers written in place, %d of them dQ's sums\n", in_place,
-              dq_sums);
+  // The merge of the ring's blocks reads each block's output at its own
+  // position (and q, k and v, whose RoPE the stage inlines, not at all):
+  // the merged output takes over a block's bytes.
+  int merges = 0;
+  for (const PlannedBuffer& o : b)
+    if (o.kind == BufferKind::Arena && g.node(o.node).op == Op::AttentionMerge) {
+      ++merges;
+      ASSERT_GE(o.in_place_of, 0) << g.node(o.node).name;
+      EXPECT_EQ(g.node(b[static_cast<size_t>(o.in_place_of)].node).op, Op::Attention);
+    }
+  EXPECT_GT(merges, 0);
+  std::printf("  ring (zigzag) on 4 ranks, 4,096 tokens: %d buffers written in place, %d of them dQ's sums, %d merges\n",
+              in_place, dq_sums, merges);
 
   const Plan::ArenaPeak peak = p.arena_peak();
   ASSERT_GE(peak.call, 0);
