@@ -527,15 +527,21 @@ SearchOptions split_over(int64_t ranks, int64_t memory_per_rank) {
   return o;
 }
 
-// At the longest sequence 4 CPU ranks of 128 MiB fit (max_context.sh's
-// budget), what binds is one layer's backward: there the embedding's output
+// The longest sequence 4 CPU ranks of 128 MiB each fit (max_context.sh's
+// budget) and the search's plan there.
+constexpr int64_t k128MiB = int64_t{128} << 20;
+SearchResult longest_on_4_ranks_of_128_mib() {
+  SearchOptions o = split_over(4, k128MiB);
+  o.max_seq = true;
+  return autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+}
+
+// At the longest sequence 4 CPU ranks of 128 MiB fit, what binds is one layer's backward: there the embedding's output
 // (layer 0's input) is recomputed rather than held through every layer's
 // backward, 8 MiB a rank at 32,768 tokens. (With max_context.sh's profile
 // of a Zen 5 it took the predicted longest from 28.0K tokens to 30.2K.)
 TEST(Autosp, TheEmbeddingIsRecomputedWhereMemoryBinds) {
-  SearchOptions o = split_over(4, int64_t{128} << 20);
-  o.max_seq = true;
-  const SearchResult r = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  const SearchResult r = longest_on_4_ranks_of_128_mib();
   ASSERT_TRUE(r.feasible) << r.infeasible;
   const Schedule& s = r.best().schedule;
   const auto rule = std::find_if(s.values.begin(), s.values.end(),
@@ -545,7 +551,7 @@ TEST(Autosp, TheEmbeddingIsRecomputedWhereMemoryBinds) {
   Schedule saved = s;
   saved.values[static_cast<size_t>(rule - s.values.begin())].keep = "save";
   const ModelRequest at{kTiny, 1, r.seq};
-  EXPECT_GT(plan(llama::llama_builder(), at, saved, local()).memory.total(), o.memory_per_rank);
+  EXPECT_GT(plan(llama::llama_builder(), at, saved, local()).memory.total(), k128MiB);
 }
 
 // On CPU ranks a library weight gradient copies an operand computed inline
@@ -554,9 +560,7 @@ TEST(Autosp, TheEmbeddingIsRecomputedWhereMemoryBinds) {
 // library stays the choice where it fits, and Halide's is taken where no
 // plan with the library fits: at the longest sequence of 4 ranks x 128 MiB.
 TEST(Autosp, HalideWeightGradientsWhereNoPlanWithTheLibraryFits) {
-  SearchOptions o = split_over(4, int64_t{128} << 20);
-  o.max_seq = true;
-  const SearchResult longest = autosp(llama::llama_builder(), {kTiny, 1, 0}, local(), o);
+  const SearchResult longest = longest_on_4_ranks_of_128_mib();
   ASSERT_TRUE(longest.feasible) << longest.infeasible;
   const Schedule& s = longest.best().schedule;
   EXPECT_EQ(s.weight_grad_kernel, "halide") << s.str();
@@ -565,12 +569,11 @@ TEST(Autosp, HalideWeightGradientsWhereNoPlanWithTheLibraryFits) {
   const ModelRequest at{kTiny, 1, longest.seq};
   const Plan h = plan(llama::llama_builder(), at, s, local()), l = plan(llama::llama_builder(), at, library, local());
   EXPECT_LT(h.memory.kernel_scratch, l.memory.kernel_scratch);
-  EXPECT_GT(l.memory.total(), o.memory_per_rank);
-  EXPECT_LE(h.memory.total(), o.memory_per_rank);
+  EXPECT_GT(l.memory.total(), k128MiB);
+  EXPECT_LE(h.memory.total(), k128MiB);
   std::printf("  longest on 4 x 128 MiB: %lld tokens, kernel scratch %.1f MiB (library's %.1f)\n",
               static_cast<long long>(longest.seq), h.memory.kernel_scratch / 1048576.0, l.memory.kernel_scratch / 1048576.0);
-  o.max_seq = false;
-  const SearchResult shorter = autosp(llama::llama_builder(), {kTiny, 1, 4096}, local(), o);
+  const SearchResult shorter = autosp(llama::llama_builder(), {kTiny, 1, 4096}, local(), split_over(4, k128MiB));
   ASSERT_TRUE(shorter.feasible) << shorter.infeasible;
   EXPECT_EQ(shorter.best().schedule.weight_grad_kernel, "library");
 }
