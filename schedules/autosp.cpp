@@ -926,8 +926,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     }
     const std::vector<int64_t> t =
         tile_options(local_seq(req.seq, configs[i].base.mesh.sp, configs[i].base.sequence_layout == "zigzag"), tile_cap);
-    bool halide = false;  // Halide's weight gradients (wg_lever, above)
-    auto lean_of = [&](int64_t mlp, int64_t loss, Precision pr) {
+    auto lean_of = [&](int64_t mlp, int64_t loss, Precision pr, bool halide) {
       Schedule lean = configs[i].base;
       lean.values = lean_rules;
       lean = in_precision(with_tiles(lean, mlp, loss), pr);
@@ -936,21 +935,21 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
     try {
       // The least memory first (checkpointed, whole or in sixteenths): a
       // configuration that cannot fit that way is out.
-      auto leans_now = [&](int64_t& least_peak) {
+      auto leans_now = [&](bool halide, int64_t& least_peak) {
         std::map<std::pair<int64_t, int64_t>, Scored> l;
         for (int64_t tile : {int64_t{0}, t.back()}) {
-          l[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision), cluster, &out.plans, &memo);
+          l[{tile, tile}] = score(build, req, lean_of(tile, tile, least_precision, halide), cluster, &out.plans, &memo);
           least_peak = std::min(least_peak, l[{tile, tile}].peak);
         }
         return l;
       };
-      std::map<std::pair<int64_t, int64_t>, Scored> leans = leans_now(least[i]);
+      // Halide's weight gradients (wg_lever, above) where they alone fit.
+      std::map<std::pair<int64_t, int64_t>, Scored> leans = leans_now(false, least[i]);
+      bool halide = false;
       if (wg_lever && least[i] > budget) {
-        halide = true;
         int64_t least_halide = INT64_MAX;
-        auto l = leans_now(least_halide);
-        if (least_halide < least[i]) leans = std::move(l), least[i] = least_halide;
-        else halide = false;
+        auto l = leans_now(true, least_halide);
+        if (least_halide < least[i]) leans = std::move(l), least[i] = least_halide, halide = true;
       }
       if (least[i] > budget) continue;
       // Loss tiles: whole or the smallest (a [seq, vocab] tile rarely pays
@@ -965,8 +964,9 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
             std::erase_if(fastest.values, is_tile_rule);
             const Scored f = score(build, req, fastest, cluster, &out.plans, &memo);
             auto it = pr == least_precision ? leans.find({mlp, loss}) : leans.end();
-            const Scored l = it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr), cluster, &out.plans, &memo);
-            options.push_back({i, base, lean_of(mlp, loss, pr), f, l});
+            const Scored l =
+                it != leans.end() ? it->second : score(build, req, lean_of(mlp, loss, pr, halide), cluster, &out.plans, &memo);
+            options.push_back({i, base, lean_of(mlp, loss, pr, halide), f, l});
           }
     } catch (const UserError& e) {
       out.rejected.push_back({configs[i].what, reason_of(e)});
@@ -980,7 +980,7 @@ SearchResult search(const ModelBuilder& build, const ModelRequest& req_in, const
                                                    " and both regions tiled: " +
                                                    (least[i] >= kUnbuildable ? std::string(kUnbuildableWhy)
                                                                              : gib(least[i]) + " > " + gib(budget) + " per rank")});
-  std::stable_sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
+  std::sort(options.begin(), options.end(), [](const Option& a, const Option& b) { return a.fast.step < b.fast.step; });
   std::vector<std::pair<Candidate, RematResult>> found;
   std::vector<bool> config_found(configs.size(), false);
   double best_step = INFINITY;

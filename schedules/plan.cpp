@@ -459,17 +459,9 @@ Plan::ArenaPeak Plan::arena_peak() const {
   const Program& prog = train_program;
   // Bytes coming alive at a call, less those gone (the loss lives past the last call).
   std::vector<int64_t> change(prog.calls.size() + 2, 0);
-  // A buffer written over the input it takes over (in_place_of) holds its
-  // own bytes from the call after.
-  auto ranges = [](const PlannedBuffer& b) {
-    auto r = b.device_ranges();
-    if (b.in_place_of >= 0) ++r.front().first;
-    return r;
-  };
   for (const PlannedBuffer& b : prog.buffers)
     if (b.kind == BufferKind::Arena)
-      for (auto [first, last] : ranges(b)) {
-        if (first > last) continue;
+      for (auto [first, last] : b.held_ranges()) {
         change[static_cast<size_t>(first)] += arena_aligned(b.bytes);
         change[static_cast<size_t>(last) + 1] -= arena_aligned(b.bytes);
       }
@@ -480,7 +472,7 @@ Plan::ArenaPeak Plan::arena_peak() const {
   for (size_t i = 0; i < prog.buffers.size(); ++i) {
     const PlannedBuffer& b = prog.buffers[i];
     if (b.kind != BufferKind::Arena) continue;
-    for (auto [first, last] : ranges(b))
+    for (auto [first, last] : b.held_ranges())
       if (first <= peak.call && peak.call <= last) peak.buffers.push_back(static_cast<int>(i));
   }
   std::stable_sort(peak.buffers.begin(), peak.buffers.end(), [&](int a, int b) {
@@ -792,10 +784,11 @@ std::string Plan::report() const {
   os << line;
   if (const ArenaPeak peak = arena_peak(); peak.call >= 0) {
     const PlannedCall& at = train_program.calls[static_cast<size_t>(peak.call)];
-    const std::string where = at.stage >= 0 ? layer_of(g.node(train.stages[static_cast<size_t>(at.stage)].root).name) : "";
+    const Node* root = at.stage >= 0 ? &g.node(train.stages[static_cast<size_t>(at.stage)].root) : nullptr;
+    const std::string where = root ? layer_of(root->name) : "";
     std::snprintf(line, sizeof line, "\n  activations at their fullest: %.1f MiB alive at call %d of %zu (%s%s), the largest:\n",
                   mib(peak.live_bytes), peak.call + 1, train_program.calls.size(), where.empty() ? "unnamed" : where.c_str(),
-                  at.stage >= 0 && g.node(train.stages[static_cast<size_t>(at.stage)].root).backward ? " backward" : " forward");
+                  root && root->backward ? " backward" : " forward");
     os << line;
     const size_t shown = std::min<size_t>(peak.buffers.size(), 8);
     for (size_t i = 0; i < shown; ++i) {

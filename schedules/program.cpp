@@ -139,6 +139,13 @@ std::vector<std::pair<int, int>> PlannedBuffer::device_ranges() const {
   return {{first, evict}, {reload, last}};
 }
 
+std::vector<std::pair<int, int>> PlannedBuffer::held_ranges() const {
+  std::vector<std::pair<int, int>> r = device_ranges();
+  if (in_place_of >= 0) ++r.front().first;
+  std::erase_if(r, [](const std::pair<int, int>& x) { return x.first > x.second; });
+  return r;
+}
+
 Program plan_program(const Graph& g, const Partition& p, const std::vector<int>& params,
                      const std::vector<int>& grads, int loss, const std::function<bool(const Node&)>& offload) {
   Program prog;
@@ -301,10 +308,11 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
   // leave the device keep bytes of their own.)
   for (size_t c = 0; c < prog.calls.size(); ++c) {
     const PlannedCall& call = prog.calls[c];
-    if (call.wait || call.move != PlannedCall::Move::None || !writes_in_place(g, p.stages[static_cast<size_t>(call.stage)]))
-      continue;
+    if (call.wait || call.move != PlannedCall::Move::None) continue;
     PlannedBuffer& out = prog.buffers[static_cast<size_t>(call.args.back())];
-    if (out.kind != BufferKind::Arena || out.first != static_cast<int>(c) || out.evict >= 0) continue;
+    if (out.kind != BufferKind::Arena || out.first != static_cast<int>(c) || out.evict >= 0 ||
+        !writes_in_place(g, p.stages[static_cast<size_t>(call.stage)]))
+      continue;
     for (auto a = call.args.begin(); a + 1 < call.args.end(); ++a) {
       const PlannedBuffer& in = prog.buffers[static_cast<size_t>(*a)];
       auto view_of_it = [&](int b) {

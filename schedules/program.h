@@ -55,6 +55,9 @@ struct PlannedBuffer {
   int in_place_of = -1;
   // Its live ranges on the device: [first, last], or [first, evict] and [reload, last].
   std::vector<std::pair<int, int>> device_ranges() const;
+  // The calls where its bytes are its own: its device ranges, from the
+  // call after the handover when written in place (empty ranges dropped).
+  std::vector<std::pair<int, int>> held_ranges() const;
 };
 
 struct PlannedCall {
