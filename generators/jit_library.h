@@ -19,6 +19,7 @@ inline std::map<std::string, Halide::JITExtern> library_kernels() {
           {"halyard_attention_forward_lse_ring", Halide::JITExtern(&halyard_attention_forward_lse_ring)},
           {"halyard_attention_lse_ring", Halide::JITExtern(&halyard_attention_lse_ring)},
           {"halyard_attention_backward_ring", Halide::JITExtern(&halyard_attention_backward_ring)},
+          {"halyard_attention_backward_ring_add", Halide::JITExtern(&halyard_attention_backward_ring_add)},
           {"halyard_written_beside", Halide::JITExtern(&halyard_written_beside)},
           {"halyard_weight_grad", Halide::JITExtern(&halyard_weight_grad)}};
 }

@@ -826,12 +826,18 @@ void Ctx::library_attention(int id, Func out) {
     args.push_back(operand(4, "attention_operand4"));  // O
     for (size_t k = 5; k <= 6; ++k) args.push_back(buffer(n.inputs[k], "attention_operand" + std::to_string(k)));  // dO, the log-sum-exp
     args.insert(args.end(), indices.begin(), indices.end());
+    // A ring block's dQ part added to the running sum (Stage::dq_sum_in):
+    // the sum, often the very bytes of dq_out (written in place).
+    const bool adds = st.dq_sum_in >= 0;
+    HALYARD_CHECK(!adds || ring, "only a ring block's backward adds its dQ to a running sum");
+    if (adds) args.push_back(buffer(st.dq_sum_in, "dq_sum_in"));
     args.push_back(written_beside(st.extra_outputs[0], "dv_out"));
     args.push_back(written_beside(st.extra_outputs[1], "dq_out"));
     args.insert(args.end(), {Expr(H), Expr(KV), Expr(tiles.attention_queries), Expr(tiles.attention_keys),
                              Expr(n.attrs.bf16 ? 1 : 0)});
-    out.define_extern("halyard_attention_backward" + device, args, Float(32), vars(n.type.axis_names()),
-                      NameMangling::C, library_device);
+    const std::string entry = std::string("halyard_attention_backward") + (adds ? "_ring_add" : ring ? "_ring" : "") +
+                              (cuda ? "_cuda" : "");
+    out.define_extern(entry, args, Float(32), vars(n.type.axis_names()), NameMangling::C, library_device);
   }
   ls.funcs.library = true;
 }

@@ -74,6 +74,15 @@ int halyard_attention_backward_ring(halide_buffer_t* q, halide_buffer_t* k, hali
                                     halide_buffer_t* kidx, halide_buffer_t* qidx, halide_buffer_t* dv,
                                     halide_buffer_t* dq, int heads, int kv_heads, int query_block, int key_block,
                                     int bf16, halide_buffer_t* out);
+// A ring block's backward whose dQ part is added to the running sum of
+// the blocks before (dq_sum, f32): dq = dq_sum + the part, row by row, each
+// row of dq_sum read just before that row of dq is written, so dq may be
+// dq_sum's own bytes (schedules/partition.h: Stage::dq_sum_in).
+int halyard_attention_backward_ring_add(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                        halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                        halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                        halide_buffer_t* dq_sum, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
+                                        int kv_heads, int query_block, int key_block, int bf16, halide_buffer_t* out);
 int halyard_written_beside(halide_buffer_t* out);
 }
 
@@ -141,12 +150,14 @@ struct RingIndices {
 
 // A bounds query of the entry points, these and their CUDA twins
 // (attention_cuda.h): q, k, v and pos (and the backward's o, dO and lse,
-// where given; v where given; a ring block's indices, where given) are
-// asked for whole rows of the output's batch rows. The output is
-// [head_dim, heads, seq, batch], or the log-sum-exp alone [heads, seq, batch].
+// where given; v where given; a ring block's indices, where given; the dQ
+// sum a ring block's backward adds to, where given) are asked for whole
+// rows of the output's batch rows. The output is [head_dim, heads, seq,
+// batch], or the log-sum-exp alone [heads, seq, batch].
 int ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos, int heads,
                    int kv_heads, int head_dim, const halide_buffer_t* out, halide_buffer_t* o = nullptr,
-                   halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr, RingIndices idx = {});
+                   halide_buffer_t* dO = nullptr, halide_buffer_t* lse = nullptr, RingIndices idx = {},
+                   halide_buffer_t* dq_sum = nullptr);
 
 // The ISA the entry points run with on this CPU ("avx512", "avx2", "base"; the
 // widest it runs, or the one HALYARD_CPU_ISA names if it runs that one).

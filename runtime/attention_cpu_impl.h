@@ -419,8 +419,11 @@ void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t
 // block accumulator), the key blocks it sees: dK and dV sum over the
 // group's heads and the queries in [S][Dp] accumulators (the outputs
 // themselves when head_dim is a whole number of vectors). Scratch: k and v
-// packed three ways, S x Dp floats each.
-void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, int64_t dk_ld, float* dv, int64_t dv_ld) {
+// packed three ways, S x Dp floats each. With dq_in, each row of dQ is
+// dq_in's plus the group's (dq_in may be dq itself: each row is read just
+// before it is written).
+void backward_group(const Group& a, const float* const* dq_in, int64_t dq_in_ld, float* const* dq, int64_t dq_ld,
+                    float* dk, int64_t dk_ld, float* dv, int64_t dv_ld) {
   const int64_t S = a.S;
   const int D = a.D, Dp = static_cast<int>(round_up(D, W)), Br = query_block(a.query_block), Bc = key_block(a.key_block),
             grp = a.heads;
@@ -478,8 +481,16 @@ void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, 
         gemm_nn_acc(ds.data(), 1, Bc, q.data(), Dp, dka + j0 * dka_ld, dka_ld, keys, rows, Dp);
         gemm_nn_acc(ds.data(), Bc, 1, kr.data() + j0 * Dp, Dp, dqb.data(), Dp, rows, Bc, Dp);
       }
-      for (int r = 0; r < rows; ++r)
-        std::memcpy(dq[w] + (i0 + r) * dq_ld, dqb.data() + static_cast<int64_t>(r) * Dp, sizeof(float) * static_cast<size_t>(D));
+      for (int r = 0; r < rows; ++r) {
+        const float* part = dqb.data() + static_cast<int64_t>(r) * Dp;
+        float* row = dq[w] + (i0 + r) * dq_ld;
+        if (!dq_in) {
+          std::memcpy(row, part, sizeof(float) * static_cast<size_t>(D));
+          continue;
+        }
+        const float* sum = dq_in[w] + (i0 + r) * dq_in_ld;
+        for (int d = 0; d < D; ++d) row[d] = sum[d] + part[d];
+      }
     }
   }
   if (!direct)

@@ -214,15 +214,15 @@ int lse_alone(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_bu
 }
 
 int backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
-             halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx, halide_buffer_t* dv,
-             halide_buffer_t* dq, int heads, int kv_heads, int bf16, halide_buffer_t* out) {
+             halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx, halide_buffer_t* dq_sum,
+             halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads, int bf16, halide_buffer_t* out) {
   const int D = out->dim[0].extent;
   if (out->is_bounds_query())
-    return attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse, idx);
-  return call(who, heads, kv_heads, D, out->dim[2].extent, {q, k, v, pos, o, dO, lse, idx.kidx, idx.qidx},
+    return attention_cpu::ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse, idx, dq_sum);
+  return call(who, heads, kv_heads, D, out->dim[2].extent, {q, k, v, pos, o, dO, lse, idx.kidx, idx.qidx, dq_sum},
               {out, dv, dq}, [&](std::vector<Launch>* launches) {
                 return backward_launches(q, k, v, pos, o, dO, lse, dv, dq, heads, kv_heads, bf16 != 0, out, launches,
-                                         idx);
+                                         idx, dq_sum);
               });
 }
 
@@ -323,7 +323,7 @@ std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                               halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
-                              std::vector<Launch>* launches, RingIndices idx) {
+                              std::vector<Launch>* launches, RingIndices idx, halide_buffer_t* dq_sum) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
   if (std::string e = check(heads, kv_heads, D, S); !e.empty()) return e;
   if (std::string e = check_indices(idx, S, b0, nb); !e.empty()) return e;
@@ -335,12 +335,16 @@ std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buf
   if (!covers(dv, 1, g0, ng) || !covers(dv, 2, 0, S) || !covers(dv, 3, b0, nb) || !covers(dq, 1, g0 * grp, ng * grp) ||
       !covers(dq, 2, 0, S) || !covers(dq, 3, b0, nb))
     return "dV and dQ must cover dK's groups and rows";
+  if (dq_sum && (dq_sum->type.code != halide_type_float || dq_sum->type.bits != 32 || dq_sum->dim[0].stride != 1 ||
+                 !covers(dq_sum, 1, g0 * grp, ng * grp) || !covers(dq_sum, 2, 0, S) || !covers(dq_sum, 3, b0, nb)))
+    return "the dQ sum added to must be f32, head_dim dense, and cover dQ";
   Launch l = common(q, k, v, pos, idx, heads, kv_heads, D, bf16, out);
   Args& a = l.args;
   a.o = operand(o, b0), a.dO = origin<const float>(dO, b0), a.lse = origin<const float>(lse, b0);
   a.o_st = rows(o), a.dO_st = rows(dO), a.lse_st = stats(lse);
   a.dv = origin<float>(dv, b0), a.dv_st = rows(dv);
   a.dq = origin<float>(dq, b0), a.dq_st = rows(dq);
+  if (dq_sum) a.dq_in = origin<const float>(dq_sum, b0), a.dq_in_st = rows(dq_sum);
   Launch for_q = l, for_kv = l;  // dQ over the groups' query heads; dK and dV over the kv heads
   for_q.kernel = kernel_name("dq", D, bf16);
   for_q.args.h0 = g0 * grp;
@@ -377,7 +381,8 @@ extern "C" int halyard_attention_backward_cuda(halide_buffer_t* q, halide_buffer
                                                halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
                                                halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq,
                                                int heads, int kv_heads, int, int, int bf16, halide_buffer_t* out) {
-  return backward("halyard_attention_backward_cuda", q, k, v, pos, o, dO, lse, {}, dv, dq, heads, kv_heads, bf16, out);
+  return backward("halyard_attention_backward_cuda", q, k, v, pos, o, dO, lse, {}, nullptr, dv, dq, heads, kv_heads, bf16,
+                  out);
 }
 
 extern "C" int halyard_attention_forward_ring_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
@@ -408,6 +413,16 @@ extern "C" int halyard_attention_backward_ring_cuda(halide_buffer_t* q, halide_b
                                                     halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
                                                     halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
                                                     int, int, int bf16, halide_buffer_t* out) {
-  return backward("halyard_attention_backward_ring_cuda", q, k, v, pos, o, dO, lse, {kidx, qidx}, dv, dq, heads,
+  return backward("halyard_attention_backward_ring_cuda", q, k, v, pos, o, dO, lse, {kidx, qidx}, nullptr, dv, dq, heads,
                   kv_heads, bf16, out);
+}
+
+extern "C" int halyard_attention_backward_ring_add_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                        halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                                        halide_buffer_t* lse, halide_buffer_t* kidx,
+                                                        halide_buffer_t* qidx, halide_buffer_t* dq_sum,
+                                                        halide_buffer_t* dv, halide_buffer_t* dq, int heads,
+                                                        int kv_heads, int, int, int bf16, halide_buffer_t* out) {
+  return backward("halyard_attention_backward_ring_add_cuda", q, k, v, pos, o, dO, lse, {kidx, qidx}, dq_sum, dv, dq,
+                  heads, kv_heads, bf16, out);
 }

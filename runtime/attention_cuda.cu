@@ -91,13 +91,18 @@ __device__ __forceinline__ void load_slice(Operand row, int n, int t, float* x) 
     for (int e = 0; e < 4; ++e) x[4 * c + e] = elem<D>(t, c) + e < n ? value(row, elem<D>(t, c) + e) : 0.f;
 }
 
+// With sum (dQ's running sum over a ring's key blocks, possibly row
+// itself), each element is sum's plus the product.
 template <int D>
-__device__ __forceinline__ void store_slice(float* row, int n, int t, const float* x, float scale) {
+__device__ __forceinline__ void store_slice(float* row, int n, int t, const float* x, float scale,
+                                            const float* sum = nullptr) {
 #pragma unroll
   for (int c = 0; c < Shape<D>::C; ++c)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (elem<D>(t, c) + e < n) row[elem<D>(t, c) + e] = x[4 * c + e] * scale;
+    for (int e = 0; e < 4; ++e) {
+      const int i = elem<D>(t, c) + e;
+      if (i < n) row[i] = sum ? sum[i] + x[4 * c + e] * scale : x[4 * c + e] * scale;
+    }
 }
 
 template <int D>
@@ -456,7 +461,8 @@ __device__ void grad_q(const Args& a) {
     }
   }
   if (!valid) return;
-  store_slice<D>(a.dq + h * a.dq_st.h + i * a.dq_st.s + b * a.dq_st.b, a.D, t, dq, a.scale);
+  store_slice<D>(a.dq + h * a.dq_st.h + i * a.dq_st.s + b * a.dq_st.b, a.D, t, dq, a.scale,
+                 a.dq_in ? a.dq_in + h * a.dq_in_st.h + i * a.dq_in_st.s + b * a.dq_in_st.b : nullptr);
 }
 
 // dK (into out) and dV: grid (key row blocks, kv heads from h0, batch rows);
@@ -1033,12 +1039,13 @@ __device__ void grad_q_bf16(const Args& a) {
   for (int w = 0; w < 2; ++w) {
     if (!r.valid[w]) continue;
     float* out = a.dq + r.h * a.dq_st.h + r.row(w) * a.dq_st.s + r.b * a.dq_st.b;
+    const float* sum = a.dq_in ? a.dq_in + r.h * a.dq_in_st.h + r.row(w) * a.dq_in_st.s + r.b * a.dq_in_st.b : nullptr;
 #pragma unroll
     for (int dt = 0; dt < T::DT; ++dt)
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
         const int d = 8 * dt + 2 * l.t + x;
-        if (d < a.D) out[d] = dq[dt][2 * w + x];
+        if (d < a.D) out[d] = sum ? sum[d] + dq[dt][2 * w + x] : dq[dt][2 * w + x];
       }
   }
 }

@@ -49,6 +49,13 @@ int halyard_attention_backward_ring_cuda(halide_buffer_t* q, halide_buffer_t* k,
                                          halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
                                          halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
                                          int query_block, int key_block, int bf16, halide_buffer_t* out);
+// Adding dQ to the running sum dq_sum (attention_cpu.h: halyard_attention_backward_ring_add).
+int halyard_attention_backward_ring_add_cuda(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                             halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                             halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                             halide_buffer_t* dq_sum, halide_buffer_t* dv, halide_buffer_t* dq,
+                                             int heads, int kv_heads, int query_block, int key_block, int bf16,
+                                             halide_buffer_t* out);
 }
 
 namespace halyard::runtime::attention_cuda {
@@ -85,6 +92,7 @@ std::string lse_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t
 std::string backward_launches(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v, halide_buffer_t* pos,
                               halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, halide_buffer_t* dv,
                               halide_buffer_t* dq, int heads, int kv_heads, bool bf16, halide_buffer_t* out,
-                              std::vector<Launch>* launches, attention_cpu::RingIndices idx = {});
+                              std::vector<Launch>* launches, attention_cpu::RingIndices idx = {},
+                              halide_buffer_t* dq_sum = nullptr);
 
 }  // namespace halyard::runtime::attention_cuda

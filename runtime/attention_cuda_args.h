@@ -45,7 +45,11 @@ struct Args {
   float* out = nullptr;      // the forward's output (null: the log-sum-exp alone), or the backward's dK
   float* lse_out = nullptr;  // the forward's log-sum-exp (natural log), or null
   float *dv = nullptr, *dq = nullptr;
-  Strides q_st, k_st, v_st, o_st, dO_st, lse_st, out_st, lse_out_st, dv_st, dq_st;
+  // dQ's running sum over a ring's key blocks, which the dQ kernel adds its
+  // part to (null: none). Each thread reads its own elements just before
+  // writing them, so it may be dq itself.
+  const float* dq_in = nullptr;
+  Strides q_st, k_st, v_st, o_st, dO_st, lse_st, out_st, lse_out_st, dv_st, dq_st, dq_in_st;
   int64_t pos_s = 1, pos_b = 0;
   // A ring block's token indices [seq, batch] (attention_cpu.h: the _ring
   // entry points); null: each token's seq index. Key j is then visible to

@@ -25,8 +25,8 @@ namespace halyard::runtime {
 #define HALYARD_DECLARE_ISA(ns)                                                                  \
   namespace attention_cpu::ns {                                                                  \
   void forward_head(const Head& a, float* out, int64_t out_ld, float* lse, int64_t lse_ld);    \
-  void backward_group(const Group& a, float* const* dq, int64_t dq_ld, float* dk, int64_t dk_ld, \
-                      float* dv, int64_t dv_ld);                                                 \
+  void backward_group(const Group& a, const float* const* dq_in, int64_t dq_in_ld, float* const* dq, \
+                      int64_t dq_ld, float* dk, int64_t dk_ld, float* dv, int64_t dv_ld);         \
   }                                                                                              \
   namespace gemm_cpu::ns {                                                                       \
   Tile tile();                                                                                   \
@@ -51,7 +51,7 @@ using gemm_cpu::Tile;
 struct Kernels {
   const char* name;
   void (*forward)(const Head&, float*, int64_t, float*, int64_t);
-  void (*backward)(const Group&, float* const*, int64_t, float*, int64_t, float*, int64_t);
+  void (*backward)(const Group&, const float* const*, int64_t, float* const*, int64_t, float*, int64_t, float*, int64_t);
   Tile (*gemm_tile)();
   void (*gemm_rows)(const Operands&, int64_t, int64_t, float*, float*);
 };
@@ -422,10 +422,11 @@ bool covers(const halide_buffer_t* x, std::initializer_list<std::pair<int, int>>
 int halyard::runtime::attention_cpu::ask_whole_rows(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                                                     halide_buffer_t* pos, int heads, int kv_heads, int head_dim,
                                                     const halide_buffer_t* out, halide_buffer_t* o,
-                                                    halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx) {
+                                                    halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx,
+                                                    halide_buffer_t* dq_sum) {
   const int rows = out->dimensions - 2;  // (the log-sum-exp alone has no head_dim)
   const int D = head_dim, S = out->dim[rows].extent, b0 = out->dim[rows + 1].min, nb = out->dim[rows + 1].extent;
-  for (halide_buffer_t* x : {q, o, dO})
+  for (halide_buffer_t* x : {q, o, dO, dq_sum})
     if (x) whole(x, {{0, D}, {0, heads}, {0, S}, {b0, nb}});
   for (halide_buffer_t* x : {k, v})
     if (x) whole(x, {{0, D}, {0, kv_heads}, {0, S}, {b0, nb}});
@@ -497,16 +498,19 @@ namespace {
 
 int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
                        halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO, halide_buffer_t* lse, RingIndices idx,
-                       halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads, int query_block,
-                       int key_block, int bf16, halide_buffer_t* out) {
+                       halide_buffer_t* dq_in, halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
+                       int query_block, int key_block, int bf16, halide_buffer_t* out) {
   const int D = out->dim[0].extent, S = out->dim[2].extent, b0 = out->dim[3].min, nb = out->dim[3].extent;
-  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse, idx);
+  if (out->is_bounds_query()) return ask_whole_rows(q, k, v, pos, heads, kv_heads, D, out, o, dO, lse, idx, dq_in);
   const int grp = kv_heads < 1 ? 0 : heads / kv_heads, g0 = out->dim[1].min, ng = out->dim[1].extent;
   if (out->dim[0].min != 0 || out->dim[2].min != 0 || grp < 1 || grp > Group::kMaxHeads || heads != grp * kv_heads ||
       out->dim[0].stride != 1)
     return fail(std::string(who) + ": rows and groups must be whole and head_dim dense");
   for (const halide_buffer_t* x : {q, k, v, o, dO, dv, dq})
     if (x->dim[0].stride != 1) return fail(std::string(who) + ": head_dim must be dense");
+  if (dq_in && (dq_in->type.code != halide_type_float || dq_in->type.bits != 32 || dq_in->dim[0].stride != 1 ||
+                !covers(dq_in, {{0, D}, {g0 * grp, ng * grp}, {0, S}, {b0, nb}})))
+    return fail(std::string(who) + ": the dQ sum added to must be f32, head_dim dense, and cover dQ");
   if (!operand_types({q, k, v, o, dO})) return fail(std::string(who) + kOperandTypes);
   if (!covers(dv, {{0, D}, {g0, ng}, {0, S}, {b0, nb}}) || !covers(dq, {{0, D}, {g0 * grp, ng * grp}, {0, S}, {b0, nb}}))
     return fail(std::string(who) + ": dV and dQ must cover dK's groups and rows");
@@ -516,6 +520,7 @@ int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, 
       static_cast<KeyRows&>(a) = key_rows(k, v, pos, idx, g, b, S, D, query_block, key_block, bf16);
       a.heads = grp;
       float* dqs[Group::kMaxHeads];
+      const float* sums[Group::kMaxHeads];
       for (int w = 0; w < grp; ++w) {
         const int h = g * grp + w;
         a.q[w] = elems_at(q, {0, h, 0, b});
@@ -523,12 +528,14 @@ int attention_backward(const char* who, halide_buffer_t* q, halide_buffer_t* k, 
         a.dO[w] = elems_at(dO, {0, h, 0, b});
         a.lse[w] = at<const float>(lse, {h, 0, b});
         dqs[w] = at<float>(dq, {0, h, 0, b});
+        if (dq_in) sums[w] = at<const float>(dq_in, {0, h, 0, b});
       }
       a.q_ld = q->dim[2].stride;
       a.o_ld = o->dim[2].stride;
       a.dO_ld = dO->dim[2].stride;
       a.lse_ld = lse->dim[1].stride;
-      kernels().backward(a, dqs, dq->dim[2].stride, at<float>(out, {0, g, 0, b}), out->dim[2].stride,
+      kernels().backward(a, dq_in ? sums : nullptr, dq_in ? dq_in->dim[2].stride : 0, dqs, dq->dim[2].stride,
+                         at<float>(out, {0, g, 0, b}), out->dim[2].stride,
                          at<float>(dv, {0, g, 0, b}), dv->dim[2].stride);
   });
   return 0;
@@ -541,7 +548,7 @@ extern "C" int halyard_attention_backward(halide_buffer_t* q, halide_buffer_t* k
                                           halide_buffer_t* lse, halide_buffer_t* dv, halide_buffer_t* dq, int heads,
                                           int kv_heads, int query_block, int key_block, int bf16,
                                           halide_buffer_t* out) {
-  return attention_backward("halyard_attention_backward", q, k, v, pos, o, dO, lse, {}, dv, dq, heads, kv_heads,
+  return attention_backward("halyard_attention_backward", q, k, v, pos, o, dO, lse, {}, nullptr, dv, dq, heads, kv_heads,
                             query_block, key_block, bf16, out);
 }
 
@@ -574,8 +581,18 @@ extern "C" int halyard_attention_backward_ring(halide_buffer_t* q, halide_buffer
                                                halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
                                                halide_buffer_t* dv, halide_buffer_t* dq, int heads, int kv_heads,
                                                int query_block, int key_block, int bf16, halide_buffer_t* out) {
-  return attention_backward("halyard_attention_backward_ring", q, k, v, pos, o, dO, lse, {kidx, qidx}, dv, dq, heads,
-                            kv_heads, query_block, key_block, bf16, out);
+  return attention_backward("halyard_attention_backward_ring", q, k, v, pos, o, dO, lse, {kidx, qidx}, nullptr, dv, dq,
+                            heads, kv_heads, query_block, key_block, bf16, out);
+}
+
+extern "C" int halyard_attention_backward_ring_add(halide_buffer_t* q, halide_buffer_t* k, halide_buffer_t* v,
+                                                   halide_buffer_t* pos, halide_buffer_t* o, halide_buffer_t* dO,
+                                                   halide_buffer_t* lse, halide_buffer_t* kidx, halide_buffer_t* qidx,
+                                                   halide_buffer_t* dq_sum, halide_buffer_t* dv, halide_buffer_t* dq,
+                                                   int heads, int kv_heads, int query_block, int key_block, int bf16,
+                                                   halide_buffer_t* out) {
+  return attention_backward("halyard_attention_backward_ring_add", q, k, v, pos, o, dO, lse, {kidx, qidx}, dq_sum, dv,
+                            dq, heads, kv_heads, query_block, key_block, bf16, out);
 }
 
 // The extern stage of an output that another extern call of the same

@@ -290,6 +290,38 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   }
   for (const auto& [attn, lse] : lse_of) fused.insert(lse);
 
+  // A ring's dQ sums one part per key block (dsl/vjp.cpp): the library
+  // backward of a block adds its part to the running sum of the blocks
+  // before, where that sum is a buffer already written (an earlier node),
+  // and writes the Add itself. The part is never stored, and the Add's
+  // kernel of its own is gone.
+  struct DqSum {
+    int sum = -1, running = -1;  // the Add written, the sum it reads
+  };
+  std::map<int, DqSum> dq_sum_of;  // dK node -> the sum its kernel writes in its dQ's place
+  {
+    std::map<int, int> dk_of_dq;
+    for (const auto& [dk, dq] : dq_of)
+      if (is_ring_block(g.node(dk)) && consumers[static_cast<size_t>(dq)] == 1 && !is_output[static_cast<size_t>(dq)])
+        dk_of_dq[dq] = dk;
+    for (int id = 0; id < n && !dk_of_dq.empty(); ++id) {
+      const Node& a = g.node(id);
+      if (!needed[static_cast<size_t>(id)] || a.op != Op::Add || !p.materialized[static_cast<size_t>(id)]) continue;
+      for (size_t k = 0; k < 2; ++k) {
+        auto it = dk_of_dq.find(a.inputs[k]);
+        if (it == dk_of_dq.end()) continue;
+        const int running = a.inputs[1 - k], dk = it->second;
+        if (running < dk && p.materialized[static_cast<size_t>(running)] && g.node(running).type == a.type &&
+            g.node(it->first).type == a.type) {
+          dq_sum_of[dk] = {id, running};
+          fused.insert(id);
+          p.materialized[static_cast<size_t>(it->first)] = false;
+          break;
+        }
+      }
+    }
+  }
+
   for (int id = 0; id < n; ++id) {
     const Node& node = g.node(id);
     if (!needed[static_cast<size_t>(id)] || !p.materialized[static_cast<size_t>(id)]) continue;
@@ -335,7 +367,14 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
       st.signature += "+dv:" + g.node(it->second).type.str();
     }
     if (auto it = dq_of.find(id); it != dq_of.end()) {
-      st.extra_outputs.push_back(it->second);
+      if (auto sum = dq_sum_of.find(id); sum != dq_sum_of.end()) {
+        st.dq_part = it->second, st.dq_sum_in = sum->second.running;
+        st.inputs.push_back(st.dq_sum_in);
+        st.extra_outputs.push_back(sum->second.sum);
+        st.signature += "+dq_added_to_in" + std::to_string(st.inputs.size() - 1);
+      } else {
+        st.extra_outputs.push_back(it->second);
+      }
       st.signature += "+dq:" + g.node(it->second).type.str();
       st.library = true;
     }

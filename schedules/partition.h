@@ -35,6 +35,16 @@ struct Stage {
   std::string signature;       // structure + types; equal => same kernel
   int kernel = -1;             // index into Partition::kernels; -1 for a collective
   std::vector<int> extra_outputs;  // nodes the kernel writes too (dV with dK: they share the probabilities)
+  // A ring block's library backward whose dQ is a part of the sum over the
+  // ring's key blocks: the kernel adds its part (dq_part, never stored) to
+  // the running sum of the blocks before (dq_sum_in, one of its inputs) and
+  // writes that Add node, its last extra output, in dQ's place. So no
+  // block's part is ever a buffer, and the sum is written over the running
+  // sum where that dies (schedules/program.h: in_place_of).
+  int dq_part = -1, dq_sum_in = -1;
+  // The node whose value the kernel computes for output `x` (one of the
+  // root and extra_outputs): x itself, or for the sum it writes, its dQ part.
+  int computes(int x) const { return dq_part >= 0 && x == extra_outputs.back() ? dq_part : x; }
   // The kernel calls a library instead of being generated: attention
   // (runtime/attention_cpu.h, the schedule's attention_kernel; its backward
   // writes dK, then dV and dQ as extra outputs; a log-sum-exp the backward

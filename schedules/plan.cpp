@@ -427,7 +427,7 @@ std::vector<double> Plan::attention_flops_per_rank() const {
   for (const Stage& st : train.stages) {
     for (int id : [&] {
            std::vector<int> ids{st.root};
-           ids.insert(ids.end(), st.extra_outputs.begin(), st.extra_outputs.end());
+           for (int x : st.extra_outputs) ids.push_back(st.computes(x));
            return ids;
          }()) {
       const Node& n = g.node(id);
@@ -624,7 +624,8 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     // which computes the scores and dP again: two products more than the
     // CPU library's single pass.
     auto times = [&](int x) {
-      return gpu && st.library && root.op == Op::AttentionGradK && g.node(x).op == Op::AttentionGradQ ? 3.0 : 1.0;
+      return gpu && st.library && root.op == Op::AttentionGradK && g.node(st.computes(x)).op == Op::AttentionGradQ ? 3.0
+                                                                                                                : 1.0;
     };
     // The op table counts a ring block as Halide's kernels compute it (its
     // scores whole, on the busiest rank); the library's skip the key blocks
@@ -632,12 +633,12 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
     if (st.library && is_ring_block(root)) {
       for (int64_t r = 0; r < std::max<int64_t>(root.attrs.degree, 1); ++r) {
         double f = ring_block_visible_flops(g, root, r, false);
-        for (int x : st.extra_outputs) f += times(x) * ring_block_visible_flops(g, g.node(x), r, true);
+        for (int x : st.extra_outputs) f += times(x) * ring_block_visible_flops(g, g.node(st.computes(x)), r, true);
         sc.flops = std::max(sc.flops, f);
       }
     } else {
       sc.flops = op_flops(g, root);
-      for (int x : st.extra_outputs) sc.flops += times(x) * extra_output_flops(g, g.node(x));
+      for (int x : st.extra_outputs) sc.flops += times(x) * extra_output_flops(g, g.node(st.computes(x)));
     }
     for (int id : st.inlined) sc.flops += op_flops(g, g.node(id));
     sc.bytes = stored(bytes);

@@ -104,18 +104,21 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
   return size_of_arena;
 }
 
-// Whether the stage's kernel may write its output over an input of the
-// output's type: every op it computes reads such an input only at the
-// position it writes. So every node is elementwise and on the output's
-// axes, in its order (an op indexes its operands by axis name: another
-// order would read elsewhere). Halide's pointwise kernels read an element
-// before writing it, and their vector tails are guarded, never shifted
-// back over elements already written (generators/schedule_cpu.cpp,
-// schedule_gpu.cpp).
+// The inputs whose bytes the stage's kernel may write its last output
+// over, where one has the output's type: every op it computes reads such an
+// input only at the position it writes. So every node is elementwise and
+// on the output's axes, in its order (an op indexes its operands by axis
+// name: another order would read elsewhere). Halide's pointwise kernels
+// read an element before writing it, and their vector tails are guarded,
+// never shifted back over elements already written
+// (generators/schedule_cpu.cpp, schedule_gpu.cpp). A ring block's library
+// backward reads the running dQ sum it adds to one row of one head at a
+// time, just before writing that row (runtime/attention_cpu.h).
 // (What the stage inlines only for operands its ops never read, such as
 // RoPE of q for ring attention's merge, is never computed: not checked.)
-bool writes_in_place(const Graph& g, const Stage& st) {
-  if (st.kernel < 0 || st.library || st.gemm || !st.extra_outputs.empty()) return false;
+std::vector<int> may_write_over(const Graph& g, const Stage& st) {
+  if (st.dq_sum_in >= 0) return {st.dq_sum_in};
+  if (st.kernel < 0 || st.library || st.gemm || !st.extra_outputs.empty()) return {};
   const TensorType& out = g.node(st.root).type;
   const std::set<int> inlined(st.inlined.begin(), st.inlined.end());
   std::set<int> seen = {st.root};
@@ -123,13 +126,13 @@ bool writes_in_place(const Graph& g, const Stage& st) {
     const Node& n = g.node(todo.back());
     todo.pop_back();
     const OpInfo& info = op_info(n.op);
-    if (!info.elementwise || n.type.axes != out.axes) return false;
+    if (!info.elementwise || n.type.axes != out.axes) return {};
     for (size_t k = 0; k < n.inputs.size(); ++k)
       if (!(info.unread_operand && info.unread_operand(k, n.inputs.size())) && inlined.count(n.inputs[k]) &&
           seen.insert(n.inputs[k]).second)
         todo.push_back(n.inputs[k]);
   }
-  return true;
+  return st.inputs;
 }
 
 }  // namespace
@@ -310,11 +313,11 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
     const PlannedCall& call = prog.calls[c];
     if (call.wait || call.move != PlannedCall::Move::None) continue;
     PlannedBuffer& out = prog.buffers[static_cast<size_t>(call.args.back())];
-    if (out.kind != BufferKind::Arena || out.first != static_cast<int>(c) || out.evict >= 0 ||
-        !writes_in_place(g, p.stages[static_cast<size_t>(call.stage)]))
-      continue;
+    if (out.kind != BufferKind::Arena || out.first != static_cast<int>(c) || out.evict >= 0) continue;
+    const std::vector<int> over = may_write_over(g, p.stages[static_cast<size_t>(call.stage)]);
     for (auto a = call.args.begin(); a + 1 < call.args.end(); ++a) {
       const PlannedBuffer& in = prog.buffers[static_cast<size_t>(*a)];
+      if (std::find(over.begin(), over.end(), in.node) == over.end()) continue;
       auto view_of_it = [&](int b) {
         return prog.buffers[static_cast<size_t>(b)].kind == BufferKind::View && prog.buffers[static_cast<size_t>(b)].index == *a;
       };

@@ -50,8 +50,9 @@ struct PlannedBuffer {
   // Arena: the buffer whose bytes it takes over, or -1. An elementwise
   // stage (every op OpInfo::elementwise, on the output's axes) writes its
   // output over an input of its type that dies at that call: the running
-  // sum of a gradient's parts, say. They share an offset, and their live
-  // ranges meet only at that call.
+  // sum of a gradient's parts, say; a ring block's library backward, its
+  // dQ sum over the running sum it adds to (Stage::dq_sum_in). They share
+  // an offset, and their live ranges meet only at that call.
   int in_place_of = -1;
   // Its live ranges on the device: [first, last], or [first, evict] and [reload, last].
   std::vector<std::pair<int, int>> device_ranges() const;

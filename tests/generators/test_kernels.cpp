@@ -956,6 +956,50 @@ TEST(Kernels, LibraryRingBlocksMatchTheInterpreter) {
   }
 }
 
+// A ring block's backward that adds its dQ part to the running sum of the
+// blocks before (halyard_attention_backward_ring_add: what a ring's
+// library backward does after its first block, schedules/partition.h:
+// Stage::dq_sum_in) writes the sum plus the part that the plain entry
+// point writes, to the bit (the Add it replaces), over the sum itself or
+// into another buffer; dK and dV are the plain entry point's. In every
+// ISA, f32 and bf16, a head_dim of whole vectors (dK and dV accumulated in
+// place) and a padded one.
+TEST(Kernels, RingBackwardAddsItsDqPartToTheRunningSum) {
+  using Halide::Runtime::Buffer;
+  in_every_isa([] {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (const int bf16 : {0, 1})
+      for (const int D : {16, 24}) {
+        const int S = 300, H = 4, KV = 2, B = 2;
+        testing::RingBlock r = testing::ring_block(S, 4, 2, 1, true);
+        Buffer<float> q(D, H, S, B), k(D, KV, S, B), v(D, KV, S, B), dO(D, H, S, B), o(D, H, S, B), lse(H, S, B);
+        for (Buffer<float>* x : {&q, &k, &v, &dO}) x->for_each_value([&](float& e) { e = normal(rng); });
+        Buffer<int32_t> pos(S, B);
+        for (int i = 0; i < S; ++i) pos(i, 0) = i, pos(i, 1) = i % 77;
+        ASSERT_EQ(halyard_attention_forward_lse_ring(q, k, v, pos, r.kidx, r.qidx, lse, H, KV, D, 0, 0, bf16, o), 0);
+        Buffer<float> dk(D, KV, S, B), dv(D, KV, S, B), part(D, H, S, B), sum(D, H, S, B);
+        ASSERT_EQ(halyard_attention_backward_ring(q, k, v, pos, o, dO, lse, r.kidx, r.qidx, dv, part, H, KV, 0, 0, bf16, dk),
+                  0);
+        sum.for_each_value([&](float& e) { e = normal(rng); });
+        Buffer<float> expect(D, H, S, B);
+        expect.for_each_element([&](const int* at) { expect(at) = sum(at) + part(at); });
+        const std::string what = std::string(runtime::attention_cpu::isa()) + (bf16 ? ", bf16" : ", f32") + ", head_dim " +
+                                 std::to_string(D);
+        for (const bool in_place : {false, true}) {
+          Buffer<float> dk2(D, KV, S, B), dv2(D, KV, S, B), out(D, H, S, B), running = sum.copy();
+          Buffer<float>& written = in_place ? running : out;
+          ASSERT_EQ(halyard_attention_backward_ring_add(q, k, v, pos, o, dO, lse, r.kidx, r.qidx, running, dv2, written, H,
+                                                        KV, 0, 0, bf16, dk2),
+                    0);
+          EXPECT_EQ(std::memcmp(written.data(), expect.data(), expect.size_in_bytes()), 0) << what << ", dQ";
+          EXPECT_EQ(std::memcmp(dk2.data(), dk.data(), dk.size_in_bytes()), 0) << what << ", dK";
+          EXPECT_EQ(std::memcmp(dv2.data(), dv.data(), dv.size_in_bytes()), 0) << what << ", dV";
+        }
+      }
+  });
+}
+
 // The library's operands as bf16 (uint16 buffers: the copies of values a
 // schedule stores in bf16, read in place) give the bits that f32 operands
 // holding the same values give (tests/attention_against_cpu.h): the
@@ -1036,7 +1080,8 @@ TEST(Kernels, RingBlocksAreTheLibrarysOnCpusAndOnCuda) {
       EXPECT_GE(ring, 3) << cluster;
       if (cuda && library) {
         EXPECT_EQ(called, (std::set<std::string>{"halyard_attention_forward_lse_ring_cuda",
-                                                 "halyard_attention_backward_ring_cuda"}))
+                                                 "halyard_attention_backward_ring_cuda",
+                                                 "halyard_attention_backward_ring_add_cuda"}))
             << ::testing::PrintToString(called);
       }
     }

@@ -753,6 +753,52 @@ TEST(Plan, ElementwiseStagesWriteOverAnInputDyingThere) {
   EXPECT_THAT(p.report(), ::testing::HasSubstr("activations at their fullest: "));
 }
 
+// A ring's dQ sums one part per key block. The library backward of each
+// block after the first adds its part to the running sum of the blocks
+// before and writes the sum over it: no later block's part is a buffer,
+// and the sum holds one buffer's bytes through the ring. (At 32,768 tokens
+// on 4 x 128 MiB the peak, layer 1's attention backward, held a part
+// beside the sum.) Halide's attention kernels keep the adds.
+TEST(Plan, RingBlocksAddTheirDqPartsToTheRunningSumInPlace) {
+  for (const char* kernel : {"library", "halide"}) {
+    Schedule s = Schedule::named("ring_zigzag");
+    s.mesh.sp = 4;
+    s.attention_kernel = kernel;
+    const Plan p = plan(llama::llama_builder(), {kTiny, 1, 4096}, s, Cluster::named("local-cpu"));
+    const Graph& g = *p.model.graph;
+    const std::vector<PlannedBuffer>& b = p.train_program.buffers;
+    auto buffer_of = [&](int node) {
+      for (size_t i = 0; i < b.size(); ++i)
+        if (b[i].node == node) return static_cast<int>(i);
+      return -1;
+    };
+    int adding = 0;
+    for (const Stage& st : p.train.stages) {
+      if (st.dq_sum_in < 0) continue;
+      ++adding;
+      EXPECT_TRUE(st.library && is_ring_block(g.node(st.root)));
+      EXPECT_EQ(g.node(st.root).op, Op::AttentionGradK);
+      const Node& sum = g.node(st.extra_outputs.back());
+      ASSERT_EQ(sum.op, Op::Add);
+      EXPECT_THAT(sum.inputs, ::testing::UnorderedElementsAre(st.dq_part, st.dq_sum_in));
+      EXPECT_EQ(g.node(st.dq_part).op, Op::AttentionGradQ);
+      EXPECT_EQ(st.computes(st.extra_outputs.back()), st.dq_part);
+      EXPECT_FALSE(p.train.materialized[static_cast<size_t>(st.dq_part)]);
+      EXPECT_EQ(buffer_of(st.dq_part), -1);
+      EXPECT_NE(std::find(st.inputs.begin(), st.inputs.end(), st.dq_sum_in), st.inputs.end());
+      const int out = buffer_of(st.extra_outputs.back());
+      ASSERT_GE(out, 0);
+      EXPECT_EQ(b[static_cast<size_t>(out)].in_place_of, buffer_of(st.dq_sum_in));
+    }
+    int parts = 0;
+    for (const PlannedBuffer& x : b) parts += g.node(x.node).op == Op::AttentionGradQ;
+    const bool library = std::string(kernel) == "library";
+    // 2 layers, 4 blocks each: the first block's part starts each sum.
+    EXPECT_EQ(adding, library ? 6 : 0) << kernel;
+    EXPECT_EQ(parts, library ? 2 : 8) << kernel;
+  }
+}
+
 // "seq_tiles" matches the tiles, not every wide value: with only the loss
 // tiled, "seq_tiles: recompute" recomputes the logits tile by tile and
 // leaves the whole MLP as the other rules say (saved here). It used to

@@ -164,6 +164,52 @@ TEST(AttentionCudaEmulated, RingBlocksMatchTheCpuLibrarysRingEntryPoints) {
     }
 }
 
+// The dQ kernels adding their part to a running sum over a ring's key
+// blocks (Args::dq_in; halyard_attention_backward_ring_add_cuda), over the
+// sum itself or into another buffer: the sum plus the part the plain
+// launches write, to rounding (the product and the add may fuse); dK and
+// dV are the plain launches' to the bit. f32 (a head_dim run padded) and
+// bf16 kernels.
+TEST(AttentionCudaEmulated, DqKernelsAddTheirPartToTheRunningSum) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (const bool bf16 : {false, true}) {
+    const int S = 70, H = 4, KV = 2, B = 1, D = bf16 ? 16 : 24;
+    halyard::testing::RingBlock ring = halyard::testing::ring_block(S, 4, 2, 1, true);
+    const halyard::runtime::attention_cpu::RingIndices idx{ring.kidx, ring.qidx};
+    Buffer<float> q(D, H, S, B), k(D, KV, S, B), v(D, KV, S, B), dO(D, H, S, B), o(D, H, S, B), lse(H, S, B);
+    for (Buffer<float>* x : {&q, &k, &v, &dO}) x->for_each_value([&](float& e) { e = normal(rng); });
+    Buffer<int32_t> pos(S, B);
+    for (int i = 0; i < S; ++i) pos(i, 0) = i;
+    ASSERT_EQ(halyard_attention_forward_lse_ring(q, k, v, pos, ring.kidx, ring.qidx, lse, H, KV, D, 0, 0, bf16, o), 0);
+    auto backward = [&](Buffer<float>& dk, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>* sum) {
+      AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk}, &ring);
+      if (sum && sum->raw_buffer() != dq.raw_buffer()) sum->raw_buffer()->device = reinterpret_cast<uint64_t>(sum->data());
+      std::vector<Launch> launches;
+      ASSERT_EQ(halyard::runtime::attention_cuda::backward_launches(q, k, v, pos, o, dO, lse, dv, dq, H, KV, bf16, dk,
+                                                                    &launches, idx, sum ? sum->raw_buffer() : nullptr),
+                "");
+      run(launches);
+      if (sum) sum->raw_buffer()->device = 0;
+    };
+    Buffer<float> dk(D, KV, S, B), dv(D, KV, S, B), part(D, H, S, B), sum(D, H, S, B);
+    backward(dk, dv, part, nullptr);
+    sum.for_each_value([&](float& e) { e = normal(rng); });
+    for (const bool in_place : {false, true}) {
+      Buffer<float> dk2(D, KV, S, B), dv2(D, KV, S, B), out(D, H, S, B), running = sum.copy();
+      Buffer<float>& written = in_place ? running : out;
+      backward(dk2, dv2, written, &running);
+      double worst = 0;
+      written.for_each_element([&](const int* at) {
+        worst = std::max(worst, std::abs(double(written(at)) - (double(sum(at)) + double(part(at)))));
+      });
+      EXPECT_LE(worst, 1e-5) << (bf16 ? "bf16" : "f32") << (in_place ? ", in place" : "");
+      EXPECT_EQ(std::memcmp(dk2.data(), dk.data(), dk.size_in_bytes()), 0);
+      EXPECT_EQ(std::memcmp(dv2.data(), dv.data(), dv.size_in_bytes()), 0);
+    }
+  }
+}
+
 // A bf16 kernel's staging of a slab's rows into its tiles (row-major and
 // transposed, in kslot's order), as float4s where the slab allows them, is
 // the pair-at-a-time staging's, bit for bit: the same rows, from a copy of
