@@ -731,6 +731,22 @@ Plan plan(const ModelBuilder& build, const ModelRequest& req, const Schedule& gi
   return p;
 }
 
+namespace {
+
+// Where a call of the train program runs: its layer and direction.
+struct CallSite {
+  std::string layer;  // empty: unnamed
+  bool backward = false;
+};
+CallSite call_site(const Plan& p, int call) {
+  const PlannedCall& at = p.train_program.calls[static_cast<size_t>(call)];
+  if (at.stage < 0) return {};
+  const Node& root = p.model.graph->node(p.train.stages[static_cast<size_t>(at.stage)].root);
+  return {layer_of(root.name), root.backward};
+}
+
+}  // namespace
+
 std::string Plan::report() const {
   std::ostringstream os;
   char line[512];
@@ -784,12 +800,10 @@ std::string Plan::report() const {
                     : "");
   os << line;
   if (const ArenaPeak peak = arena_peak(); peak.call >= 0) {
-    const PlannedCall& at = train_program.calls[static_cast<size_t>(peak.call)];
-    const Node* root = at.stage >= 0 ? &g.node(train.stages[static_cast<size_t>(at.stage)].root) : nullptr;
-    const std::string where = root ? layer_of(root->name) : "";
+    const CallSite where = call_site(*this, peak.call);
     std::snprintf(line, sizeof line, "\n  activations at their fullest: %.1f MiB alive at call %d of %zu (%s%s), the largest:\n",
-                  mib(peak.live_bytes), peak.call + 1, train_program.calls.size(), where.empty() ? "unnamed" : where.c_str(),
-                  root && root->backward ? " backward" : " forward");
+                  mib(peak.live_bytes), peak.call + 1, train_program.calls.size(),
+                  where.layer.empty() ? "unnamed" : where.layer.c_str(), where.backward ? " backward" : " forward");
     os << line;
     const size_t shown = std::min<size_t>(peak.buffers.size(), 8);
     for (size_t i = 0; i < shown; ++i) {
@@ -878,6 +892,18 @@ std::string Plan::to_json() const {
                                 {"degree", c.degree}, {"bytes_per_rank", c.bytes_per_rank}, {"time_s", c.time_s},
                                 {"start_s", c.start_s}});
   j["arena_bytes"] = {{"train", train_program.arena_bytes}, {"forward", forward_program.arena_bytes}};
+  if (const ArenaPeak peak = arena_peak(); peak.call >= 0) {
+    const CallSite where = call_site(*this, peak.call);
+    nlohmann::json& a = j["arena_peak"];
+    a = {{"call", peak.call + 1}, {"calls", train_program.calls.size()}, {"layer", where.layer},
+         {"backward", where.backward}, {"live_bytes", peak.live_bytes}, {"values", nlohmann::json::array()}};
+    for (int b : peak.buffers) {
+      const PlannedBuffer& x = train_program.buffers[static_cast<size_t>(b)];
+      const Node& n = model.graph->node(x.node);
+      a["values"].push_back({{"bytes", x.bytes}, {"backward", n.backward}, {"op", op_name(n.op)},
+                             {"type", n.type.str()}, {"label", n.name}});
+    }
+  }
   return j.dump(2);
 }
 

@@ -4,6 +4,7 @@
 // counts equal the hand-counted formulas.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -751,6 +752,22 @@ TEST(Plan, ElementwiseStagesWriteOverAnInputDyingThere) {
   }
   EXPECT_EQ(listed, peak.live_bytes);
   EXPECT_THAT(p.report(), ::testing::HasSubstr("activations at their fullest: "));
+  // The plan's JSON lists every value alive there, largest first, as the
+  // report lists the first 8.
+  const nlohmann::json j = nlohmann::json::parse(p.to_json());
+  const nlohmann::json& a = j.at("arena_peak");
+  EXPECT_EQ(a.at("call").get<int>(), peak.call + 1);
+  EXPECT_EQ(a.at("calls").get<size_t>(), p.train_program.calls.size());
+  EXPECT_EQ(a.at("live_bytes").get<int64_t>(), peak.live_bytes);
+  ASSERT_EQ(a.at("values").size(), peak.buffers.size());
+  for (size_t k = 0; k < peak.buffers.size(); ++k) {
+    const PlannedBuffer& x = b[static_cast<size_t>(peak.buffers[k])];
+    EXPECT_EQ(a["values"][k].at("bytes").get<int64_t>(), x.bytes);
+    EXPECT_EQ(a["values"][k].at("label").get<std::string>(), g.node(x.node).name);
+    EXPECT_EQ(a["values"][k].at("op").get<std::string>(), op_name(g.node(x.node).op));
+  }
+  EXPECT_THAT(p.report(), ::testing::HasSubstr("(" + a.at("layer").get<std::string>() +
+                                               (a.at("backward").get<bool>() ? " backward)" : " forward)")));
 }
 
 // A ring's dQ sums one part per key block. The library backward of each
