@@ -19,8 +19,10 @@
 #    steps of each. "Fits" means both steps ran and every rank's peak RSS is
 #    within the budget. A bracket that did not close to 2.5% moves (5% down
 #    when L does not fit, 5% up when 1.05 L does) or is halved, for at most
-#    three more rounds. Where autosp's bracket straddles the target, 16
-#    times one rank's longest, that length is measured too.
+#    three more rounds. The target's own length, 16 times one rank's
+#    longest, is measured too where autosp's bracket straddles it or
+#    autosp fits beyond it, and its highest rank's peak printed with the
+#    budget's margin left there.
 # 4. At the longest length every family fits, the tokens/s of each, with
 #    autosp choosing again for that length.
 set -euo pipefail
@@ -145,8 +147,9 @@ PY
   measure "${pairs[@]}"
 done
 
-# The 16x target's own length, where autosp's bracket leaves it open (the
-# bracket closes to 2.5%, so it can straddle the target).
+# The 16x target's own length: where autosp's bracket leaves it open (the
+# bracket closes to 2.5%, so it can straddle the target), and where autosp
+# fits beyond it (so that the margin at the target is a measured figure).
 target=$(python3 - "$out/measured.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -154,7 +157,8 @@ def fits(f):
     return max([r["seq"] for r in rows if r["family"] == f and r["fits"]], default=0)
 t, a = 16 * fits("default"), fits("autosp")
 miss = [r["seq"] for r in rows if r["family"] == "autosp" and not r["fits"] and r["seq"] > a]
-print(t if a and a < t < min(miss, default=t + 1) else "")
+done = any(r["family"] == "autosp" and r["seq"] == t for r in rows)
+print(t if a and not done and (a > t or t < min(miss, default=t + 1)) else "")
 PY
 )
 [ -n "$target" ] && measure "autosp:$target"
@@ -213,6 +217,15 @@ a = measured["autosp"]
 for f, target in (("ulysses", 3.0), ("default", 16.0), ("ulysses_checkpoint", 1.3)):
     if measured[f]:
         print("autosp / %-18s %6.2fx (target >= %.1fx)" % (f, a / measured[f], target))
+t = 16 * measured["default"]
+at_t = [r for r in rows if r["family"] == "autosp" and r["seq"] == t]
+if t and at_t:
+    r = at_t[-1]
+    if r["peak"]:
+        print("autosp at 16x one rank (%d tokens): %s; highest rank %.1f MiB of %d, margin %.1f MiB"
+              % (t, "fits" if r["fits"] else "does not fit", r["peak"] / mib, budget // mib, (budget - r["peak"]) / mib))
+    else:
+        print("autosp at 16x one rank (%d tokens): did not run two steps (m_autosp_s%d.txt)" % (t, t))
 if common:
     print(f"\ntokens/s at {common} tokens (the longest every family fits; autosp choosing for that length):")
     best = 0
