@@ -183,14 +183,13 @@ TEST(AttentionCudaEmulated, DqKernelsAddTheirPartToTheRunningSum) {
     for (int i = 0; i < S; ++i) pos(i, 0) = i;
     ASSERT_EQ(halyard_attention_forward_lse_ring(q, k, v, pos, ring.kidx, ring.qidx, lse, H, KV, D, 0, 0, bf16, o), 0);
     auto backward = [&](Buffer<float>& dk, Buffer<float>& dv, Buffer<float>& dq, Buffer<float>* sum) {
-      AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk}, &ring);
-      if (sum && sum->raw_buffer() != dq.raw_buffer()) sum->raw_buffer()->device = reinterpret_cast<uint64_t>(sum->data());
+      // (the sum, where there is none, is dq listed twice)
+      AsDevice on({q, k, v, pos, o, dO, lse, dv, dq, dk, sum ? sum->raw_buffer() : dq.raw_buffer()}, &ring);
       std::vector<Launch> launches;
       ASSERT_EQ(halyard::runtime::attention_cuda::backward_launches(q, k, v, pos, o, dO, lse, dv, dq, H, KV, bf16, dk,
                                                                     &launches, idx, sum ? sum->raw_buffer() : nullptr),
                 "");
       run(launches);
-      if (sum) sum->raw_buffer()->device = 0;
     };
     Buffer<float> dk(D, KV, S, B), dv(D, KV, S, B), part(D, H, S, B), sum(D, H, S, B);
     backward(dk, dv, part, nullptr);
