@@ -29,7 +29,8 @@ std::string attrs_key(const Node& n) {
     case Op::TokenCount:
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad:
-    case Op::EmbeddingGrad: break;
+    case Op::EmbeddingGrad:
+    case Op::PadSeq: break;
     case Op::Attention:
     case Op::AttentionLse:
     case Op::AttentionGradQ:
@@ -54,6 +55,7 @@ std::string attrs_key(const Node& n) {
     case Op::CrossEntropy:
     case Op::CrossEntropyGrad: os << "ignore=" << a.ignore_index; break;
     case Op::EmbeddingGrad: os << "vocab=" << a.size; break;
+    case Op::PadSeq: os << "at=" << a.offset; break;  // inside the kernel (a slice is a view of the buffer it reads)
     default: break;
   }
   return os.str();
@@ -214,6 +216,12 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
   p.materialized.assign(static_cast<size_t>(n), false);
   std::vector<bool> is_output(static_cast<size_t>(n), false);
   for (int o : outputs) is_output[static_cast<size_t>(o)] = true;
+  // A buffer, or a tile of one padded to the whole sequence.
+  auto stored_part = [&](int id) {
+    const Node& x = g.node(id);
+    return p.materialized[static_cast<size_t>(id)] ||
+           (x.op == Op::PadSeq && p.materialized[static_cast<size_t>(x.inputs[0])]);
+  };
   for (int id = 0; id < n; ++id) {
     if (!needed[static_cast<size_t>(id)]) continue;
     const Node& node = g.node(id);
@@ -226,13 +234,13 @@ Partition partition(const Graph& g, const std::vector<int>& outputs, const Sched
     // A constant; an index remap; a bf16 copy decoded by each reader (schedules/precision.h).
     else if (node.op == Op::Fill || node.op == Op::PadSeq || node.op == Op::LoadBf16) root = false;
     // A gradient summed from parts (a weight's over sequence tiles; a tile's
-    // input over its gate and up projections; dQ over a ring's blocks):
+    // input over its gate and up projections; dQ over a ring's blocks; a
+    // whole value's over the tiles that read it, each part a tile's rows):
     // keep the running sum, so that each part dies once added instead of
     // all living until the last one. A sequence-long sum whose parts are
     // computed inside it costs nothing to keep inline.
     else if (node.backward && node.op == Op::Add &&
-             (!node.type.has("seq") || (p.materialized[static_cast<size_t>(node.inputs[0])] &&
-                                        p.materialized[static_cast<size_t>(node.inputs[1])])))
+             (!node.type.has("seq") || (stored_part(node.inputs[0]) && stored_part(node.inputs[1]))))
       root = true;
     else if (consumers[static_cast<size_t>(id)] <= 1) root = false;
     else root = s.compute(node) == Compute::Root;

@@ -106,14 +106,16 @@ int64_t place(std::vector<PlannedBuffer>& buffers, std::vector<int> order, const
 
 // The inputs whose bytes the stage's kernel may write its last output
 // over, where one has the output's type: every op it computes reads such an
-// input only at the position it writes. So every node is elementwise and
-// on the output's axes, in its order (an op indexes its operands by axis
-// name: another order would read elsewhere). Halide's pointwise kernels
-// read an element before writing it, and their vector tails are guarded,
-// never shifted back over elements already written
-// (generators/schedule_cpu.cpp, schedule_gpu.cpp). A ring block's library
-// backward reads the running dQ sum it adds to one row of one head at a
-// time, just before writing that row (runtime/attention_cpu.h).
+// input only at the position it writes. So every node on the way from the
+// output to it is elementwise and on the output's axes, in its order (an op
+// indexes its operands by axis name: another order would read elsewhere).
+// A tile padded to the sequence reads its own input at other rows: that
+// input is not one. Halide's pointwise kernels read an element before
+// writing it, and their vector tails are guarded, never shifted back over
+// elements already written (generators/schedule_cpu.cpp, schedule_gpu.cpp).
+// A ring block's library backward reads the running dQ sum it adds to one
+// row of one head at a time, just before writing that row
+// (runtime/attention_cpu.h).
 // (What the stage inlines only for operands its ops never read, such as
 // RoPE of q for ring attention's merge, is never computed: not checked.)
 std::vector<int> may_write_over(const Graph& g, const Stage& st) {
@@ -121,18 +123,47 @@ std::vector<int> may_write_over(const Graph& g, const Stage& st) {
   if (st.kernel < 0 || st.library || st.gemm || !st.extra_outputs.empty()) return {};
   const TensorType& out = g.node(st.root).type;
   const std::set<int> inlined(st.inlined.begin(), st.inlined.end());
-  std::set<int> seen = {st.root};
+  auto operands = [&](const Node& n, std::vector<int>& todo, std::set<int>& seen) {
+    const OpInfo& info = op_info(n.op);
+    for (size_t k = 0; k < n.inputs.size(); ++k)
+      if (!(info.unread_operand && info.unread_operand(k, n.inputs.size())) && seen.insert(n.inputs[k]).second)
+        todo.push_back(n.inputs[k]);
+  };
+  std::set<int> seen = {st.root}, elsewhere;  // the latter: read at other rows, through a pad
   for (std::vector<int> todo = {st.root}; !todo.empty();) {
     const Node& n = g.node(todo.back());
     todo.pop_back();
-    const OpInfo& info = op_info(n.op);
-    if (!info.elementwise || n.type.axes != out.axes) return {};
-    for (size_t k = 0; k < n.inputs.size(); ++k)
-      if (!(info.unread_operand && info.unread_operand(k, n.inputs.size())) && inlined.count(n.inputs[k]) &&
-          seen.insert(n.inputs[k]).second)
-        todo.push_back(n.inputs[k]);
+    if (!inlined.count(n.id) && n.id != st.root) continue;  // a buffer
+    if (n.op == Op::PadSeq && n.id != st.root) {
+      for (std::vector<int> below = {n.id}; !below.empty();) {
+        const Node& x = g.node(below.back());
+        below.pop_back();
+        if (inlined.count(x.id) || x.id == n.id) operands(x, below, elsewhere);
+      }
+      continue;
+    }
+    if (!op_info(n.op).elementwise || n.type.axes != out.axes) return {};
+    operands(n, todo, seen);
   }
-  return st.inputs;
+  std::vector<int> over;
+  for (int i : st.inputs)
+    if (!elsewhere.count(i)) over.push_back(i);
+  return over;
+}
+
+// The rows of seq where the stage's output may differ from `input`, which
+// it writes over: a running sum adding a tile padded to the sequence adds
+// zero outside the tile's rows. [0, INT64_MAX): everywhere.
+std::pair<int64_t, int64_t> rows_changed(const Graph& g, const Stage& st, int input) {
+  const Node& r = g.node(st.root);
+  if (r.op == Op::Add && st.dq_sum_in < 0)
+    for (size_t k = 0; k < 2; ++k) {
+      const Node& other = g.node(r.inputs[1 - k]);
+      if (r.inputs[k] == input && other.op == Op::PadSeq &&
+          std::find(st.inlined.begin(), st.inlined.end(), other.id) != st.inlined.end())
+        return {other.attrs.offset, other.attrs.offset + g.node(other.inputs[0]).type.size("seq")};
+    }
+  return {0, INT64_MAX};
 }
 
 }  // namespace
@@ -145,6 +176,8 @@ std::vector<std::pair<int, int>> PlannedBuffer::device_ranges() const {
 std::vector<std::pair<int, int>> PlannedBuffer::held_ranges() const {
   std::vector<std::pair<int, int>> r = device_ranges();
   if (in_place_of >= 0) ++r.front().first;
+  if (handed_over >= 0)
+    for (auto& x : r) x.second = std::min(x.second, handed_over);
   std::erase_if(r, [](const std::pair<int, int>& x) { return x.first > x.second; });
   return r;
 }
@@ -307,23 +340,50 @@ Program plan_program(const Graph& g, const Partition& p, const std::vector<int>&
   prog.loss = loss_buffer;
   prog.buffers[static_cast<size_t>(prog.loss)].last = static_cast<int>(prog.calls.size());  // read after the step
 
-  // Outputs written over an input that dies at their call. (Values that
-  // leave the device keep bytes of their own.)
+  // Outputs written over an input that dies at their call, or whose later
+  // reads, and those of every buffer whose bytes it holds, are of rows the
+  // call leaves as they were (a sum adding each tile's part to a running
+  // sum over the residual stream's gradient, while later tiles read their
+  // rows of it). (Values that leave the device keep bytes of their own.)
+  struct Read {
+    int call;
+    int64_t lo, hi;  // rows of seq
+    bool view;
+  };
+  std::vector<std::vector<Read>> reads_of(prog.buffers.size());
+  for (size_t c = 0; c < prog.calls.size(); ++c)
+    for (int a : prog.calls[c].args) {
+      Read r{static_cast<int>(c), 0, INT64_MAX, false};
+      for (int v = a; prog.buffers[static_cast<size_t>(v)].kind == BufferKind::View;) {
+        const PlannedBuffer& view = prog.buffers[static_cast<size_t>(v)];
+        if (!r.view) r.hi = g.node(view.node).type.size("seq"), r.lo = 0, r.view = true;
+        r.lo += view.offset, r.hi += view.offset;
+        a = v = view.index;
+      }
+      reads_of[static_cast<size_t>(a)].push_back(r);
+    }
   for (size_t c = 0; c < prog.calls.size(); ++c) {
     const PlannedCall& call = prog.calls[c];
     if (call.wait || call.move != PlannedCall::Move::None) continue;
     PlannedBuffer& out = prog.buffers[static_cast<size_t>(call.args.back())];
     if (out.kind != BufferKind::Arena || out.first != static_cast<int>(c) || out.evict >= 0) continue;
-    const std::vector<int> over = may_write_over(g, p.stages[static_cast<size_t>(call.stage)]);
+    const Stage& st = p.stages[static_cast<size_t>(call.stage)];
+    const std::vector<int> over = may_write_over(g, st);
     for (auto a = call.args.begin(); a + 1 < call.args.end(); ++a) {
-      const PlannedBuffer& in = prog.buffers[static_cast<size_t>(*a)];
+      PlannedBuffer& in = prog.buffers[static_cast<size_t>(*a)];
       if (std::find(over.begin(), over.end(), in.node) == over.end()) continue;
-      auto view_of_it = [&](int b) {
-        return prog.buffers[static_cast<size_t>(b)].kind == BufferKind::View && prog.buffers[static_cast<size_t>(b)].index == *a;
-      };
-      if (in.kind == BufferKind::Arena && in.last == static_cast<int>(c) && in.evict < 0 && *a != prog.loss &&
-          g.node(in.node).type == g.node(out.node).type && std::none_of(call.args.begin(), call.args.end(), view_of_it)) {
+      if (in.kind != BufferKind::Arena || in.evict >= 0 || *a == prog.loss || g.node(in.node).type != g.node(out.node).type)
+        continue;
+      const auto [lo, hi] = rows_changed(g, st, in.node);
+      bool clear = true;
+      for (int b = *a; b >= 0 && clear; b = prog.buffers[static_cast<size_t>(b)].in_place_of)
+        for (const Read& r : reads_of[static_cast<size_t>(b)])
+          if ((r.call > static_cast<int>(c) && r.lo < hi && lo < r.hi) ||
+              (r.call == static_cast<int>(c) && (b != *a || r.view)))
+            clear = false;
+      if (clear) {
         out.in_place_of = *a;
+        in.handed_over = static_cast<int>(c);
         break;
       }
     }

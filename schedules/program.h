@@ -6,8 +6,10 @@
 // the lowest offset free during that range), so peak memory is known before
 // anything runs and equals the arena size. An elementwise stage's output
 // takes over the bytes of an input that dies there (PlannedBuffer::
-// in_place_of). A tile of a sequence (slice_seq)
-// is a view of its buffer, not a copy: reading it keeps that buffer alive.
+// in_place_of), and a running sum adding one tile's rows takes over the
+// sum before it even while later tiles still read their own rows there. A
+// tile of a sequence (slice_seq) is a view of its buffer, not a copy:
+// reading it keeps that buffer alive.
 //
 // A value the schedule offloads (keep "offload", GPU targets) leaves the
 // arena between the forward and the backward: after its last forward use an
@@ -52,8 +54,14 @@ struct PlannedBuffer {
   // output over an input of its type that dies at that call: the running
   // sum of a gradient's parts, say; a ring block's library backward, its
   // dQ sum over the running sum it adds to (Stage::dq_sum_in). They share
-  // an offset, and their live ranges meet only at that call.
+  // an offset, and their live ranges meet only at that call, except that a
+  // sum adding one tile's rows (x + pad_seq(t)) may take over x while later
+  // calls still read other tiles' rows of x, or of a buffer x took over:
+  // views of rows that no write in between changed.
   int in_place_of = -1;
+  // Arena: the call where a later buffer takes over its bytes, or -1; it
+  // holds them up to there (views may read them after: above).
+  int handed_over = -1;
   // Its live ranges on the device: [first, last], or [first, evict] and [reload, last].
   std::vector<std::pair<int, int>> device_ranges() const;
   // The calls where its bytes are its own: its device ranges, from the

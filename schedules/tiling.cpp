@@ -115,6 +115,34 @@ RebuiltGraph tile_sequence(const Graph& src, int loss, int64_t mlp_tile, int64_t
         t.count(r) > 1 && token_local(src, n) && n.type.has("seq") == (n.op != Op::CrossEntropy) &&
         (is_wide(n) || wide_input);
   }
+  // A token-local value that only tiles of one region read (the MLP's
+  // input norm, the final norm before the LM head) is computed per tile
+  // too: it never exists whole, and in the backward each tile's gradient
+  // of the value it reads (the residual stream) is added to that value's
+  // gradient as soon as the tile is done, instead of every tile's part of
+  // the norm's gradient living until the last tile (schedules/program.h:
+  // a sum written over rows). Its inputs are read per tile; one whose
+  // input is itself tiled stays whole (its tiles may be on the other
+  // region's grid).
+  std::vector<int> read_by(n_nodes, -1);  // the region of every tile reading a value; -2: mixed or whole
+  for (const Node& n : src.nodes()) {
+    if (n.id > loss) break;
+    const int by = t.tiled[static_cast<size_t>(n.id)] ? t.region[static_cast<size_t>(n.id)] : -2;
+    for (int i : n.inputs) {
+      int& r = read_by[static_cast<size_t>(i)];
+      r = r == -1 || r == by ? by : -2;
+    }
+  }
+  for (const Node& n : src.nodes()) {
+    if (n.id > loss) break;
+    const int r = read_by[static_cast<size_t>(n.id)];
+    if (r < 0 || t.tiled[static_cast<size_t>(n.id)] || !token_local(src, n) || n.op == Op::CrossEntropy) continue;
+    bool tiled_input = false;
+    for (int i : n.inputs) tiled_input = tiled_input || t.tiled[static_cast<size_t>(i)];
+    if (tiled_input) continue;
+    t.tiled[static_cast<size_t>(n.id)] = true;
+    t.region[static_cast<size_t>(n.id)] = r;
+  }
   // Whole values in order; tiled ones are built when a whole value needs
   // them, all of one tile's chain at a time.
   for (const Node& n : src.nodes()) {

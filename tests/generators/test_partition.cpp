@@ -60,10 +60,39 @@ TEST(Partition, LayersShareKernels) {
   EXPECT_GT(plan(8, "default").part.stages.size(), plan(2, "default").part.stages.size());
 }
 
+// Sequence tiling: the plan of the tiled graph, as halyard_aot makes it.
+struct TiledPlan {
+  RebuiltGraph m;
+  Partition part;
+  Program prog;
+};
+
+TiledPlan plan_tiled(const std::string& schedule, int64_t seq, int64_t tile) {
+  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
+  auto src = llama::build_llama(cfg, 1, seq);
+  Schedule s = Schedule::named(schedule);
+  s.seq_tile = tile;
+  s.values.push_back(recompute_seq_tiles_rule());
+  TiledPlan p{tile_sequence(*src.graph, src.loss.id, tile), {}, {}};
+  plan_step(p.m.loss, p.m.params, s, p.part, p.prog);
+  return p;
+}
+
+// Buffers that share bytes are never held at the same call. A buffer
+// written in place holds its bytes from the call after the handover; the
+// buffer it took over holds them up to that call (PlannedBuffer::
+// held_ranges), even where later tiles still read their own rows of it.
 TEST(Partition, LiveBuffersNeverOverlap) {
-  for (const char* sched : {"default", "recompute"}) {
-    Planned p = plan(2, sched);
+  for (const char* sched : {"default", "recompute", "tiled"}) {
+    const bool tiled = std::string(sched) == "tiled";
+    const Planned untiled = tiled ? Planned{} : plan(2, sched);
+    const TiledPlan t = tiled ? plan_tiled("recompute", 256, 64) : TiledPlan{};
+    struct {
+      const Program& prog;
+      const Partition& part;
+    } p{tiled ? t.prog : untiled.prog, tiled ? t.part : untiled.part};
     const auto& b = p.prog.buffers;
+    const Graph& g = tiled ? *t.m.graph : *untiled.m.graph;
     int64_t total = 0;
     for (size_t x = 0; x < b.size(); ++x) {
       if (b[x].kind != BufferKind::Arena) continue;
@@ -72,10 +101,9 @@ TEST(Partition, LiveBuffersNeverOverlap) {
       EXPECT_LE(b[x].offset + b[x].bytes, p.prog.arena_bytes);
       for (size_t y = x + 1; y < b.size(); ++y) {
         if (b[y].kind != BufferKind::Arena) continue;
-        // A buffer written in place holds its bytes from the call after the
-        // one where the input it takes over dies.
-        const int xf = b[x].first + (b[x].in_place_of >= 0), yf = b[y].first + (b[y].in_place_of >= 0);
-        const bool live_together = xf <= b[y].last && yf <= b[x].last;
+        bool live_together = false;
+        for (auto [x0, x1] : b[x].held_ranges())
+          for (auto [y0, y1] : b[y].held_ranges()) live_together = live_together || (x0 <= y1 && y0 <= x1);
         const bool overlap = b[x].offset < b[y].offset + b[y].bytes && b[y].offset < b[x].offset + b[x].bytes;
         EXPECT_FALSE(live_together && overlap) << sched << ": buffers " << x << " and " << y;
       }
@@ -83,19 +111,44 @@ TEST(Partition, LiveBuffersNeverOverlap) {
     std::printf("  %s: arena %lld bytes for %lld bytes of activations (%zu stages)\n", sched,
                 static_cast<long long>(p.prog.arena_bytes), static_cast<long long>(total), p.part.stages.size());
     EXPECT_LT(p.prog.arena_bytes, total);  // reuse happened
-    // Each handover: at the call that writes the output, which is the
-    // input's last, over the input's bytes (the same type).
-    int in_place = 0;
+    // Each handover: at the call that writes the output, over the input's
+    // bytes (the same type), by an elementwise op. The input dies there, or
+    // (a running sum adding one tile's rows) is read after it only through
+    // views of other tiles' rows.
+    int in_place = 0, over_rows = 0;
     for (const PlannedBuffer& o : b) {
       if (o.in_place_of < 0) continue;
       ++in_place;
       const PlannedBuffer& i = b[static_cast<size_t>(o.in_place_of)];
-      EXPECT_EQ(i.last, o.first);
+      EXPECT_EQ(i.handed_over, o.first);
       EXPECT_EQ(i.offset, o.offset);
-      EXPECT_EQ(p.m.graph->node(i.node).type, p.m.graph->node(o.node).type);
-      EXPECT_TRUE(op_info(p.m.graph->node(o.node).op).elementwise);
+      EXPECT_EQ(g.node(i.node).type, g.node(o.node).type);
+      EXPECT_TRUE(op_info(g.node(o.node).op).elementwise);
+      if (i.last == o.first) continue;
+      ++over_rows;
+      const Node& sum = g.node(o.node);
+      ASSERT_EQ(sum.op, Op::Add);
+      const Node& part = g.node(sum.inputs[sum.inputs[0] == i.node ? 1 : 0]);
+      ASSERT_EQ(part.op, Op::PadSeq);
+      const int64_t lo = part.attrs.offset, hi = lo + g.node(part.inputs[0]).type.size("seq");
+      std::set<int> holders;  // the buffers whose bytes the sum took over
+      for (int h = o.in_place_of; h >= 0; h = b[static_cast<size_t>(h)].in_place_of) holders.insert(h);
+      for (size_t c = static_cast<size_t>(o.first) + 1; c < p.prog.calls.size(); ++c)
+        for (int a : p.prog.calls[c].args) {
+          EXPECT_FALSE(holders.count(a)) << "read whole after its handover";
+          const PlannedBuffer& v = b[static_cast<size_t>(a)];
+          if (v.kind == BufferKind::View && holders.count(v.index)) {
+            const int64_t rows = g.node(v.node).type.size("seq");
+            EXPECT_TRUE(v.offset + rows <= lo || hi <= v.offset) << "rows the sum changed, read after it";
+          }
+        }
     }
     EXPECT_GT(in_place, 0) << sched;  // the backward's sums of gradient parts at least
+    // In the tiled step, the residual stream's gradient takes each MLP
+    // tile's part as the tile finishes, while later tiles read their rows.
+    if (tiled) EXPECT_GT(over_rows, 0);
+    std::printf("  %s: %d buffers written in place, %d of them while later tiles read other rows\n", sched, in_place,
+                over_rows);
   }
 }
 
@@ -130,24 +183,6 @@ TEST(Partition, BadScheduleIsUserError) {
   const Schedule narrow = Schedule::parse(R"({"autoscheduler": "Adams2019", "autoscheduler_beam_size": 2})", "narrow");
   EXPECT_EQ(Schedule::parse(narrow.to_json(), "round trip"), narrow);
   EXPECT_EQ(Schedule::parse(Schedule::named("recompute").to_json(), "round trip"), Schedule::named("recompute"));
-}
-
-// Sequence tiling: the plan of the tiled graph, as halyard_aot makes it.
-struct TiledPlan {
-  RebuiltGraph m;
-  Partition part;
-  Program prog;
-};
-
-TiledPlan plan_tiled(const std::string& schedule, int64_t seq, int64_t tile) {
-  auto cfg = llama::LlamaConfig::load(HALYARD_SOURCE_DIR "/tests/fixtures/llama_micro.json");
-  auto src = llama::build_llama(cfg, 1, seq);
-  Schedule s = Schedule::named(schedule);
-  s.seq_tile = tile;
-  s.values.push_back(recompute_seq_tiles_rule());
-  TiledPlan p{tile_sequence(*src.graph, src.loss.id, tile), {}, {}};
-  plan_step(p.m.loss, p.m.params, s, p.part, p.prog);
-  return p;
 }
 
 // No buffer of the tiled step, forward or backward, holds [seq, ffn] or

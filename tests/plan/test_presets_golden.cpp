@@ -3,7 +3,12 @@
 // one train step of each preset's library equal, bit for bit, the values
 // committed in tests/fixtures/presets_golden.txt (written by this program
 // with --write from the libraries as they were before the rewrite, and
-// rewritten when a kernel's arithmetic changes on purpose: last, when a
+// rewritten when a kernel's arithmetic changes on purpose: last, when the
+// sequence tiles took in the norm before the MLP and the LM head
+// (schedules/tiling.cpp), so that a norm's weight gradient became a sum of
+// per-tile parts (6 hashes changed, only those norms' weights: each tile's
+// part of the input's gradient is added to rows it alone writes, to the
+// bit); before that, when a
 // gradient summed from parts that kernels write became a running sum in
 // a kernel of its own (schedules/partition.cpp), where its reader's kernel
 // had computed it and rounded otherwise (66 hashes changed; the reference
