@@ -3,10 +3,11 @@
 // Long Sequence Training's tiled MLP and loss, as a schedule choice).
 //
 // tile_sequence() rebuilds a forward graph: every token-local op whose output
-// is wide (has seq and ffn or vocab), and every token-local consumer of such
-// an op, is computed once per tile of `tile` tokens. A tiled value's inputs
-// are read per tile (slice_seq of a whole value: free inside the consuming
-// kernel); a whole value of a tiled op is its tiles back to back (concat_seq),
+// is wide (has seq and ffn or vocab), every token-local consumer of such an
+// op, and a token-local value that only such tiles read (the norm before
+// the MLP or the LM head), is computed once per tile of `tile` tokens. A
+// tiled value's inputs are read per tile (slice_seq of a whole value: free
+// inside the consuming kernel); a whole value of a tiled op is its tiles back to back (concat_seq),
 // or, for a loss, the sum of the tiles' losses (each is a sum over its tokens
 // divided by the global token count, so their sum is the loss). Tiles are
 // built tile-major (all of tile 0's chain, then tile 1's), so the memory plan

@@ -790,6 +790,83 @@ TEST(Plan, ElementwiseStagesWriteOverAnInputDyingThere) {
                                                (a.at("backward").get<bool>() ? " backward)" : " forward)")));
 }
 
+// Buffers written over others share bytes; a read must find there the
+// value it reads. Checked here apart from plan_program's own reasoning:
+// every write into shared bytes (a buffer written in place, over the
+// buffer before it) changes rows of them, all of them or, for a running
+// sum adding one tile padded to the sequence, that tile's rows; a read of
+// a buffer, whole or through a view of some rows, must come after the
+// buffer is written and before any later write into the same bytes
+// changes a row it reads. Over tiled plans of every strategy, sp 1 and 4,
+// on CPU ranks and a GPU cluster (offloaded values included).
+TEST(Plan, NoReadFindsItsRowsOverwritten) {
+  const std::string fixtures = HALYARD_SOURCE_DIR "/tests/fixtures/";
+  struct Case {
+    std::string schedule;
+    int sp;
+    const char* cluster;
+  };
+  const Case cases[] = {{"tiled", 1, "local-cpu"},
+                        {fixtures + "ulysses_checkpoint_tiled.json", 4, "local-cpu"},
+                        {fixtures + "ring_checkpoint_tiled.json", 4, "local-cpu"},
+                        {fixtures + "zigzag_checkpoint_tiled.json", 4, "local-cpu"},
+                        {fixtures + "hybrid_checkpoint_tiled_2x2.json", 4, "local-cpu"},
+                        {fixtures + "bf16_checkpoint_tiled_micro.json", 1, "local-cpu"},
+                        {fixtures + "gpu_inline_tiled.json", 1, "8xH200"}};
+  int checked_rows = 0;
+  for (const Case& c : cases) {
+    Schedule s = Schedule::named(c.schedule);
+    s.mesh.sp = c.sp;
+    s.seq_tile = 256;
+    s.loss_seq_tile = 256;
+    if (std::string(c.cluster) != "local-cpu") s.values.push_back({"model.layers.*.mlp.residual", "offload", "", ""});
+    const Plan p = plan(llama::llama_builder(), {kTiny, 1, 2048}, s, Cluster::named(c.cluster));
+    const Graph& g = *p.model.graph;
+    const std::vector<PlannedBuffer>& b = p.train_program.buffers;
+    const std::vector<PlannedCall>& calls = p.train_program.calls;
+    // The writes into each buffer's bytes after its own, by call: rows changed.
+    struct Write {
+      int call;
+      int64_t lo, hi;
+    };
+    std::vector<std::vector<Write>> later(b.size());
+    for (size_t o = 0; o < b.size(); ++o) {
+      if (b[o].in_place_of < 0) continue;
+      const Node& sum = g.node(b[o].node);
+      int64_t lo = 0, hi = INT64_MAX;
+      const int over = b[static_cast<size_t>(b[o].in_place_of)].node;
+      if (sum.op == Op::Add)
+        for (size_t k = 0; k < 2; ++k)
+          if (sum.inputs[k] == over && g.node(sum.inputs[1 - k]).op == Op::PadSeq) {
+            const Node& pad = g.node(sum.inputs[1 - k]);
+            lo = pad.attrs.offset, hi = lo + g.node(pad.inputs[0]).type.size("seq");
+            ++checked_rows;
+          }
+      for (int h = b[o].in_place_of; h >= 0; h = b[static_cast<size_t>(h)].in_place_of)
+        later[static_cast<size_t>(h)].push_back({b[o].first, lo, hi});
+    }
+    for (size_t call = 0; call < calls.size(); ++call)
+      for (size_t k = 0; k < calls[call].args.size(); ++k) {
+        int a = calls[call].args[k];
+        int64_t lo = 0, hi = INT64_MAX;
+        if (b[static_cast<size_t>(a)].kind == BufferKind::View) {
+          lo = b[static_cast<size_t>(a)].offset, hi = lo + g.node(b[static_cast<size_t>(a)].node).type.size("seq");
+          a = b[static_cast<size_t>(a)].index;
+        }
+        const PlannedBuffer& x = b[static_cast<size_t>(a)];
+        if (x.kind != BufferKind::Arena) continue;
+        const bool written_here = k + 1 == calls[call].args.size() && x.first == static_cast<int>(call);
+        for (const Write& w : later[static_cast<size_t>(a)])
+          EXPECT_FALSE(w.call < static_cast<int>(call) && w.lo < hi && lo < w.hi && !written_here)
+              << c.schedule << ": call " << call << " reads " << describe(g, x.node) << " rows [" << lo << ", " << hi
+              << ") after call " << w.call << " wrote rows [" << w.lo << ", " << w.hi << ") of its bytes";
+      }
+  }
+  EXPECT_GT(checked_rows, 0);
+  std::printf("  %zu tiled plans; %d running sums over tile rows among the buffers written in place\n",
+              std::size(cases), checked_rows);
+}
+
 // A ring's dQ sums one part per key block. The library backward of each
 // block after the first adds its part to the running sum of the blocks
 // before and writes the sum over it: no later block's part is a buffer,
