@@ -52,6 +52,14 @@ Gradients grad(Value loss, const std::vector<Value>& wrt, const GradOptions& opt
     if (copy.op == Op::Fill) {
       c = fill(g, copy.type, copy.attrs.value);
     } else {
+      // A ring's merge recomputes its blocks' outputs first, in block order
+      // (a block that is the merge of the blocks before it, with its own
+      // blocks first): so each merge follows its block, as in the forward
+      // (schedules/sharding.cpp). In operand order the merged statistics
+      // come first, and every block's statistics, computed with its output
+      // in one kernel, would be recomputed before any merge.
+      if (copy.op == Op::AttentionMerge)
+        for (size_t at = kMergeBlocks; at + 3 < copy.inputs.size(); at += kMergeBlockOperands) fwd(copy.inputs[at + 3]);
       std::vector<Value> ins;
       for (int i : copy.inputs) ins.push_back(fwd(i));
       c = g.add(copy.op, ins, copy.attrs, copy.name);

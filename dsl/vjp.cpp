@@ -3,6 +3,8 @@
 // Forward and backward of each op sit side by side here (shapes in comments).
 // A rule reads the forward values it needs as ordinary operands; whether they
 // are saved or recomputed is the schedule's decision, not this file's.
+#include <functional>
+
 #include "dsl/autodiff.h"
 #include "dsl/error.h"
 #include "dsl/ops.h"
@@ -90,28 +92,43 @@ std::vector<Value> vjp(Graph& g, const Node& n, Value dy, const std::vector<bool
       // D_i = rowsum(dO * out) the global row term), so the cotangent goes
       // straight to q and the keys and values; the partial o_j and l_j get
       // none (autodiff skips them: they need no backward of their own).
+      // A block whose o is itself a merge (the ring's blocks so far, merged
+      // as they came: schedules/sharding.cpp) stands for that merge's blocks.
       // Block j's dK and dV belong to the rank j places back: they travel
       // there as one running sum, shifted back one rank before each block's
       // kernels (so the pass overlaps them) and added to that block's.
+      struct Block {
+        Value k, v, key_index;
+        Attrs block, came;  // which block (o_j's); the shift that brought its k
+      };
+      std::vector<Block> blocks;
+      // Copies: the graph grows below, which may move its nodes.
+      std::function<void(const Node&)> flatten = [&](const Node m) {
+        for (size_t at = kMergeBlocks; at < m.inputs.size(); at += kMergeBlockOperands) {
+          const Node o = g.node(m.inputs[at + 3]);
+          if (o.op == Op::AttentionMerge) {
+            flatten(o);
+            continue;
+          }
+          blocks.push_back({fwd(m.inputs[at]), fwd(m.inputs[at + 1]), fwd(m.inputs[at + 2]), o.attrs,
+                            g.node(m.inputs[at]).attrs});
+        }
+      };
+      flatten(n);
       Value out = fwd(n.id), lse = in(kMergeLse);
       const Op which[3] = {Op::AttentionGradQ, Op::AttentionGradK, Op::AttentionGradV};
-      const size_t blocks = (n.inputs.size() - kMergeBlocks) / kMergeBlockOperands;
       Value dk, dv;
-      for (size_t b = blocks; b-- > 0;) {
-        const size_t at = kMergeBlocks + kMergeBlockOperands * b;
-        Value kb = in(at), vb = in(at + 1);
-        const TokenIndex index{in(2), in(at + 2)};
-        // Copies: the graph grows below, which may move its nodes.
-        const Attrs block = g.node(n.inputs[at + 3]).attrs;  // o_j: which block
+      for (size_t b = blocks.size(); b-- > 0;) {
         if (dk.valid()) {
-          const Attrs ring = g.node(n.inputs[at + kMergeBlockOperands]).attrs;  // the shift that brought block b+1
+          const Attrs& ring = blocks[b + 1].came;  // the shift that brought block b+1
           dk = ring_shift(dk, ring.mesh_axis, ring.degree, -ring.offset);
           dv = ring_shift(dv, ring.mesh_axis, ring.degree, -ring.offset);
         }
         Value grads[3];
         const Value pos = in(1), q = in(0);
+        const TokenIndex index{in(2), blocks[b].key_index};
         for (size_t k = 0; k < 3; ++k)
-          grads[k] = attention_block_grad(which[k], q, kb, vb, pos, out, dy, lse, index, block);
+          grads[k] = attention_block_grad(which[k], q, blocks[b].k, blocks[b].v, pos, out, dy, lse, index, blocks[b].block);
         d[0] = d[0].valid() ? add(d[0], grads[0]) : grads[0];
         dk = dk.valid() ? add(grads[1], dk) : grads[1];
         dv = dv.valid() ? add(grads[2], dv) : grads[2];

@@ -34,11 +34,13 @@ std::array<Value, 3> to_heads(const std::vector<Value>& ins, const std::string& 
 // Ring attention on one rank: its queries against its own keys, then
 // against each other rank's key block as the blocks pass around the ring
 // (block j came from the rank j places before), merged by the online-softmax
-// rule. Keys carry their tokens' indices in the row with them, for the mask.
+// rule as each arrives: the blocks so far are one block of the next merge
+// (with the rank's own k and v, which take the keys' gradient), so that two
+// block outputs are alive at a time, not one per rank. Keys carry their
+// tokens' indices in the row with them, for the mask.
 Value ring_attention(Value q, Value k, Value v, Value pos, Value index, const std::string& mesh, int64_t sp,
                      const std::string& layout) {
-  std::vector<RingBlock> blocks;
-  std::vector<Value> lse;
+  RingBlock merged;
   Value kb = k, vb = v, ib = index;
   for (int64_t j = 0; j < sp; ++j) {
     RingBlock b{kb, vb, ib, {}, {}};
@@ -50,10 +52,16 @@ Value ring_attention(Value q, Value k, Value v, Value pos, Value index, const st
     block.layout = layout;
     b.lse = attention_block_lse(q, b.k, pos, TokenIndex{index, b.key_index}, block);
     b.out = attention_block(q, b.k, b.v, pos, TokenIndex{index, b.key_index}, block);
-    blocks.push_back(b);
-    lse.push_back(b.lse);
+    if (j == 0) {
+      merged = b;
+      if (sp > 1) continue;
+      const Value lse = lse_merge({b.lse});
+      return attention_merge(q, pos, index, lse, {b});
+    }
+    const Value lse = lse_merge({merged.lse, b.lse});
+    merged = {k, v, index, attention_merge(q, pos, index, lse, {merged, b}), lse};
   }
-  return attention_merge(q, pos, index, lse_merge(lse), blocks);
+  return merged.out;
 }
 
 }  // namespace
